@@ -1,0 +1,6 @@
+"""linear_attention_jax: linear attention in JAX, every variant as a recurrence and a chunked form."""
+
+from linear_attention_jax import ops
+
+__version__ = "0.1.0"
+__all__ = ["ops"]

@@ -1,0 +1,113 @@
+"""Loud checks at the public boundary: every bad argument is a `ValueError` that names it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+IMPLS = ("auto", "recurrent", "chunk", "pallas")
+
+
+def _shape(x) -> tuple[int, ...]:
+  return tuple(np.shape(x))
+
+
+def check_qkv(q, k, v) -> tuple[int, int, int, int, int, int]:
+  """Returns `(B, T, H, K, H_v, V)` after checking ranks, sizes and dtypes of q, k, v."""
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if x is None:
+      raise ValueError(f"{name} is required")
+    if len(_shape(x)) != 4:
+      want = "[B, T, H_v, V]" if name == "v" else "[B, T, H, K]"
+      raise ValueError(f"{name} must have shape {want} (rank 4); got shape {_shape(x)}")
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+      raise ValueError(f"{name} must be a floating-point array; got dtype {jnp.result_type(x)}")
+  B, T, H, K = _shape(q)
+  if _shape(k) != _shape(q):
+    raise ValueError(f"k must have the shape of q [B, T, H, K] = {_shape(q)}; got {_shape(k)}")
+  Bv, Tv, Hv, V = _shape(v)
+  if (Bv, Tv) != (B, T):
+    raise ValueError(f"v must have shape [B, T, H_v, V] with B={B}, T={T} as in q; got {_shape(v)}")
+  if Hv % H != 0:
+    raise ValueError(f"v's heads H_v={Hv} must be a multiple of q's heads H={H}; got v {_shape(v)}")
+  if T < 1 or K < 1 or V < 1:
+    raise ValueError(f"q, k, v need T, K, V >= 1; got q {_shape(q)}, v {_shape(v)}")
+  return B, T, H, K, Hv, V
+
+
+def check_gate(name, g, B, T, Hv, K, *, per_channel: bool):
+  want = (B, T, Hv, K) if per_channel else (B, T, Hv)
+  label = "[B, T, H_v, K]" if per_channel else "[B, T, H_v]"
+  if g is None:
+    raise ValueError(f"{name} is required, with shape {label} = {want}")
+  if _shape(g) != want:
+    raise ValueError(f"{name} must have shape {label} = {want}; got {_shape(g)}")
+  if not jnp.issubdtype(jnp.result_type(g), jnp.floating):
+    raise ValueError(f"{name} must be a floating-point array; got dtype {jnp.result_type(g)}")
+
+
+def check_options(*, impl, chunk_size, scale):
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
+  if (not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, bool)
+      or chunk_size < 1 or chunk_size & (chunk_size - 1)):
+    raise ValueError(f"chunk_size must be a positive power of two; got {chunk_size!r}")
+  if scale is not None and not isinstance(scale, jax.Array):
+    if not np.isscalar(scale) or not float(scale) > 0:
+      raise ValueError(f"scale must be a positive number or None (= K ** -0.5); got {scale!r}")
+
+
+def _concrete(x):
+  """The value of `x` as a NumPy array, or None when it is traced (checks then happen at trace time only)."""
+  try:
+    return np.asarray(x)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return None
+
+
+def check_packing(segment_ids, cu_seqlens, B, T) -> int | None:
+  """Checks `segment_ids` / `cu_seqlens`; returns N for `cu_seqlens`, else None."""
+  if segment_ids is not None and cu_seqlens is not None:
+    raise ValueError("pass at most one of segment_ids and cu_seqlens")
+  if segment_ids is not None:
+    if _shape(segment_ids) != (B, T):
+      raise ValueError(f"segment_ids must have shape [B, T] = {(B, T)}; got {_shape(segment_ids)}")
+    if not jnp.issubdtype(jnp.result_type(segment_ids), jnp.integer):
+      raise ValueError(f"segment_ids must be integer; got dtype {jnp.result_type(segment_ids)}")
+    return None
+  if cu_seqlens is None:
+    return None
+  if len(_shape(cu_seqlens)) != 1 or _shape(cu_seqlens)[0] < 2:
+    raise ValueError(f"cu_seqlens must have shape [N + 1] with N >= 1; got {_shape(cu_seqlens)}")
+  if not jnp.issubdtype(jnp.result_type(cu_seqlens), jnp.integer):
+    raise ValueError(f"cu_seqlens must be integer; got dtype {jnp.result_type(cu_seqlens)}")
+  if B != 1:
+    raise ValueError(f"cu_seqlens needs B == 1 (sequences packed along T); got B={B}")
+  cu = _concrete(cu_seqlens)
+  if cu is not None:
+    if cu[0] != 0 or cu[-1] != T:
+      raise ValueError(f"cu_seqlens must start at 0 and end at T={T}; got {cu.tolist()}")
+    if np.any(np.diff(cu) < 0):
+      raise ValueError(f"cu_seqlens must be non-decreasing; got {cu.tolist()}")
+  return _shape(cu_seqlens)[0] - 1
+
+
+def check_initial_state(initial_state, rows: int, Hv: int, K: int, V: int, *, rows_name: str,
+                        name: str = "initial_state"):
+  if initial_state is None:
+    return
+  want = (rows, Hv, K, V)
+  if _shape(initial_state) != want:
+    raise ValueError(f"{name} must have shape [{rows_name}, H_v, K, V] = {want}; "
+                     f"got {_shape(initial_state)}")
+  if not jnp.issubdtype(jnp.result_type(initial_state), jnp.floating):
+    raise ValueError(f"{name} must be floating-point; got {jnp.result_type(initial_state)}")
+
+
+def check_step_ranks(**arrays):
+  """One-token inputs: q, k `[B, H, K]`, v `[B, H_v, V]`."""
+  for name, x in arrays.items():
+    if x is None or len(_shape(x)) != 3:
+      want = "[B, H_v, V]" if name == "v" else "[B, H, K]"
+      raise ValueError(f"{name} must have shape {want} (rank 3) for a step; got {_shape(x)}")

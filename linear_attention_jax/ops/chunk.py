@@ -1,0 +1,194 @@
+"""The chunked parallel form of both families, in XLA.
+
+Tokens are cut into chunks of `C` (a power of two). With `G_i` the cumulative log-decay from the chunk
+start (inclusive) and `S` the state entering the chunk:
+
+    P_ij = sum_c q_ic k_jc exp(G_ic - G_jc)             (j <= i; intra-chunk "attention")
+    additive:  U = V
+    delta:     (I + L) U = Diag(beta) V - Diag(beta) (K * e^G) S,   L_ij = beta_i sum_c k_ic k_jc e^(G_ic - G_jc), j < i
+               so U = U~ - W S with U~ = (I + L)^-1 Diag(beta) V,  W = (I + L)^-1 Diag(beta) (K * e^G)
+    o = scale * ((Q * e^G) S + P U)
+    S_next = Diag(e^G_C) S + (K * e^(G_C - G))^T U
+
+Everything but the walk over chunks is batched over all chunks at once; the walk is a `lax.scan` that
+carries one `[B, H, K, V]` state and keeps one state per chunk (never one per token).
+
+Decay is never formed as e^G * e^-G. Scalar gates mask G_i - G_j before the exponential. Per-channel
+gates use a binary split of the chunk (`_decayed_gram`): at level p the chunk is cut into blocks of 2^p
+tokens, and a row block is paired with the column block before it through the reference token r at
+the end of the column block, so both factors e^(G_i - G_r) and e^(G_r - G_j) have non-positive
+exponents. log2(C) matmuls cover every pair i > j exactly once; nothing overflows for any g <= 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.scipy.linalg import solve_triangular
+
+from linear_attention_jax.ops.packing import Packing, cu_layout
+
+
+def chunk_form(q, k, v, g, beta, *, scale, initial_state, packing: Packing, chunk_size: int):
+  """Chunked form of either family (shapes as in `recurrent.recurrent_form`).
+
+  Returns `(o [B, T, H, V] float32, final_state)`: `[B, H, K, V]`, or `[N, H, K, V]` for `cu_seqlens`.
+  """
+  B, T, H, K = k.shape
+  V = v.shape[-1]
+  if packing.kind == "cu_seqlens":
+    C = chunk_size
+    lay = cu_layout(packing.cu, T, C)
+    gather = lambda x: None if x is None else jnp.where(
+        lay.valid.reshape((1, -1) + (1,) * (x.ndim - 2)), x[:, lay.src], 0.0)
+    q, k, v, g, beta = map(gather, (q, k, v, g, beta))
+    N = packing.num_sequences
+    table = jnp.zeros((N, H, K, V), jnp.float32) if initial_state is None else initial_state
+    o, states, final = _chunk_walk(q, k, v, g, beta, scale, jnp.zeros((1, H, K, V), jnp.float32),
+                                   None, C, (lay.reset, lay.reset_seq, table))
+    all_states = jnp.concatenate([states, final[:, None]], axis=1)[0]  # [NC + 1, H, K, V]
+    ends = all_states[lay.first_chunk + lay.num_chunks_of]
+    final = jnp.where((lay.num_chunks_of > 0)[:, None, None, None], ends, table)
+    return o[:, lay.dst], final
+
+  C = min(chunk_size, 1 << max(0, math.ceil(math.log2(T))))
+  pad = (-T) % C
+  padder = lambda x: None if x is None else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+  q, k, v, g, beta = map(padder, (q, k, v, g, beta))
+  seg = None
+  if packing.kind == "segments":
+    seg = jnp.pad(packing.seg, [(0, 0), (0, pad)], mode="edge")
+  h0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state
+  o, _, final = _chunk_walk(q, k, v, g, beta, scale, h0, seg, C, None)
+  return o[:, :T], final
+
+
+def _to_chunks(x, C):
+  """`[B, T, H, ...]` -> `[B, H, NC, C, ...]`."""
+  B, T, H = x.shape[:3]
+  return jnp.moveaxis(x.reshape((B, T // C, C, H) + x.shape[3:]), 3, 1)
+
+
+def _chunk_walk(q, k, v, g, beta, scale, h0, seg, C, resets):
+  """Intra-chunk work for all chunks, then the scan over chunks.
+
+  `seg`: None or `[B, T]` canonical segment ids (masks pairs across segments and the carried state).
+  `resets`: None or `(reset [NC] bool, reset_seq [NC] int, table [N, H, K, V])`: at a reset chunk the
+  carried state is replaced by `table[reset_seq]` (cu_seqlens, B == 1).
+  Returns `(o [B, T, H, V], states entering each chunk [B, NC, H, K, V], final state [B, H, K, V])`.
+  """
+  B, T, H, K = k.shape
+  V = v.shape[-1]
+  NC = T // C
+  qc, kc, vc = _to_chunks(q, C), _to_chunks(k, C), _to_chunks(v, C)
+  causal = np.tril(np.ones((C, C), bool))
+  strict = np.tril(np.ones((C, C), bool), -1)
+  carry = to_last = carry_last = None
+  incl, excl = causal, strict
+  if seg is not None:
+    sc = seg.reshape(B, 1, NC, C)
+    same = sc[..., :, None] == sc[..., None, :]
+    prev = jnp.concatenate([sc[:, :, :1, 0], sc[:, :, :-1, -1]], axis=2)
+    carry = sc == prev[..., None]               # token reads the state carried into its chunk
+    to_last = sc == sc[..., -1:]                # token's write survives to the chunk's end
+    carry_last = carry[..., -1]
+    incl, excl = causal & same, strict & same
+
+  mask_rows = lambda x, m: x if m is None else jnp.where(m[..., None], x, 0.0)
+  if g is None:
+    qg, kg, kd, decay_last = qc, kc, kc, None
+    P = jnp.where(incl, jnp.einsum("bhnik,bhnjk->bhnij", qc, kc), 0.0)
+    if beta is not None:
+      L = jnp.where(excl, jnp.einsum("bhnik,bhnjk->bhnij", kc, kc), 0.0)
+  else:
+    G = jnp.cumsum(_to_chunks(g, C), axis=3)
+    G_last = G[:, :, :, -1]
+    if g.ndim == 3:  # scalar gate per head and token
+      diff = G[..., :, None] - G[..., None, :]
+      P = jnp.einsum("bhnik,bhnjk->bhnij", qc, kc) * jnp.exp(jnp.where(incl, diff, -jnp.inf))
+      if beta is not None:
+        L = jnp.einsum("bhnik,bhnjk->bhnij", kc, kc) * jnp.exp(jnp.where(excl, diff, -jnp.inf))
+      Ge, Gd = G[..., None], (G_last[..., None] - G)[..., None]
+    else:  # per-channel gate
+      P = jnp.where(incl, _decayed_gram(qc, kc, G, inclusive=True), 0.0)
+      if beta is not None:
+        L = jnp.where(excl, _decayed_gram(kc, kc, G, inclusive=False), 0.0)
+      Ge, Gd = G, G_last[..., None, :] - G
+    qg, kg, kd = qc * jnp.exp(Ge), kc * jnp.exp(Ge), kc * jnp.exp(Gd)
+    decay_last = jnp.exp(G_last)
+    if carry_last is not None:
+      decay_last = jnp.where(carry_last[..., None] if g.ndim == 4 else carry_last, decay_last, 0.0)
+  qg, kg, kd = mask_rows(qg, carry), mask_rows(kg, carry), mask_rows(kd, to_last)
+  if g is None and carry_last is not None:
+    decay_last = carry_last.astype(jnp.float32)
+
+  if beta is not None:
+    bc = _to_chunks(beta, C)[..., None]
+    rhs = jnp.concatenate([bc * vc, bc * kg], axis=-1)
+    X = solve_triangular(bc * L, rhs, lower=True, unit_diagonal=True)
+    U_tilde, W = X[..., :V], X[..., V:]
+  else:
+    U_tilde, W = vc, None
+    delta_state = jnp.einsum("bhnck,bhncv->bhnkv", kd, vc)
+
+  def body(state, xs):
+    if resets is not None:
+      reset_n, seq_n, table = xs["reset"], xs["seq"], resets[2]
+      state = jnp.where(reset_n, table[seq_n][None], state)
+    s_in = state
+    decay = 1.0 if xs["decay"] is None else (
+        xs["decay"][..., None] if xs["decay"].ndim == 3 else xs["decay"][..., None, None])
+    if W is None:
+      state = decay * s_in + xs["dS"]
+      return state, (s_in, None)
+    u = xs["U"] - jnp.einsum("bhck,bhkv->bhcv", xs["W"], s_in)
+    state = decay * s_in + jnp.einsum("bhck,bhcv->bhkv", xs["kd"], u)
+    return state, (s_in, u)
+
+  first = lambda x: None if x is None else jnp.moveaxis(x, 2, 0)
+  xs = {"decay": first(decay_last)}
+  if W is None:
+    xs["dS"] = first(delta_state)
+  else:
+    xs.update(U=first(U_tilde), W=first(W), kd=first(kd))
+  if resets is not None:
+    xs.update(reset=resets[0], seq=resets[1])
+  final, (states, U) = jax.lax.scan(body, h0, xs)
+  states = jnp.moveaxis(states, 0, 2)  # [B, H, NC, K, V]
+  U = vc if U is None else jnp.moveaxis(U, 0, 2)
+  o = scale * (jnp.einsum("bhnck,bhnkv->bhncv", qg, states) + jnp.einsum("bhnij,bhnjv->bhniv", P, U))
+  o = jnp.moveaxis(o, 1, 3).reshape(B, T, H, V)
+  return o, jnp.moveaxis(states, 2, 1), final
+
+
+def _level_masks(C: int):
+  """For each level p: (row is the later block [C] bool, reference token [C] int, pair mask [C, C])."""
+  t = np.arange(C)
+  levels = []
+  for p in range(int(math.log2(C))):
+    later = ((t >> p) & 1).astype(bool)
+    ref = ((t >> (p + 1)) << (p + 1)) + (1 << p) - 1
+    pair = ((t[:, None] >> (p + 1)) == (t[None, :] >> (p + 1))) & later[:, None] & ~later[None, :]
+    levels.append((later, ref, pair))
+  return levels
+
+
+def _decayed_gram(a, b, G, *, inclusive):
+  """`M_ij = sum_c a_ic b_jc exp(G_ic - G_jc)` for j < i (and j == i if `inclusive`); zero above.
+
+  `a, b, G: [..., C, K]`, G non-increasing along C. Each level's factors have non-positive exponents,
+  so this is exact wherever the true value is representable, at any decay strength.
+  """
+  C = a.shape[-2]
+  total = jnp.zeros(a.shape[:-1] + (C,), jnp.float32)
+  for later, ref, pair in _level_masks(C):
+    G_ref = jnp.take(G, jnp.asarray(ref), axis=-2)
+    rows = later[:, None]
+    x = jnp.where(rows, a, b) * jnp.exp(jnp.where(rows, G - G_ref, G_ref - G))
+    total = total + jnp.where(pair, jnp.einsum("...ik,...jk->...ij", x, x), 0.0)
+  if inclusive:
+    total = total + jnp.sum(a * b, axis=-1)[..., None] * np.eye(C, dtype=np.float32)
+  return total

@@ -1,0 +1,90 @@
+"""One-token steps for decoding: `(o_t, state) = <variant>_step(q_t, k_t, v_t, [gates], state)`.
+
+Shapes: `q, k: [B, H, K]`, `v: [B, H_v, V]`, scalar gates and beta `[B, H_v]`, per-channel gates
+`[B, H_v, K]`, `state: [B, H_v, K, V]` float32 (None: zeros). `o_t: [B, H_v, V]` in v's dtype. Each step
+runs `recurrent.step_update`, the very update the reference scan uses, so T calls of a step equal one
+recurrent call.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from linear_attention_jax.ops import checks
+from linear_attention_jax.ops.feature_maps import l2_normalize, resolve_feature_map
+from linear_attention_jax.ops.recurrent import step_update
+from linear_attention_jax.ops.variants import _expand_heads, retention_log_gamma
+
+
+def _step(q, k, v, g, beta, state, *, scale, per_channel=False, qk_map=None, v_extra=0):
+  checks.check_step_ranks(q=q, k=k, v=v)
+  B, _, H, K, Hv, V = checks.check_qkv(q[:, None], k[:, None], v[:, None])
+  if g is not None:
+    checks.check_gate("g", g[:, None], B, 1, Hv, K, per_channel=per_channel)
+  if beta is not None:
+    checks.check_gate("beta", beta[:, None], B, 1, Hv, K, per_channel=False)
+  checks.check_initial_state(state, B, Hv, K, V + v_extra, rows_name="B", name="state")
+  checks.check_options(impl="auto", chunk_size=1, scale=scale)
+  scale = K ** -0.5 if scale is None else scale
+  q32, k32 = q.astype(jnp.float32)[:, None], k.astype(jnp.float32)[:, None]
+  if qk_map is not None:
+    q32, k32 = qk_map(q32), qk_map(k32)
+  q32, k32 = _expand_heads(q32, Hv)[:, 0], _expand_heads(k32, Hv)[:, 0]
+  v32 = v.astype(jnp.float32)
+  if v_extra:
+    v32 = jnp.concatenate([v32, jnp.ones(v32.shape[:-1] + (v_extra,), jnp.float32)], axis=-1)
+  state = (jnp.zeros((B, Hv, K, V + v_extra), jnp.float32) if state is None
+           else jnp.asarray(state, jnp.float32))
+  f32 = lambda x: None if x is None else x.astype(jnp.float32)
+  return step_update(state, q32, k32, v32, f32(g), f32(beta), scale)
+
+
+def linear_attention_step(q, k, v, state=None, *, feature_map="elu_plus_one", normalize=True,
+                          eps=1e-6, scale=None):
+  """One token of `linear_attention`; with `normalize` the state is `[B, H_v, K, V + 1]`."""
+  o, state = _step(q, k, v, None, None, state, scale=scale, qk_map=resolve_feature_map(feature_map),
+                   v_extra=int(normalize))
+  if normalize:
+    o = o[..., :-1] / (o[..., -1:] + eps)
+  return o.astype(v.dtype), state
+
+
+def retention_step(q, k, v, state=None, *, gamma=None, scale=None):
+  """One token of `retention`."""
+  checks.check_step_ranks(q=q, k=k, v=v)
+  g = jnp.broadcast_to(retention_log_gamma(gamma, v.shape[1]), v.shape[:2])
+  o, state = _step(q, k, v, g, None, state, scale=scale)
+  return o.astype(v.dtype), state
+
+
+def simple_gla_step(q, k, v, g, state=None, *, scale=None):
+  """One token of `simple_gla`; `g: [B, H_v]`."""
+  o, state = _step(q, k, v, g, None, state, scale=scale)
+  return o.astype(v.dtype), state
+
+
+def gla_step(q, k, v, g, state=None, *, scale=None):
+  """One token of `gla`; `g: [B, H_v, K]`."""
+  o, state = _step(q, k, v, g, None, state, scale=scale, per_channel=True)
+  return o.astype(v.dtype), state
+
+
+def delta_rule_step(q, k, v, beta, state=None, *, scale=None, use_qk_l2norm=False):
+  """One token of `delta_rule`; `beta: [B, H_v]`."""
+  o, state = _step(q, k, v, None, beta, state, scale=scale,
+                   qk_map=l2_normalize if use_qk_l2norm else None)
+  return o.astype(v.dtype), state
+
+
+def gated_delta_rule_step(q, k, v, g, beta, state=None, *, scale=None, use_qk_l2norm=False):
+  """One token of `gated_delta_rule`; `g, beta: [B, H_v]`."""
+  o, state = _step(q, k, v, g, beta, state, scale=scale,
+                   qk_map=l2_normalize if use_qk_l2norm else None)
+  return o.astype(v.dtype), state
+
+
+def kda_step(q, k, v, g, beta, state=None, *, scale=None, use_qk_l2norm=False):
+  """One token of `kda`; `g: [B, H_v, K]`, `beta: [B, H_v]`."""
+  o, state = _step(q, k, v, g, beta, state, scale=scale, per_channel=True,
+                   qk_map=l2_normalize if use_qk_l2norm else None)
+  return o.astype(v.dtype), state

@@ -1,0 +1,184 @@
+"""The seven variants: each sets gates, feature maps and scale, then calls one of the two families.
+
+Every variant takes `q, k: [B, T, H, K]`, `v: [B, T, H_v, V]` (`H_v % H == 0`; q/k head h serves value
+heads `h * H_v / H ... (h + 1) * H_v / H - 1`), its gates, and the common keywords:
+
+  scale: read-out scale, default `K ** -0.5`.
+  initial_state: `[B, H_v, K, V]` (`[N, H_v, K, V]` with `cu_seqlens`), any float dtype, used as float32.
+  output_final_state: return the state after the last token (float32, same shape); else None.
+  segment_ids: `[B, T]` int; the state restarts from zero wherever the id changes along T.
+  cu_seqlens: `[N + 1]` int offsets of N packed sequences along T, with B == 1.
+  impl: "recurrent" (lax.scan reference), "chunk" (chunked XLA form), "pallas" (kernel) or "auto".
+  chunk_size: chunk length of the chunked form, a positive power of two.
+
+Each returns `(o, final_state)` with `o: [B, T, H_v, V]` in v's dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from linear_attention_jax.ops import checks
+from linear_attention_jax.ops.chunk import chunk_form
+from linear_attention_jax.ops.feature_maps import l2_normalize, resolve_feature_map
+from linear_attention_jax.ops.packing import Packing, from_cu_seqlens, from_segment_ids
+from linear_attention_jax.ops.recurrent import recurrent_form
+
+
+def select_impl(impl: str, variant: str) -> str:
+  """The implementation that serves a call. "auto" picks the chunked form (no kernel is registered yet)."""
+  if impl == "pallas":
+    raise ValueError(
+        f"impl='pallas' cannot serve {variant}: no Pallas kernel for this variant is available on "
+        f"backend {jax.default_backend()!r}; use impl='chunk' or impl='auto'")
+  return "chunk" if impl == "auto" else impl
+
+
+def _expand_heads(x, Hv):
+  return x if x.shape[2] == Hv else jnp.repeat(x, Hv // x.shape[2], axis=2)
+
+
+def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_state, segment_ids,
+            cu_seqlens, impl, chunk_size, per_channel=False, qk_map=None, v_extra=0):
+  """Checks the call, runs the chosen form of the family (beta None: additive; else delta).
+
+  `qk_map` is applied to q and k in float32 (feature maps, l2 norm). `v_extra` columns of ones are
+  appended to v (the linear-attention normaliser), so the state is `[.., K, V + v_extra]`.
+  Returns the float32 output `[B, T, H_v, V + v_extra]` and the final state or None.
+  """
+  B, T, H, K, Hv, V = checks.check_qkv(q, k, v)
+  checks.check_options(impl=impl, chunk_size=chunk_size, scale=scale)
+  if g is not None:
+    checks.check_gate("g", g, B, T, Hv, K, per_channel=per_channel)
+  if beta is not None:
+    checks.check_gate("beta", beta, B, T, Hv, K, per_channel=False)
+  N = checks.check_packing(segment_ids, cu_seqlens, B, T)
+  checks.check_initial_state(initial_state, B if N is None else N, Hv, K, V + v_extra,
+                             rows_name="B" if N is None else "N")
+  form = select_impl(impl, variant)
+
+  scale = K ** -0.5 if scale is None else scale
+  q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
+  if qk_map is not None:
+    q32, k32 = qk_map(q32), qk_map(k32)
+  q32, k32 = _expand_heads(q32, Hv), _expand_heads(k32, Hv)
+  v32 = v.astype(jnp.float32)
+  if v_extra:
+    v32 = jnp.concatenate([v32, jnp.ones(v32.shape[:-1] + (v_extra,), jnp.float32)], axis=-1)
+  g32 = None if g is None else g.astype(jnp.float32)
+  b32 = None if beta is None else beta.astype(jnp.float32)
+  h0 = None if initial_state is None else jnp.asarray(initial_state, jnp.float32)
+  if segment_ids is not None:
+    packing = from_segment_ids(segment_ids)
+  elif cu_seqlens is not None:
+    packing = from_cu_seqlens(cu_seqlens)
+  else:
+    packing = Packing()
+
+  if form == "recurrent":
+    o, final = recurrent_form(q32, k32, v32, g32, b32, scale=scale, initial_state=h0,
+                              packing=packing)
+  else:
+    o, final = chunk_form(q32, k32, v32, g32, b32, scale=scale, initial_state=h0,
+                          packing=packing, chunk_size=chunk_size)
+  return o, (final if output_final_state else None)
+
+
+def linear_attention(q, k, v, *, feature_map="elu_plus_one", normalize=True, eps=1e-6, scale=None,
+                     initial_state=None, output_final_state=False, segment_ids=None, cu_seqlens=None,
+                     impl="auto", chunk_size=64):
+  """Kernel linear attention (Katharopoulos et al. 2020): no decay, q and k through `feature_map`.
+
+  `S_t = S_{t-1} + phi(k_t) v_t^T`, `o_t = scale * S_t^T phi(q_t)`. With `normalize=True` the output is
+  divided by `scale * phi(q_t)^T z_t + eps` with `z_t = sum_{j<=t} phi(k_j)`; z rides along as one extra
+  value column, so the state (initial and final) is `[B, H_v, K, V + 1]`, its last column z.
+  `feature_map`: "elu_plus_one", "relu", "identity", "silu", or a callable on `[..., K]`.
+  """
+  phi = resolve_feature_map(feature_map)
+  o, final = _family("linear_attention", q, k, v, None, None, qk_map=phi, v_extra=int(normalize),
+                     scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                     segment_ids=segment_ids, cu_seqlens=cu_seqlens, impl=impl, chunk_size=chunk_size)
+  if normalize:
+    o = o[..., :-1] / (o[..., -1:] + eps)
+  return o.astype(v.dtype), final
+
+
+def retention_log_gamma(gamma, Hv: int):
+  """`log(gamma)` per value head `[H_v]`; gamma None gives RetNet's `1 - 2 ** (-5 - h)`."""
+  if gamma is None:
+    gamma = 1.0 - 2.0 ** (-5.0 - jnp.arange(Hv, dtype=jnp.float32))
+  gamma = jnp.asarray(gamma, jnp.float32)
+  if gamma.ndim == 0:
+    gamma = jnp.full((Hv,), gamma)
+  if gamma.shape != (Hv,):
+    raise ValueError(f"gamma must be a float or have shape [H_v] = ({Hv},); got {gamma.shape}")
+  concrete = checks._concrete(gamma)
+  if concrete is not None and not ((concrete > 0) & (concrete <= 1)).all():
+    raise ValueError(f"gamma must lie in (0, 1]; got {concrete.tolist()}")
+  return jnp.log(gamma)
+
+
+def retention(q, k, v, *, gamma=None, scale=None, initial_state=None, output_final_state=False,
+              segment_ids=None, cu_seqlens=None, impl="auto", chunk_size=64):
+  """RetNet retention (Sun et al. 2023): a constant decay gamma per value head.
+
+  `gamma`: None (RetNet's `1 - 2 ** (-5 - h)` for head h), a float, or `[H_v]`.
+  """
+  B, T, _, _, Hv, _ = checks.check_qkv(q, k, v)
+  g = jnp.broadcast_to(retention_log_gamma(gamma, Hv), (B, T, Hv))
+  o, final = _family("retention", q, k, v, g, None, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, segment_ids=segment_ids,
+                     cu_seqlens=cu_seqlens, impl=impl, chunk_size=chunk_size)
+  return o.astype(v.dtype), final
+
+
+def simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
+               segment_ids=None, cu_seqlens=None, impl="auto", chunk_size=64):
+  """Scalar-gated linear attention: `g: [B, T, H_v]` natural-log decay per head and token."""
+  o, final = _family("simple_gla", q, k, v, g, None, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, segment_ids=segment_ids,
+                     cu_seqlens=cu_seqlens, impl=impl, chunk_size=chunk_size)
+  return o.astype(v.dtype), final
+
+
+def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False, segment_ids=None,
+        cu_seqlens=None, impl="auto", chunk_size=64):
+  """Gated linear attention (Yang et al. 2024): `g: [B, T, H_v, K]` log-decay per key channel."""
+  o, final = _family("gla", q, k, v, g, None, per_channel=True, scale=scale,
+                     initial_state=initial_state, output_final_state=output_final_state,
+                     segment_ids=segment_ids, cu_seqlens=cu_seqlens, impl=impl, chunk_size=chunk_size)
+  return o.astype(v.dtype), final
+
+
+def delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_state=False,
+               segment_ids=None, cu_seqlens=None, impl="auto", chunk_size=64, use_qk_l2norm=False):
+  """DeltaNet: `beta: [B, T, H_v]` write strength; no decay.
+
+  `use_qk_l2norm`: l2-normalise q and k per head first (keeps `I - beta k k^T` a contraction).
+  """
+  o, final = _family("delta_rule", q, k, v, None, beta, qk_map=l2_normalize if use_qk_l2norm else None,
+                     scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                     segment_ids=segment_ids, cu_seqlens=cu_seqlens, impl=impl, chunk_size=chunk_size)
+  return o.astype(v.dtype), final
+
+
+def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                     segment_ids=None, cu_seqlens=None, impl="auto", chunk_size=64,
+                     use_qk_l2norm=False):
+  """Gated DeltaNet (Yang et al. 2025): scalar decay `g: [B, T, H_v]`, `beta: [B, T, H_v]`."""
+  o, final = _family("gated_delta_rule", q, k, v, g, beta,
+                     qk_map=l2_normalize if use_qk_l2norm else None, scale=scale,
+                     initial_state=initial_state, output_final_state=output_final_state,
+                     segment_ids=segment_ids, cu_seqlens=cu_seqlens, impl=impl, chunk_size=chunk_size)
+  return o.astype(v.dtype), final
+
+
+def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+        segment_ids=None, cu_seqlens=None, impl="auto", chunk_size=64, use_qk_l2norm=False):
+  """Kimi Delta Attention (arXiv 2510.26692): per-channel decay `g: [B, T, H_v, K]`, `beta: [B, T, H_v]`."""
+  o, final = _family("kda", q, k, v, g, beta, per_channel=True,
+                     qk_map=l2_normalize if use_qk_l2norm else None, scale=scale,
+                     initial_state=initial_state, output_final_state=output_final_state,
+                     segment_ids=segment_ids, cu_seqlens=cu_seqlens, impl=impl, chunk_size=chunk_size)
+  return o.astype(v.dtype), final

@@ -1,0 +1,26 @@
+"""Packaging for linear_attention_jax."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="linear_attention_jax",
+    version="0.1.0",
+    description="Linear attention in JAX/Flax: every variant as a recurrence, a chunked form and kernels.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["linear_attention_jax*", "pallas_kernels*"]),
+    python_requires=">=3.12",
+    install_requires=[
+        "jax>=0.11.2",
+        "flax",
+        "optax",
+        "orbax-checkpoint",
+        "chex",
+        "absl-py",
+        "numpy",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-xdist"],
+        "experiments": ["matplotlib", "tqdm"],
+    },
+)
