@@ -29,16 +29,19 @@ def check_qkv(q, k, v) -> tuple[int, int, int, int, int, int]:
   Bv, Tv, Hv, V = _shape(v)
   if (Bv, Tv) != (B, T):
     raise ValueError(f"v must have shape [B, T, H_v, V] with B={B}, T={T} as in q; got {_shape(v)}")
+  if min(T, H, K, V) < 1:
+    raise ValueError(f"q, k, v need T, H, K, V >= 1; got q {_shape(q)}, v {_shape(v)}")
   if Hv % H != 0:
     raise ValueError(f"v's heads H_v={Hv} must be a multiple of q's heads H={H}; got v {_shape(v)}")
-  if T < 1 or K < 1 or V < 1:
-    raise ValueError(f"q, k, v need T, K, V >= 1; got q {_shape(q)}, v {_shape(v)}")
   return B, T, H, K, Hv, V
 
 
 def check_gate(name, g, B, T, Hv, K, *, per_channel: bool):
+  """Gates and beta: `[B, T, H_v]`, or `[B, T, H_v, K]` per channel; `T=None` (a step) drops T."""
   want = (B, T, Hv, K) if per_channel else (B, T, Hv)
   label = "[B, T, H_v, K]" if per_channel else "[B, T, H_v]"
+  if T is None:
+    want, label = want[:1] + want[2:], label.replace("T, ", "")
   if g is None:
     raise ValueError(f"{name} is required, with shape {label} = {want}")
   if _shape(g) != want:
@@ -53,9 +56,9 @@ def check_options(*, impl, chunk_size, scale):
   if (not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, bool)
       or chunk_size < 1 or chunk_size & (chunk_size - 1)):
     raise ValueError(f"chunk_size must be a positive power of two; got {chunk_size!r}")
-  if scale is not None and not isinstance(scale, jax.Array):
-    if not np.isscalar(scale) or not float(scale) > 0:
-      raise ValueError(f"scale must be a positive number or None (= K ** -0.5); got {scale!r}")
+  s = None if scale is None else _concrete(scale)  # a traced scale is not checked
+  if s is not None and (s.shape != () or s.dtype.kind not in "iuf" or not s > 0):
+    raise ValueError(f"scale must be a positive number or None (= K ** -0.5); got {scale!r}")
 
 
 def _concrete(x):
@@ -94,12 +97,14 @@ def check_packing(segment_ids, cu_seqlens, B, T) -> int | None:
 
 
 def check_initial_state(initial_state, rows: int, Hv: int, K: int, V: int, *, rows_name: str,
-                        name: str = "initial_state"):
+                        name: str = "initial_state", v_extra: int = 0):
+  """`[rows, H_v, K, V + v_extra]`; `v_extra` columns ride along (linear attention's normaliser)."""
   if initial_state is None:
     return
-  want = (rows, Hv, K, V)
+  want = (rows, Hv, K, V + v_extra)
   if _shape(initial_state) != want:
-    raise ValueError(f"{name} must have shape [{rows_name}, H_v, K, V] = {want}; "
+    v_label = f"V + {v_extra}" if v_extra else "V"
+    raise ValueError(f"{name} must have shape [{rows_name}, H_v, K, {v_label}] = {want}; "
                      f"got {_shape(initial_state)}")
   if not jnp.issubdtype(jnp.result_type(initial_state), jnp.floating):
     raise ValueError(f"{name} must be floating-point; got {jnp.result_type(initial_state)}")

@@ -78,7 +78,8 @@ def _chunk_walk(q, k, v, g, beta, scale, h0, seg, C, resets):
   `seg`: None or `[B, T]` canonical segment ids (masks pairs across segments and the carried state).
   `resets`: None or `(reset [NC] bool, reset_seq [NC] int, table [N, H, K, V])`: at a reset chunk the
   carried state is replaced by `table[reset_seq]` (cu_seqlens, B == 1).
-  Returns `(o [B, T, H, V], states entering each chunk [B, NC, H, K, V], final state [B, H, K, V])`.
+  Returns `(o [B, T, H, V], state after each previous chunk [B, NC, H, K, V] (before any reset),
+  final state [B, H, K, V])`.
   """
   B, T, H, K = k.shape
   V = v.shape[-1]
@@ -135,6 +136,7 @@ def _chunk_walk(q, k, v, g, beta, scale, h0, seg, C, resets):
     delta_state = jnp.einsum("bhnck,bhncv->bhnkv", kd, vc)
 
   def body(state, xs):
+    s_prev = state  # the state after the previous chunk, before any reset
     if resets is not None:
       reset_n, seq_n, table = xs["reset"], xs["seq"], resets[2]
       state = jnp.where(reset_n, table[seq_n][None], state)
@@ -143,10 +145,10 @@ def _chunk_walk(q, k, v, g, beta, scale, h0, seg, C, resets):
         xs["decay"][..., None] if xs["decay"].ndim == 3 else xs["decay"][..., None, None])
     if W is None:
       state = decay * s_in + xs["dS"]
-      return state, (s_in, None)
+      return state, (s_in, s_prev, None)
     u = xs["U"] - jnp.einsum("bhck,bhkv->bhcv", xs["W"], s_in)
     state = decay * s_in + jnp.einsum("bhck,bhcv->bhkv", xs["kd"], u)
-    return state, (s_in, u)
+    return state, (s_in, s_prev, u)
 
   first = lambda x: None if x is None else jnp.moveaxis(x, 2, 0)
   xs = {"decay": first(decay_last)}
@@ -156,12 +158,12 @@ def _chunk_walk(q, k, v, g, beta, scale, h0, seg, C, resets):
     xs.update(U=first(U_tilde), W=first(W), kd=first(kd))
   if resets is not None:
     xs.update(reset=resets[0], seq=resets[1])
-  final, (states, U) = jax.lax.scan(body, h0, xs)
+  final, (states, prev, U) = jax.lax.scan(body, h0, xs)
   states = jnp.moveaxis(states, 0, 2)  # [B, H, NC, K, V]
   U = vc if U is None else jnp.moveaxis(U, 0, 2)
   o = scale * (jnp.einsum("bhnck,bhnkv->bhncv", qg, states) + jnp.einsum("bhnij,bhnjv->bhniv", P, U))
   o = jnp.moveaxis(o, 1, 3).reshape(B, T, H, V)
-  return o, jnp.moveaxis(states, 2, 1), final
+  return o, jnp.moveaxis(prev, 0, 1), final
 
 
 def _level_masks(C: int):

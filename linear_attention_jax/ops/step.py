@@ -16,14 +16,15 @@ from linear_attention_jax.ops.recurrent import step_update
 from linear_attention_jax.ops.variants import _expand_heads, retention_log_gamma
 
 
-def _step(q, k, v, g, beta, state, *, scale, per_channel=False, qk_map=None, v_extra=0):
+def _step(q, k, v, g, beta, state, *, scale, gated=False, delta=False, per_channel=False, qk_map=None,
+          v_extra=0):
   checks.check_step_ranks(q=q, k=k, v=v)
   B, _, H, K, Hv, V = checks.check_qkv(q[:, None], k[:, None], v[:, None])
-  if g is not None:
-    checks.check_gate("g", g[:, None], B, 1, Hv, K, per_channel=per_channel)
-  if beta is not None:
-    checks.check_gate("beta", beta[:, None], B, 1, Hv, K, per_channel=False)
-  checks.check_initial_state(state, B, Hv, K, V + v_extra, rows_name="B", name="state")
+  if gated:
+    checks.check_gate("g", g, B, None, Hv, K, per_channel=per_channel)
+  if delta:
+    checks.check_gate("beta", beta, B, None, Hv, K, per_channel=False)
+  checks.check_initial_state(state, B, Hv, K, V, v_extra=v_extra, rows_name="B", name="state")
   checks.check_options(impl="auto", chunk_size=1, scale=scale)
   scale = K ** -0.5 if scale is None else scale
   q32, k32 = q.astype(jnp.float32)[:, None], k.astype(jnp.float32)[:, None]
@@ -53,38 +54,38 @@ def retention_step(q, k, v, state=None, *, gamma=None, scale=None):
   """One token of `retention`."""
   checks.check_step_ranks(q=q, k=k, v=v)
   g = jnp.broadcast_to(retention_log_gamma(gamma, v.shape[1]), v.shape[:2])
-  o, state = _step(q, k, v, g, None, state, scale=scale)
+  o, state = _step(q, k, v, g, None, state, scale=scale, gated=True)
   return o.astype(v.dtype), state
 
 
 def simple_gla_step(q, k, v, g, state=None, *, scale=None):
   """One token of `simple_gla`; `g: [B, H_v]`."""
-  o, state = _step(q, k, v, g, None, state, scale=scale)
+  o, state = _step(q, k, v, g, None, state, scale=scale, gated=True)
   return o.astype(v.dtype), state
 
 
 def gla_step(q, k, v, g, state=None, *, scale=None):
   """One token of `gla`; `g: [B, H_v, K]`."""
-  o, state = _step(q, k, v, g, None, state, scale=scale, per_channel=True)
+  o, state = _step(q, k, v, g, None, state, scale=scale, gated=True, per_channel=True)
   return o.astype(v.dtype), state
 
 
 def delta_rule_step(q, k, v, beta, state=None, *, scale=None, use_qk_l2norm=False):
   """One token of `delta_rule`; `beta: [B, H_v]`."""
-  o, state = _step(q, k, v, None, beta, state, scale=scale,
+  o, state = _step(q, k, v, None, beta, state, scale=scale, delta=True,
                    qk_map=l2_normalize if use_qk_l2norm else None)
   return o.astype(v.dtype), state
 
 
 def gated_delta_rule_step(q, k, v, g, beta, state=None, *, scale=None, use_qk_l2norm=False):
   """One token of `gated_delta_rule`; `g, beta: [B, H_v]`."""
-  o, state = _step(q, k, v, g, beta, state, scale=scale,
+  o, state = _step(q, k, v, g, beta, state, scale=scale, gated=True, delta=True,
                    qk_map=l2_normalize if use_qk_l2norm else None)
   return o.astype(v.dtype), state
 
 
 def kda_step(q, k, v, g, beta, state=None, *, scale=None, use_qk_l2norm=False):
   """One token of `kda`; `g: [B, H_v, K]`, `beta: [B, H_v]`."""
-  o, state = _step(q, k, v, g, beta, state, scale=scale, per_channel=True,
+  o, state = _step(q, k, v, g, beta, state, scale=scale, gated=True, delta=True, per_channel=True,
                    qk_map=l2_normalize if use_qk_l2norm else None)
   return o.astype(v.dtype), state

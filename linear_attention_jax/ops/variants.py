@@ -40,8 +40,11 @@ def _expand_heads(x, Hv):
 
 
 def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_state, segment_ids,
-            cu_seqlens, impl, chunk_size, per_channel=False, qk_map=None, v_extra=0):
+            cu_seqlens, impl, chunk_size, gated=False, delta=False, per_channel=False, qk_map=None,
+            v_extra=0):
   """Checks the call, runs the chosen form of the family (beta None: additive; else delta).
+
+  `gated` / `delta`: the variant takes g / beta, so None there is an error.
 
   `qk_map` is applied to q and k in float32 (feature maps, l2 norm). `v_extra` columns of ones are
   appended to v (the linear-attention normaliser), so the state is `[.., K, V + v_extra]`.
@@ -49,12 +52,12 @@ def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_sta
   """
   B, T, H, K, Hv, V = checks.check_qkv(q, k, v)
   checks.check_options(impl=impl, chunk_size=chunk_size, scale=scale)
-  if g is not None:
+  if gated:
     checks.check_gate("g", g, B, T, Hv, K, per_channel=per_channel)
-  if beta is not None:
+  if delta:
     checks.check_gate("beta", beta, B, T, Hv, K, per_channel=False)
   N = checks.check_packing(segment_ids, cu_seqlens, B, T)
-  checks.check_initial_state(initial_state, B if N is None else N, Hv, K, V + v_extra,
+  checks.check_initial_state(initial_state, B if N is None else N, Hv, K, V, v_extra=v_extra,
                              rows_name="B" if N is None else "N")
   form = select_impl(impl, variant)
 
@@ -127,7 +130,7 @@ def retention(q, k, v, *, gamma=None, scale=None, initial_state=None, output_fin
   """
   B, T, _, _, Hv, _ = checks.check_qkv(q, k, v)
   g = jnp.broadcast_to(retention_log_gamma(gamma, Hv), (B, T, Hv))
-  o, final = _family("retention", q, k, v, g, None, scale=scale, initial_state=initial_state,
+  o, final = _family("retention", q, k, v, g, None, gated=True, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, segment_ids=segment_ids,
                      cu_seqlens=cu_seqlens, impl=impl, chunk_size=chunk_size)
   return o.astype(v.dtype), final
@@ -136,7 +139,7 @@ def retention(q, k, v, *, gamma=None, scale=None, initial_state=None, output_fin
 def simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
                segment_ids=None, cu_seqlens=None, impl="auto", chunk_size=64):
   """Scalar-gated linear attention: `g: [B, T, H_v]` natural-log decay per head and token."""
-  o, final = _family("simple_gla", q, k, v, g, None, scale=scale, initial_state=initial_state,
+  o, final = _family("simple_gla", q, k, v, g, None, gated=True, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, segment_ids=segment_ids,
                      cu_seqlens=cu_seqlens, impl=impl, chunk_size=chunk_size)
   return o.astype(v.dtype), final
@@ -145,7 +148,7 @@ def simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state
 def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False, segment_ids=None,
         cu_seqlens=None, impl="auto", chunk_size=64):
   """Gated linear attention (Yang et al. 2024): `g: [B, T, H_v, K]` log-decay per key channel."""
-  o, final = _family("gla", q, k, v, g, None, per_channel=True, scale=scale,
+  o, final = _family("gla", q, k, v, g, None, gated=True, per_channel=True, scale=scale,
                      initial_state=initial_state, output_final_state=output_final_state,
                      segment_ids=segment_ids, cu_seqlens=cu_seqlens, impl=impl, chunk_size=chunk_size)
   return o.astype(v.dtype), final
@@ -157,8 +160,9 @@ def delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_st
 
   `use_qk_l2norm`: l2-normalise q and k per head first (keeps `I - beta k k^T` a contraction).
   """
-  o, final = _family("delta_rule", q, k, v, None, beta, qk_map=l2_normalize if use_qk_l2norm else None,
-                     scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+  o, final = _family("delta_rule", q, k, v, None, beta, delta=True,
+                     qk_map=l2_normalize if use_qk_l2norm else None, scale=scale,
+                     initial_state=initial_state, output_final_state=output_final_state,
                      segment_ids=segment_ids, cu_seqlens=cu_seqlens, impl=impl, chunk_size=chunk_size)
   return o.astype(v.dtype), final
 
@@ -167,7 +171,7 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
                      segment_ids=None, cu_seqlens=None, impl="auto", chunk_size=64,
                      use_qk_l2norm=False):
   """Gated DeltaNet (Yang et al. 2025): scalar decay `g: [B, T, H_v]`, `beta: [B, T, H_v]`."""
-  o, final = _family("gated_delta_rule", q, k, v, g, beta,
+  o, final = _family("gated_delta_rule", q, k, v, g, beta, gated=True, delta=True,
                      qk_map=l2_normalize if use_qk_l2norm else None, scale=scale,
                      initial_state=initial_state, output_final_state=output_final_state,
                      segment_ids=segment_ids, cu_seqlens=cu_seqlens, impl=impl, chunk_size=chunk_size)
@@ -177,7 +181,7 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
         segment_ids=None, cu_seqlens=None, impl="auto", chunk_size=64, use_qk_l2norm=False):
   """Kimi Delta Attention (arXiv 2510.26692): per-channel decay `g: [B, T, H_v, K]`, `beta: [B, T, H_v]`."""
-  o, final = _family("kda", q, k, v, g, beta, per_channel=True,
+  o, final = _family("kda", q, k, v, g, beta, gated=True, delta=True, per_channel=True,
                      qk_map=l2_normalize if use_qk_l2norm else None, scale=scale,
                      initial_state=initial_state, output_final_state=output_final_state,
                      segment_ids=segment_ids, cu_seqlens=cu_seqlens, impl=impl, chunk_size=chunk_size)
