@@ -47,8 +47,8 @@ def chunk_form(q, k, v, g, beta, *, scale, initial_state, packing: Packing, chun
     q, k, v, g, beta = map(gather, (q, k, v, g, beta))
     N = packing.num_sequences
     table = jnp.zeros((N, H, K, V), jnp.float32) if initial_state is None else initial_state
-    o, states, final = _chunk_walk(q, k, v, g, beta, scale, jnp.zeros((1, H, K, V), jnp.float32),
-                                   None, C, (lay.reset, lay.reset_seq, table))
+    o, states, final = _blocked_walk(q, k, v, g, beta, scale, jnp.zeros((1, H, K, V), jnp.float32),
+                                     None, C, (lay.reset, lay.reset_seq, table))
     all_states = jnp.concatenate([states, final[:, None]], axis=1)[0]  # [NC + 1, H, K, V]
     ends = all_states[lay.first_chunk + lay.num_chunks_of]
     final = jnp.where((lay.num_chunks_of > 0)[:, None, None, None], ends, table)
@@ -62,8 +62,50 @@ def chunk_form(q, k, v, g, beta, *, scale, initial_state, packing: Packing, chun
   if packing.kind == "segments":
     seg = jnp.pad(packing.seg, [(0, 0), (0, pad)], mode="edge")
   h0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state
-  o, _, final = _chunk_walk(q, k, v, g, beta, scale, h0, seg, C, None)
+  o, _, final = _blocked_walk(q, k, v, g, beta, scale, h0, seg, C, None)
   return o[:, :T], final
+
+
+# Token-heads (B * H * tokens) per block of the outer walk: bounds the memory of the intra-chunk work
+# (about 15 KB per token-head for per-channel gates at K = 128) whatever T is.
+BLOCK_TOKEN_HEADS = 1 << 15
+
+
+def _blocked_walk(q, k, v, g, beta, scale, h0, seg, C, resets):
+  """Cuts T (a multiple of C) into blocks of whole chunks and walks them with a `lax.scan` whose body
+  (`_chunk_walk`) is rematerialised in the backward pass: only one state per block is kept for it.
+  Same arguments and results as `_chunk_walk`."""
+  B, T, H, K = k.shape
+  NC = T // C
+  per_block = max(1, min(NC, BLOCK_TOKEN_HEADS // (B * H * C)))
+  NB = -(-NC // per_block)
+  pad = NB * per_block * C - T
+  padder = lambda x: None if x is None else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+  q, k, v, g, beta = map(padder, (q, k, v, g, beta))
+  blocks = lambda x: None if x is None else jnp.moveaxis(
+      x.reshape((B, NB, per_block * C) + x.shape[2:]), 1, 0)
+  xs = {"q": blocks(q), "k": blocks(k), "v": blocks(v), "g": blocks(g), "beta": blocks(beta)}
+  if seg is not None:
+    seg = jnp.pad(seg, [(0, 0), (0, pad)], mode="edge")
+    before = jnp.concatenate([seg[:, :1], seg[:, per_block * C - 1:-1:per_block * C]], axis=1)
+    xs.update(seg=blocks(seg), before=jnp.moveaxis(before, 1, 0))
+  if resets is not None:
+    reset, reset_seq, table = resets
+    extra = NB * per_block - NC
+    xs.update(reset=jnp.pad(reset, (0, extra)).reshape(NB, per_block),
+              reset_seq=jnp.pad(reset_seq, (0, extra)).reshape(NB, per_block))
+
+  @jax.checkpoint
+  def body(state, x):
+    r = None if resets is None else (x["reset"], x["reset_seq"], table)
+    o, prev, final = _chunk_walk(x["q"], x["k"], x["v"], x.get("g"), x.get("beta"), scale, state,
+                                 x.get("seg"), x.get("before"), C, r)
+    return final, (o, prev)
+
+  final, (o, prev) = jax.lax.scan(body, h0, xs)
+  o = jnp.moveaxis(o, 0, 1).reshape((B, NB * per_block * C) + o.shape[3:])[:, :T]
+  prev = jnp.moveaxis(prev, 0, 1).reshape((B, NB * per_block) + prev.shape[3:])[:, :NC]
+  return o, prev, final
 
 
 def _to_chunks(x, C):
@@ -72,10 +114,11 @@ def _to_chunks(x, C):
   return jnp.moveaxis(x.reshape((B, T // C, C, H) + x.shape[3:]), 3, 1)
 
 
-def _chunk_walk(q, k, v, g, beta, scale, h0, seg, C, resets):
+def _chunk_walk(q, k, v, g, beta, scale, h0, seg, seg_before, C, resets):
   """Intra-chunk work for all chunks, then the scan over chunks.
 
-  `seg`: None or `[B, T]` canonical segment ids (masks pairs across segments and the carried state).
+  `seg`: None or `[B, T]` canonical segment ids (masks pairs across segments and the carried state);
+  `seg_before`: `[B]` the segment of the token before the first (the one `h0` belongs to).
   `resets`: None or `(reset [NC] bool, reset_seq [NC] int, table [N, H, K, V])`: at a reset chunk the
   carried state is replaced by `table[reset_seq]` (cu_seqlens, B == 1).
   Returns `(o [B, T, H, V], state after each previous chunk [B, NC, H, K, V] (before any reset),
@@ -92,48 +135,16 @@ def _chunk_walk(q, k, v, g, beta, scale, h0, seg, C, resets):
   if seg is not None:
     sc = seg.reshape(B, 1, NC, C)
     same = sc[..., :, None] == sc[..., None, :]
-    prev = jnp.concatenate([sc[:, :, :1, 0], sc[:, :, :-1, -1]], axis=2)
+    prev = jnp.concatenate([seg_before[:, None, None], sc[:, :, :-1, -1]], axis=2)
     carry = sc == prev[..., None]               # token reads the state carried into its chunk
     to_last = sc == sc[..., -1:]                # token's write survives to the chunk's end
     carry_last = carry[..., -1]
     incl, excl = causal & same, strict & same
 
-  mask_rows = lambda x, m: x if m is None else jnp.where(m[..., None], x, 0.0)
-  if g is None:
-    qg, kg, kd, decay_last = qc, kc, kc, None
-    P = jnp.where(incl, jnp.einsum("bhnik,bhnjk->bhnij", qc, kc), 0.0)
-    if beta is not None:
-      L = jnp.where(excl, jnp.einsum("bhnik,bhnjk->bhnij", kc, kc), 0.0)
-  else:
-    G = jnp.cumsum(_to_chunks(g, C), axis=3)
-    G_last = G[:, :, :, -1]
-    if g.ndim == 3:  # scalar gate per head and token
-      diff = G[..., :, None] - G[..., None, :]
-      P = jnp.einsum("bhnik,bhnjk->bhnij", qc, kc) * jnp.exp(jnp.where(incl, diff, -jnp.inf))
-      if beta is not None:
-        L = jnp.einsum("bhnik,bhnjk->bhnij", kc, kc) * jnp.exp(jnp.where(excl, diff, -jnp.inf))
-      Ge, Gd = G[..., None], (G_last[..., None] - G)[..., None]
-    else:  # per-channel gate
-      P = jnp.where(incl, _decayed_gram(qc, kc, G, inclusive=True), 0.0)
-      if beta is not None:
-        L = jnp.where(excl, _decayed_gram(kc, kc, G, inclusive=False), 0.0)
-      Ge, Gd = G, G_last[..., None, :] - G
-    qg, kg, kd = qc * jnp.exp(Ge), kc * jnp.exp(Ge), kc * jnp.exp(Gd)
-    decay_last = jnp.exp(G_last)
-    if carry_last is not None:
-      decay_last = jnp.where(carry_last[..., None] if g.ndim == 4 else carry_last, decay_last, 0.0)
-  qg, kg, kd = mask_rows(qg, carry), mask_rows(kg, carry), mask_rows(kd, to_last)
-  if g is None and carry_last is not None:
-    decay_last = carry_last.astype(jnp.float32)
-
-  if beta is not None:
-    bc = _to_chunks(beta, C)[..., None]
-    rhs = jnp.concatenate([bc * vc, bc * kg], axis=-1)
-    X = solve_triangular(bc * L, rhs, lower=True, unit_diagonal=True)
-    U_tilde, W = X[..., :V], X[..., V:]
-  else:
-    U_tilde, W = vc, None
-    delta_state = jnp.einsum("bhnck,bhncv->bhnkv", kd, vc)
+  gc = None if g is None else _to_chunks(g, C)
+  bc = None if beta is None else _to_chunks(beta, C)
+  P, qg, kd, decay_last, U_tilde, W, delta_state = _intra_chunk(
+      qc, kc, vc, gc, bc, carry, to_last, carry_last, incl, excl)
 
   def body(state, xs):
     s_prev = state  # the state after the previous chunk, before any reset
@@ -164,6 +175,47 @@ def _chunk_walk(q, k, v, g, beta, scale, h0, seg, C, resets):
   o = scale * (jnp.einsum("bhnck,bhnkv->bhncv", qg, states) + jnp.einsum("bhnij,bhnjv->bhniv", P, U))
   o = jnp.moveaxis(o, 1, 3).reshape(B, T, H, V)
   return o, jnp.moveaxis(prev, 0, 1), final
+
+
+def _intra_chunk(qc, kc, vc, gc, bc, carry, to_last, carry_last, incl, excl):
+  """Everything inside the chunks, for all chunks at once: `P`, `Q * e^G`, `K * e^(G_C - G)`,
+  `e^G_C`, and `U~, W` (delta family) or the chunk's state increment `K~^T V` (additive family)."""
+  V = vc.shape[-1]
+  mask_rows = lambda x, m: x if m is None else jnp.where(m[..., None], x, 0.0)
+  L = None
+  if gc is None:
+    qg, kg, kd, decay_last = qc, kc, kc, None
+    P = jnp.where(incl, jnp.einsum("bhnik,bhnjk->bhnij", qc, kc), 0.0)
+    if bc is not None:
+      L = jnp.where(excl, jnp.einsum("bhnik,bhnjk->bhnij", kc, kc), 0.0)
+    if carry_last is not None:
+      decay_last = carry_last.astype(jnp.float32)
+  else:
+    G = jnp.cumsum(gc, axis=3)
+    G_last = G[:, :, :, -1]
+    if gc.ndim == 4:  # scalar gate per head and token: [B, H, NC, C]
+      diff = G[..., :, None] - G[..., None, :]
+      P = jnp.einsum("bhnik,bhnjk->bhnij", qc, kc) * jnp.exp(jnp.where(incl, diff, -jnp.inf))
+      if bc is not None:
+        L = jnp.einsum("bhnik,bhnjk->bhnij", kc, kc) * jnp.exp(jnp.where(excl, diff, -jnp.inf))
+      Ge, Gd = G[..., None], (G_last[..., None] - G)[..., None]
+    else:  # per-channel gate: [B, H, NC, C, K]
+      P = jnp.where(incl, _decayed_gram(qc, kc, G, inclusive=True), 0.0)
+      if bc is not None:
+        L = jnp.where(excl, _decayed_gram(kc, kc, G, inclusive=False), 0.0)
+      Ge, Gd = G, G_last[..., None, :] - G
+    qg, kg, kd = qc * jnp.exp(Ge), kc * jnp.exp(Ge), kc * jnp.exp(Gd)
+    decay_last = jnp.exp(G_last)
+    if carry_last is not None:
+      decay_last = jnp.where(carry_last[..., None] if gc.ndim == 5 else carry_last, decay_last, 0.0)
+  qg, kg, kd = mask_rows(qg, carry), mask_rows(kg, carry), mask_rows(kd, to_last)
+
+  if bc is None:
+    return P, qg, kd, decay_last, vc, None, jnp.einsum("bhnck,bhncv->bhnkv", kd, vc)
+  bc = bc[..., None]
+  rhs = jnp.concatenate([bc * vc, bc * kg], axis=-1)
+  X = solve_triangular(bc * L, rhs, lower=True, unit_diagonal=True)
+  return P, qg, kd, decay_last, X[..., :V], X[..., V:], None
 
 
 def _level_masks(C: int):

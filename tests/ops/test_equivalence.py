@@ -116,3 +116,22 @@ def test_cu_seqlens(variant, impl):
   cu = np.cumsum([0, 0, 1, 70, 0, 18, 40]).astype(np.int32)
   inp = make_inputs(variant, B=1, T=int(cu[-1]), rows=len(cu) - 1, seed=7)
   _check(variant, inp, impl, cu=cu, chunk_size=16)
+
+
+@pytest.mark.parametrize("packed", ["none", "segments", "cu"])
+@pytest.mark.parametrize("variant", DIRECT)
+def test_walk_in_many_blocks(variant, packed, monkeypatch):
+  # A tiny block budget makes the outer walk cross many block boundaries (3 to 6 chunks of 8 each);
+  # T = 173 is used by no other test, so no trace with the default budget is reused.
+  from linear_attention_jax.ops import chunk
+  monkeypatch.setattr(chunk, "BLOCK_TOKEN_HEADS", 2 * 4 * 8 * 3)
+  T = 173
+  if packed == "cu":
+    cu = np.array([0, 5, 5, 60, 61, 130, T], np.int32)
+    _check(variant, make_inputs(variant, B=1, T=T, rows=6, seed=8), "chunk", chunk_size=8, cu=cu)
+  else:
+    seg = None
+    if packed == "segments":
+      seg = np.zeros((2, T), np.int32)
+      seg[0, 23:24], seg[0, 24:90], seg[1, 50:] = 1, 2, 1
+    _check(variant, make_inputs(variant, T=T, seed=9), "chunk", chunk_size=8, seg=seg)
