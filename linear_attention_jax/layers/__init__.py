@@ -1,0 +1,31 @@
+"""Flax NNX layers over `linear_attention_jax.ops`: six linear mixers, softmax Attention, and their parts.
+
+Every mixer maps `x: [B, T, width]` to `(y [B, T, width], cache)`:
+
+  mixer(x)            training: the full-sequence op (`impl`, default "auto"); returns `(y, None)`
+  mixer(x, cache)     T > 1: prefill from `cache`; T == 1: one decode step; returns the advanced cache
+
+and has `init_cache(batch, max_len=None)` and `state_size(seq_len=None)` (state elements per sequence).
+
+Mixers:  LinearAttention, MultiScaleRetention, GatedLinearAttention, DeltaNet, GatedDeltaNet,
+         KimiDeltaAttention (caches: LinearCache), Attention (cache: KVCache).
+Parts:   ShortConvolution, GatedRMSNorm, HeadGroupNorm, apply_rope.
+"""
+
+from linear_attention_jax.layers.attention import Attention
+from linear_attention_jax.layers.cache import KVCache, LinearCache, nbytes
+from linear_attention_jax.layers.conv import ShortConvolution
+from linear_attention_jax.layers.delta_net import DeltaNet
+from linear_attention_jax.layers.gated_delta_net import GatedDeltaNet
+from linear_attention_jax.layers.gla import GatedLinearAttention
+from linear_attention_jax.layers.kda import KimiDeltaAttention
+from linear_attention_jax.layers.linear_attention import LinearAttention
+from linear_attention_jax.layers.norm import GatedRMSNorm, HeadGroupNorm
+from linear_attention_jax.layers.retention import MultiScaleRetention
+from linear_attention_jax.layers.rope import apply_rope
+
+__all__ = [
+    "Attention", "DeltaNet", "GatedDeltaNet", "GatedLinearAttention", "GatedRMSNorm", "HeadGroupNorm",
+    "KVCache", "KimiDeltaAttention", "LinearAttention", "LinearCache", "MultiScaleRetention",
+    "ShortConvolution", "apply_rope", "nbytes",
+]

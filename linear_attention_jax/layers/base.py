@@ -1,0 +1,170 @@
+"""What every linear mixer shares: head sizes, the q/k/v projections and short convolutions, the choice
+between the full-sequence op and the one-token step, the cache and `state_size`.
+
+A mixer subclass computes its gates and output path and calls `self._recur(op, step, ...)`, which runs
+
+  cache None        the full-sequence op, `impl=self.impl` (training)
+  cache, T > 1      the full-sequence op from `initial_state=cache.state` with `output_final_state=True`
+                    (prefill, also of a sequence already under way)
+  cache, T == 1     the op's one-token step function (decoding)
+
+Layout of a mixer's tensors: x `[B, T, width]`; q, k `[B, T, H, K]`; v `[B, T, H_v, V]` with
+`H_v % H == 0`; gates and beta follow v's heads; the state `[B, H_v, K, V]` is float32 whatever the
+layer dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from linear_attention_jax import ops
+from linear_attention_jax.layers.cache import LinearCache
+from linear_attention_jax.layers.conv import ShortConvolution
+
+
+def a_log_init(key, shape, dtype=jnp.float32, low: float = 1.0, high: float = 16.0):
+  """`log A` with A ~ U(low, high): the per-head decay rate of Mamba-2, Gated DeltaNet and KDA."""
+  return jnp.log(jax.random.uniform(key, shape, jnp.float32, low, high)).astype(dtype)
+
+
+def dt_bias_init(key, shape, dtype=jnp.float32, dt_min: float = 1e-3, dt_max: float = 0.1,
+                 dt_floor: float = 1e-4):
+  """Inverse softplus of dt ~ logU(dt_min, dt_max) floored at dt_floor, so softplus(dt_bias) = dt."""
+  u = jax.random.uniform(key, shape, jnp.float32)
+  dt = jnp.maximum(jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)), dt_floor)
+  return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+
+
+def linear(width_in, width_out, *, use_bias=False, dtype, param_dtype, rngs):
+  """A dense projection `[..., width_in] -> [..., width_out]` in the layer dtype."""
+  return nnx.Linear(width_in, width_out, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                    rngs=rngs)
+
+
+_NO_CONV_ACTIVATIONS = {"identity": lambda x: x, "silu": jax.nn.silu}
+
+
+class LinearMixer(nnx.Module):
+  """Base of the linear mixers; not used on its own.
+
+  Class attributes a subclass may set:
+    key_ratio: default `H * K / width` (GLA uses 0.5).
+    value_ratio: default `V / K` (RetNet, GLA and Gated DeltaNet use 2).
+    no_conv_activation: applied to q, k, v when the short convolutions are off ("silu" for the delta
+      family, whose convolutions end in SiLU).
+  """
+  key_ratio: float = 1.0
+  value_ratio: float = 1.0
+  no_conv_activation: str = "identity"
+
+  def __init__(self, width: int, num_heads: int, *, num_v_heads: int | None, head_dim: int | None,
+               head_v_dim: int | None, use_short_conv: bool, conv_size: int, impl: str,
+               chunk_size: int, dtype, param_dtype, rngs: nnx.Rngs, state_extra: int = 0):
+    if width < 1 or num_heads < 1:
+      raise ValueError(f"width and num_heads must be >= 1; got {width=} {num_heads=}")
+    H = num_heads
+    Hv = H if num_v_heads is None else num_v_heads
+    if Hv < 1 or Hv % H:
+      raise ValueError(f"num_v_heads={Hv} must be a positive multiple of num_heads={H}")
+    if head_dim is None:
+      key_width = width * self.key_ratio
+      if key_width != int(key_width) or int(key_width) % H:
+        raise ValueError(f"width={width} (times key_ratio={self.key_ratio}) must be divisible by "
+                         f"num_heads={H}, or pass head_dim")
+      head_dim = int(key_width) // H
+    if head_v_dim is None:
+      head_v_dim = int(head_dim * self.value_ratio)
+    if head_dim < 1 or head_v_dim < 1:
+      raise ValueError(f"head dims must be >= 1; got {head_dim=} {head_v_dim=}")
+    if not isinstance(conv_size, int) or conv_size < 1:
+      raise ValueError(f"conv_size must be an integer >= 1; got {conv_size!r}")
+    if impl not in ops.IMPLS:
+      raise ValueError(f"impl must be one of {ops.IMPLS}; got {impl!r}")
+    if not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
+      raise ValueError(f"chunk_size must be a positive power of two; got {chunk_size!r}")
+    self.width, self.num_heads, self.num_v_heads = width, H, Hv
+    self.head_dim, self.head_v_dim, self.state_extra = head_dim, head_v_dim, state_extra
+    self.impl, self.chunk_size, self.dtype = impl, chunk_size, dtype
+    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.q_proj = linear(width, H * head_dim, **kw)
+    self.k_proj = linear(width, H * head_dim, **kw)
+    self.v_proj = linear(width, Hv * head_v_dim, **kw)
+    if use_short_conv:
+      self.q_conv = ShortConvolution(H * head_dim, conv_size, **kw)
+      self.k_conv = ShortConvolution(H * head_dim, conv_size, **kw)
+      self.v_conv = ShortConvolution(Hv * head_v_dim, conv_size, **kw)
+    else:
+      self.q_conv = self.k_conv = self.v_conv = None
+
+  @property
+  def convs(self) -> tuple[ShortConvolution, ...]:
+    return () if self.q_conv is None else (self.q_conv, self.k_conv, self.v_conv)
+
+  def init_cache(self, batch: int, max_len: int | None = None) -> LinearCache:
+    """A fresh cache for `batch` sequences; `max_len` is accepted for a uniform API and unused."""
+    H_v, K, V = self.num_v_heads, self.head_dim, self.head_v_dim + self.state_extra
+    return LinearCache(state=jnp.zeros((batch, H_v, K, V), jnp.float32),
+                       conv=tuple(c.init_cache(batch) for c in self.convs),
+                       pos=jnp.zeros((), jnp.int32))
+
+  def state_size(self, seq_len: int | None = None) -> int:
+    """State elements per sequence, independent of `seq_len`: `H_v K V` plus the conv windows."""
+    recurrent = self.num_v_heads * self.head_dim * (self.head_v_dim + self.state_extra)
+    return recurrent + sum(c.state_size() for c in self.convs)
+
+  def _check_input(self, x, cache):
+    if x.ndim != 3 or x.shape[-1] != self.width:
+      raise ValueError(f"x must have shape [B, T, width] with width={self.width}; got {x.shape}")
+    if cache is not None and not isinstance(cache, LinearCache):
+      raise ValueError(f"cache must be a LinearCache (from init_cache) or None; got {type(cache)}")
+    if cache is not None and cache.state.shape[0] != x.shape[0]:
+      raise ValueError(f"cache holds B={cache.state.shape[0]} sequences; x has B={x.shape[0]}")
+    return x.shape[0], x.shape[1]
+
+  def _project(self, x, cache):
+    """Projections and short convolutions.
+
+    Returns `(q [B, T, H, K], k [B, T, H, K], v [B, T, H_v, V], windows)`, where `windows` is the tuple
+    of new conv windows (empty without convs; Nones when `cache` is None).
+    """
+    B, T, _ = x.shape
+    q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    windows = ()
+    if self.q_conv is not None:
+      old = (None, None, None) if cache is None else cache.conv
+      (q, wq), (k, wk), (v, wv) = (conv(z, w) for conv, z, w in zip(self.convs, (q, k, v), old))
+      windows = (wq, wk, wv)
+    else:
+      act = _NO_CONV_ACTIVATIONS[self.no_conv_activation]
+      q, k, v = act(q), act(k), act(v)
+    H, Hv = self.num_heads, self.num_v_heads
+    return (q.reshape(B, T, H, self.head_dim), k.reshape(B, T, H, self.head_dim),
+            v.reshape(B, T, Hv, self.head_v_dim), windows)
+
+  def _recur(self, op, step, q, k, v, gates, cache, **kwargs):
+    """Runs the op (training, prefill) or its step (decode; see the module docstring).
+
+    `gates`: the op's positional gate arguments after v (`[B, T, H_v]` or `[B, T, H_v, K]`), in order.
+    Returns `(o [B, T, H_v, V] in v's dtype, new state [B, H_v, K, V] float32 or None)`.
+    """
+    if cache is None:
+      o, _ = op(q, k, v, *gates, impl=self.impl, chunk_size=self.chunk_size, **kwargs)
+      return o, None
+    if q.shape[1] == 1:
+      o, state = step(q[:, 0], k[:, 0], v[:, 0], *(g[:, 0] for g in gates), cache.state, **kwargs)
+      return o[:, None], state
+    return op(q, k, v, *gates, initial_state=cache.state, output_final_state=True, impl=self.impl,
+              chunk_size=self.chunk_size, **kwargs)
+
+  @staticmethod
+  def _advance(cache, state, windows, num_tokens):
+    return None if cache is None else cache.advance(state, windows, num_tokens)
+
+  def _positions(self, cache, T):
+    """Absolute positions `[T]` int32 of this call's tokens."""
+    start = jnp.zeros((), jnp.int32) if cache is None else cache.pos
+    return start + jnp.arange(T, dtype=jnp.int32)

@@ -1,0 +1,85 @@
+"""KimiDeltaAttention (Kimi Team 2025, "Kimi Linear", arXiv 2510.26692).
+
+Gated DeltaNet with a decay per key channel instead of per head:
+
+    q, k, v = SiLU(conv(x W_q)), SiLU(conv(x W_k)), SiLU(conv(x W_v))   (short convs, width 4)
+    q, k    = q / |q|, k / |k|
+    g_t     = -exp(A_log_h) * softplus(x W_f1 W_f2 + dt_bias)            (per channel, [H_v, K];
+                                                                           a low-rank f projection, rank V)
+    beta_t  = sigmoid(x W_b)
+    S'_t = Diag(e^{g_t}) S_{t-1};  S_t = S'_t + beta_t k_t (v_t - S'_t^T k_t)^T;  o_t = K^-1/2 S_t^T q_t
+    y   = (RMSNorm(o) * sigmoid(x W_g1 W_g2 + b_g)) W_o                 (a low-rank output gate)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from linear_attention_jax import ops
+from linear_attention_jax.layers.base import LinearMixer, a_log_init, dt_bias_init, linear
+from linear_attention_jax.layers.cache import LinearCache
+from linear_attention_jax.layers.norm import GatedRMSNorm
+
+
+class KimiDeltaAttention(LinearMixer):
+  """KDA: the gated delta rule with a fine-grained (per key channel) decay.
+
+  Args:
+    width: model width d.
+    num_heads: H.  num_v_heads: H_v (a multiple of H; default H); g, beta follow v's heads.
+    head_dim: K (default d / H).  head_v_dim: V (default K).
+    norm_eps: epsilon of the gated output RMSNorm.
+    use_short_conv, conv_size: causal depthwise convolutions (SiLU) on q, k, v; on by default.
+    impl, chunk_size: passed to `ops.kda` in training and prefill.
+    dtype, param_dtype: compute and parameter dtypes; the state, g and beta are float32 regardless.
+
+  Parameters beyond the projections: `A_log: [H_v]` (log A, A ~ U(1, 16)) and `dt_bias: [H_v * K]`
+  (inverse softplus of dt ~ logU(1e-3, 0.1)), one per channel.
+  """
+  no_conv_activation = "silu"
+
+  def __init__(self, width: int, num_heads: int, *, num_v_heads: int | None = None,
+               head_dim: int | None = None, head_v_dim: int | None = None, norm_eps: float = 1e-5,
+               use_short_conv: bool = True, conv_size: int = 4, impl: str = "auto",
+               chunk_size: int = 64, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    super().__init__(width, num_heads, num_v_heads=num_v_heads, head_dim=head_dim,
+                     head_v_dim=head_v_dim, use_short_conv=use_short_conv, conv_size=conv_size,
+                     impl=impl, chunk_size=chunk_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    Hv, K, V = self.num_v_heads, self.head_dim, self.head_v_dim
+    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.f_down = linear(width, V, **kw)
+    self.f_up = linear(V, Hv * K, **kw)
+    self.b_proj = linear(width, Hv, **kw)
+    self.A_log = nnx.Param(a_log_init(rngs.params(), (Hv,), param_dtype))
+    self.dt_bias = nnx.Param(dt_bias_init(rngs.params(), (Hv * K,), param_dtype))
+    self.g_down = linear(width, V, **kw)
+    self.g_up = linear(V, Hv * V, use_bias=True, **kw)
+    self.o_norm = GatedRMSNorm(V, eps=norm_eps, activation="sigmoid", **kw)
+    self.o_proj = linear(Hv * V, width, **kw)
+
+  def gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`(g [B, T, H_v, K], beta [B, T, H_v])` float32 for `x: [B, T, width]`."""
+    B, T, _ = x.shape
+    Hv, K = self.num_v_heads, self.head_dim
+    f = self.f_up(self.f_down(x)).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+    A = jnp.exp(self.A_log[...].astype(jnp.float32))
+    g = -A[:, None] * jax.nn.softplus(f.reshape(B, T, Hv, K))
+    beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+    return g, beta
+
+  def __call__(self, x: jax.Array, cache: LinearCache | None = None):
+    """Mixes `x: [B, T, width]` along T.
+
+    Returns `(y [B, T, width], new cache or None)`; with a cache, T == 1 takes the one-token step and
+    T > 1 runs the full op from the cached state (the convolutions continue from the cached windows).
+    """
+    B, T = self._check_input(x, cache)
+    Hv, V = self.num_v_heads, self.head_v_dim
+    q, k, v, windows = self._project(x, cache)
+    g, beta = self.gates(x)
+    o, state = self._recur(ops.kda, ops.kda_step, q, k, v, (g, beta), cache, use_qk_l2norm=True)
+    o = self.o_norm(o, self.g_up(self.g_down(x)).reshape(B, T, Hv, V))
+    y = self.o_proj(o.reshape(B, T, -1))
+    return y, self._advance(cache, state, windows, T)

@@ -1,0 +1,16 @@
+"""Language models built from the layers: config (layer pattern), the hybrid LM, caches, generation.
+
+Pattern letters: L LinearAttention, R MultiScaleRetention, F GatedLinearAttention, D DeltaNet,
+G GatedDeltaNet, K KimiDeltaAttention, A Attention.
+"""
+
+from linear_attention_jax.models.config import MIXER_LETTERS, LMConfig
+from linear_attention_jax.models.generate import generate, sample_token
+from linear_attention_jax.models.lm import LM, Block, LMCache, SwiGLU, make_mixer
+from linear_attention_jax.models.param_counts import (count_params, param_count_table,
+                                                     param_counts_markdown, preset_125m)
+
+__all__ = [
+    "LM", "MIXER_LETTERS", "Block", "LMCache", "LMConfig", "SwiGLU", "count_params", "generate",
+    "make_mixer", "param_count_table", "param_counts_markdown", "preset_125m", "sample_token",
+]

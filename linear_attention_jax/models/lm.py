@@ -1,0 +1,155 @@
+"""The hybrid LM: token embedding, pre-norm blocks whose mixers follow `LMConfig.pattern`, output head.
+
+    x = embed(tokens)
+    for each block:  x = x + mixer(RMSNorm(x));  x = x + SwiGLU(RMSNorm(x))
+    logits = head(RMSNorm(x))                      (the embedding matrix when tie_embeddings)
+
+`LM.__call__(tokens, cache=None)` serves all three uses:
+
+  training   cache None: every mixer runs its full-sequence op (`config.impl`); returns (logits, None)
+  prefill    a cache and T > 1 tokens: the ops start from the cached states and return the new ones
+  decode     a cache and T == 1: the linear mixers take their one-token step, Attention reads its KV cache
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from linear_attention_jax import layers
+from linear_attention_jax.layers.cache import KVCache, LinearCache
+from linear_attention_jax.models.config import CONV_LETTERS, LMConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LMCache:
+  """Per-block caches (`LinearCache` for linear mixers, `KVCache` for Attention) and the context limit.
+
+  Attributes:
+    layers: one cache per block, in order.
+    max_len: the most tokens a sequence may hold (the KV buffers' length); static.
+  """
+  layers: tuple[LinearCache | KVCache, ...]
+  max_len: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def pos(self) -> jax.Array:
+    """`[]` int32: tokens seen so far."""
+    return self.layers[0].pos
+
+
+def make_mixer(config: LMConfig, letter: str, *, rngs: nnx.Rngs) -> nnx.Module:
+  """The mixer for one pattern letter, with the config's head sizes, dtypes and impl."""
+  kw = dict(dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
+  if letter == "A":
+    return layers.Attention(config.width, config.num_heads, num_kv_heads=config.num_kv_heads,
+                            head_dim=config.head_dim, rope_theta=config.rope_theta, **kw)
+  K = config.resolved_head_dim
+  kw.update(num_v_heads=config.num_v_heads, head_dim=K,
+            head_v_dim=K if config.head_v_dim is None else config.head_v_dim,
+            impl=config.impl, chunk_size=config.chunk_size)
+  if letter in CONV_LETTERS:
+    kw.update(use_short_conv=config.use_short_conv, conv_size=config.conv_size,
+              norm_eps=config.norm_eps)
+  cls = {"L": layers.LinearAttention, "R": layers.MultiScaleRetention,
+         "F": layers.GatedLinearAttention, "D": layers.DeltaNet, "G": layers.GatedDeltaNet,
+         "K": layers.KimiDeltaAttention}[letter]
+  if letter == "R":
+    kw.update(rope_theta=config.rope_theta, norm_eps=config.norm_eps)
+  if letter == "F":
+    kw.update(norm_eps=config.norm_eps)
+  return cls(config.width, config.num_heads, **kw)
+
+
+class SwiGLU(nnx.Module):
+  """`down(silu(gate(x)) * up(x))`: `[B, T, d] -> [B, T, d]` through a hidden width `mlp_dim`."""
+
+  def __init__(self, width: int, hidden: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+    kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.gate = nnx.Linear(width, hidden, **kw)
+    self.up = nnx.Linear(width, hidden, **kw)
+    self.down = nnx.Linear(hidden, width, **kw)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: `x + mixer(norm(x))`, then `x + mlp(norm(x))`."""
+
+  def __init__(self, config: LMConfig, letter: str, *, rngs: nnx.Rngs):
+    kw = dict(dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
+    self.letter = letter
+    self.mixer_norm = nnx.RMSNorm(config.width, epsilon=config.norm_eps, **kw)
+    self.mixer = make_mixer(config, letter, rngs=rngs)
+    self.mlp_norm = nnx.RMSNorm(config.width, epsilon=config.norm_eps, **kw)
+    self.mlp = SwiGLU(config.width, config.mlp_dim, **kw)
+
+  def __call__(self, x: jax.Array, cache=None):
+    """`x: [B, T, d]` -> `(x', cache')`; the cache is this block's mixer cache or None."""
+    h, cache = self.mixer(self.mixer_norm(x), cache)
+    x = x + h
+    return x + self.mlp(self.mlp_norm(x)), cache
+
+
+class LM(nnx.Module):
+  """Decoder-only language model over `LMConfig` (see the module docstring)."""
+
+  def __init__(self, config: LMConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    kw = dict(dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
+    self.embed = nnx.Embed(config.vocab_size, config.width,
+                           embedding_init=nnx.initializers.normal(0.02), **kw)
+    self.blocks = nnx.List([Block(config, letter, rngs=rngs) for letter in config.layer_kinds])
+    self.final_norm = nnx.RMSNorm(config.width, epsilon=config.norm_eps, **kw)
+    self.lm_head = (None if config.tie_embeddings else
+                    nnx.Linear(config.width, config.vocab_size, use_bias=False, **kw))
+
+  def init_cache(self, batch: int, max_len: int) -> LMCache:
+    """Empty caches for `batch` sequences of at most `max_len` tokens.
+
+    Linear mixers get a `LinearCache` (float32 state and conv windows, independent of max_len);
+    Attention gets a `KVCache` with `[B, max_len, H_kv, D]` buffers.
+    """
+    if not isinstance(batch, int) or batch < 1:
+      raise ValueError(f"batch must be a positive integer; got batch={batch!r}")
+    if not isinstance(max_len, int) or max_len < 1:
+      raise ValueError(f"max_len must be a positive integer; got max_len={max_len!r}")
+    return LMCache(layers=tuple(b.mixer.init_cache(batch, max_len) for b in self.blocks),
+                   max_len=max_len)
+
+  def state_size(self, seq_len: int) -> int:
+    """Cache elements per sequence at context `seq_len`, summed over the blocks' mixers."""
+    return sum(b.mixer.state_size(seq_len) for b in self.blocks)
+
+  def __call__(self, tokens: jax.Array, cache: LMCache | None = None):
+    """Runs the model on `tokens: [B, T]` int.
+
+    Returns `(logits [B, T, vocab] float32, cache)`: the cache advanced by T tokens, or None when
+    `cache` is None (training). Raises when the tokens would run past `cache.max_len` (checked when
+    the position is concrete, i.e. outside jit; `generate` checks its lengths up front).
+    """
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(f"tokens must be an integer array [B, T]; got {tokens.dtype} {tokens.shape}")
+    B, T = tokens.shape
+    if cache is not None:
+      if not isinstance(cache, LMCache) or len(cache.layers) != len(self.blocks):
+        raise ValueError(f"cache must be an LMCache from init_cache with {len(self.blocks)} layers")
+      if T > cache.max_len:
+        raise ValueError(f"decoding past max_len: T={T} tokens > max_len={cache.max_len}")
+      pos = cache.pos
+      if not isinstance(pos, jax.core.Tracer) and int(pos) + T > cache.max_len:
+        raise ValueError(f"decoding past max_len: pos={int(pos)} + T={T} > max_len={cache.max_len}")
+    x = self.embed(tokens)
+    new = []
+    for i, block in enumerate(self.blocks):
+      x, c = block(x, None if cache is None else cache.layers[i])
+      new.append(c)
+    x = self.final_norm(x)
+    logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+    new_cache = None if cache is None else LMCache(layers=tuple(new), max_len=cache.max_len)
+    return logits.astype(jnp.float32), new_cache
