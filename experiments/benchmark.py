@@ -1,0 +1,334 @@
+"""Benchmark: time each variant's implementations against peers and softmax attention, in one run.
+
+For every shape `(B, T, H, K)` (V = K, H_v = H) and variant, times the forward pass (o) and the forward
+plus backward pass (`jax.grad` of `sum(o.astype(f32) * do)` with respect to every float input) of each
+`--impls`, of each peer (`jla`: jax-linear-attention's implementations, when it is installed) and of
+causal softmax attention (`jax.nn.dot_product_attention`, cuDNN on GPU). Inputs follow
+shared/BENCHMARKS.md (experiments/common.py). Every contender is jitted and compiled, warmed up, then
+timed interleaved (iteration outer, contender inner) so drift hits all alike. The table gives the
+median milliseconds and the ratio to `--anchor` (median / anchor's median, same variant, shape and mode;
+> 1 is slower), with XLA's scratch memory and the device's peak memory (None on CPU). Writes
+`{workdir}/benchmark.json`, and `{workdir}/benchmark.png` with `--plot`.
+
+Example:
+  python experiments/benchmark.py --shapes="4,8192,16,128;1,32768,16,128" --iters=20
+  python experiments/benchmark.py --shapes=4,8192,16,128 --jla_impls=chunked,mosaic_gpu --plot
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import os
+import statistics
+import sys
+import time
+
+if __package__ in (None, ""):  # run as a file: put the repository root on the path
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from experiments import common
+from linear_attention_jax import ops
+
+try:
+  from tqdm import tqdm
+except ImportError:  # tqdm is optional (setup.py's "experiments" extra)
+  tqdm = None
+
+MODES = ("fwd", "fwd_bwd")
+PEERS = ("jla",)
+# Our variant -> jla's kind; variants missing here have no jla counterpart.
+JLA_KINDS = {"simple_gla": "simple_gla", "gla": "gla", "delta_rule": "deltanet",
+             "gated_delta_rule": "gated_deltanet", "kda": "kda"}
+JLA_IMPLS = ("chunked", "mosaic_gpu", "reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  variants: tuple[str, ...] = ("simple_gla", "gated_delta_rule", "kda")  # from ops.VARIANTS
+  impls: tuple[str, ...] = ("chunk", "recurrent")  # this library's impls to time
+  shapes: tuple[tuple[int, int, int, int], ...] = ((1, 4096, 4, 64),)  # (B, T, H, K); V = K, H_v = H
+  dtype: str = "bfloat16"  # q, k, v, beta dtype (float32 | bfloat16); gates are float32
+  modes: tuple[str, ...] = MODES  # "fwd" (o) and/or "fwd_bwd" (gradients of every float input)
+  warmup: int = 2  # untimed rounds over all contenders after compilation
+  iters: int = 5  # timed rounds; the median is reported
+  chunk_size: int = 64  # chunk length for this library's and jla's chunked forms
+  peers: tuple[str, ...] = PEERS  # other libraries to time when installed (rows say "not installed")
+  jla_impls: tuple[str, ...] = ("chunked",)  # jla implementations: chunked, mosaic_gpu, reference
+  softmax: bool = True  # also time causal softmax attention on q, k, v of each shape
+  anchor: str = ""  # "" = "jla:<first jla impl>" when jla is installed, else impls[0]; or "softmax"
+  seed: int = 0  # inputs for (shape, variant) come from numpy default_rng([seed, shape, variant])
+  plot: bool = False  # write benchmark.png (needs matplotlib)
+
+  def __post_init__(self):
+    common.check_variants(self.variants)
+    common.dtype_of(self.dtype)
+    bad = {"impls": [i for i in self.impls if i not in ops.IMPLS],
+           "modes": [m for m in self.modes if m not in MODES] + ([] if self.modes else ["(none)"]),
+           "peers": [p for p in self.peers if p not in PEERS],
+           "jla_impls": [i for i in self.jla_impls if i not in JLA_IMPLS],
+           "shapes": [s for s in self.shapes if len(s) != 4 or min(s) < 1]}
+    for name, values in bad.items():
+      if values:
+        raise ValueError(f"bad {name}: {values}")
+    labels = set(self.impls) | {f"jla:{i}" for i in self.jla_impls} | {"softmax"}
+    if self.anchor and self.anchor not in labels:
+      raise ValueError(f"anchor must be '' or one of {sorted(labels)}; got {self.anchor!r}")
+    if self.warmup < 0 or self.iters < 1:
+      raise ValueError(f"need warmup >= 0 and iters >= 1; got {self.warmup=} {self.iters=}")
+
+
+def parse_shapes(text: str) -> tuple[tuple[int, int, int, int], ...]:
+  """`"4,8192,16,128;1,32768,16,128"` -> `((4, 8192, 16, 128), (1, 32768, 16, 128))`."""
+  return tuple(tuple(int(x) for x in part.split(",")) for part in text.split(";") if part.strip())
+
+
+def import_jla():
+  """`(jla.ops, version)`, or `(None, why)` when jla cannot be imported."""
+  try:
+    module = importlib.import_module("jla.ops")
+  except ModuleNotFoundError as err:
+    return None, f"not installed ({err})" if err.name in ("jla", "jla.ops") else f"import failed ({err})"
+  except ImportError as err:
+    return None, f"import failed ({err})"
+  try:
+    return module, importlib.metadata.version("jax-linear-attention")
+  except importlib.metadata.PackageNotFoundError:
+    return module, "unknown version"
+
+
+@dataclasses.dataclass
+class Contender:
+  """One timed callable: `compiled(*args)`, or a row with a status saying why there is none."""
+  variant: str
+  shape: tuple[int, int, int, int]
+  impl: str
+  mode: str
+  forward: object = None  # inputs dict -> o; None when status says why not
+  inputs: dict | None = None
+  do: jax.Array | None = None  # cotangent of o for fwd_bwd, float32
+  status: str = "ok"
+  compiled: object = None
+  args: tuple = ()
+  times_ms: list = dataclasses.field(default_factory=list)
+  temp_bytes: int | None = None
+  peak_bytes: int | None = None
+
+  def compile(self):
+    """Jits and compiles the mode's step; a call the implementation refuses becomes an error row."""
+    try:
+      self.compiled = jax.jit(self._step()).lower(*self.args).compile()
+    except (ValueError, NotImplementedError, jax.errors.JaxRuntimeError) as err:
+      self.status = f"error: {type(err).__name__}: {err}".splitlines()[0]
+      return
+    memory = self.compiled.memory_analysis()
+    self.temp_bytes = None if memory is None else int(memory.temp_size_in_bytes)
+
+  def _step(self):
+    """The function to time (setting `args`): the forward, or the gradient of `sum(o * do)`."""
+    if self.mode == "fwd":
+      self.args = (self.inputs,)
+      return self.forward
+    self.args = (self.inputs, self.do)
+    return jax.grad(lambda x, do: jnp.sum(self.forward(x).astype(jnp.float32) * do))
+
+  def run(self) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(self.compiled(*self.args))
+    return (time.perf_counter() - start) * 1e3
+
+
+def _contenders(config: Config, shape, shape_index: int, jla_ops, jla_status: str) -> list[Contender]:
+  B, T, H, K = shape
+  dtype = common.dtype_of(config.dtype)
+  # o is [B, T, H, K] for every contender (V = K, H_v = H): one cotangent serves them all.
+  do = jnp.asarray(np.random.default_rng([config.seed, shape_index]).standard_normal(
+      (B, T, H, K), dtype=np.float32))
+  out = []
+  for variant in config.variants:
+    rng = np.random.default_rng([config.seed, shape_index, ops.VARIANTS.index(variant)])
+    inputs = common.make_inputs(variant, rng, B=B, T=T, H=H, K=K, V=K, dtype=dtype)
+    forwards = {impl: (lambda x, v=variant, i=impl: common.call(
+        v, x, impl=i, chunk_size=config.chunk_size)[0]) for impl in config.impls}
+    statuses = {}
+    for impl in (config.jla_impls if "jla" in config.peers else ()):
+      label = f"jla:{impl}"
+      if jla_ops is None:
+        statuses[label] = jla_status.split(" (")[0]  # "not installed" / "import failed"; why: above
+      elif variant not in JLA_KINDS:
+        statuses[label] = f"unsupported: jla has no kind for {variant}"
+      else:
+        forwards[label] = lambda x, v=variant, i=impl: _jla_forward(jla_ops, v, x, i, config.chunk_size)
+    for mode in config.modes:
+      out += [Contender(variant, shape, label, mode, fn, inputs, do) for label, fn in forwards.items()]
+      out += [Contender(variant, shape, label, mode, status=s) for label, s in statuses.items()]
+  if config.softmax:
+    rng = np.random.default_rng([config.seed, shape_index, len(ops.VARIANTS)])
+    inputs = {name: jnp.asarray(rng.standard_normal((B, T, H, K), dtype=np.float32), dtype)
+              for name in ("q", "k", "v")}
+    on_gpu = jax.default_backend() == "gpu"
+    attend = lambda x: jax.nn.dot_product_attention(x["q"], x["k"], x["v"], is_causal=True,
+                                                    implementation="cudnn" if on_gpu else None)
+    out += [Contender("softmax", shape, "cudnn" if on_gpu else "xla", mode, attend, inputs, do)
+            for mode in config.modes]
+  return out
+
+
+def _jla_forward(jla_ops, variant, x, impl, chunk_size):
+  """jla's o for our inputs: same gates; delta kinds l2-normalise q, k inside, as ours do."""
+  options = {name: x[name] for name in ("g", "beta") if name in x}
+  if variant in common.DELTA_VARIANTS:
+    options["use_qk_l2norm"] = True
+  if impl == "chunked":
+    options["chunk_size"] = chunk_size
+  return jla_ops.linear_attention(JLA_KINDS[variant], x["q"], x["k"], x["v"], impl=impl, **options)[0]
+
+
+def _time(contenders: list[Contender], config: Config, desc: str):
+  """Compiles, warms up, then times the runnable contenders, interleaved; fills times and memory."""
+  for c in contenders:
+    if c.status == "ok":
+      c.compile()
+  live = [c for c in contenders if c.status == "ok"]
+  device = jax.devices()[0]
+  rounds = config.warmup + config.iters
+  bar = tqdm(total=(rounds + 1) * len(live), desc=desc, leave=False, disable=None) if tqdm else None
+  tick = bar.update if bar is not None else lambda: None
+  for c in list(live):  # first call, one contender at a time: the device's peak then includes it
+    try:
+      c.run()
+    except jax.errors.JaxRuntimeError as err:  # e.g. out of memory: say so in the table, time the rest
+      c.status = f"error: {type(err).__name__}: {err}".splitlines()[0]
+      live.remove(c)
+      continue
+    stats = device.memory_stats()
+    c.peak_bytes = None if stats is None else stats.get("peak_bytes_in_use")
+    tick()
+  for round_ in range(rounds):
+    for c in live:
+      ms = c.run()
+      if round_ >= config.warmup:
+        c.times_ms.append(ms)
+      tick()
+  if bar is not None:
+    bar.close()
+
+
+def _rows(contenders: list[Contender], anchor: str) -> list[dict]:
+  medians = {(c.variant, c.shape, c.impl, c.mode): statistics.median(c.times_ms)
+             for c in contenders if c.times_ms}
+  rows = []
+  for c in contenders:
+    ms = medians.get((c.variant, c.shape, c.impl, c.mode))
+    ref = (next((m for (v, s, i, mode), m in medians.items() if v == "softmax" and s == c.shape
+                 and mode == c.mode), None) if anchor == "softmax"
+           else medians.get((c.variant, c.shape, anchor, c.mode)))
+    rows.append({"variant": c.variant, "shape": list(c.shape), "impl": c.impl, "mode": c.mode,
+                 "status": c.status, "median_ms": ms, "times_ms": c.times_ms,
+                 "ratio": None if ms is None or ref is None else ms / ref,
+                 "temp_bytes": c.temp_bytes, "peak_bytes": c.peak_bytes})
+  return rows
+
+
+def run_benchmark(config: Config, workdir: str) -> dict:
+  """Times every contender, prints the table, writes `{workdir}/benchmark.json`; returns the results."""
+  jla_ops, jla_status = import_jla() if "jla" in config.peers else (None, "not requested")
+  if "jla" in config.peers and jla_ops is None:
+    print(f"jla: {jla_status}; its rows say so and are not timed")
+  anchor = config.anchor or (f"jla:{config.jla_impls[0]}" if jla_ops is not None else config.impls[0])
+  contenders = []
+  for index, shape in enumerate(config.shapes):
+    group = _contenders(config, shape, index, jla_ops, jla_status)
+    _time(group, config, desc="B,T,H,K=" + ",".join(map(str, shape)))
+    contenders += group
+  rows = _rows(contenders, anchor)
+  device = jax.devices()[0]
+  print(f"{device.platform} ({device.device_kind}), jax {jax.__version__}, dtype={config.dtype}, "
+        f"chunk_size={config.chunk_size}, median of {config.iters} after {config.warmup} warm-up")
+  print(f"ratio = median / median of {anchor!r} (same variant, shape, mode); > 1 is slower. temp MiB: "
+        "XLA's scratch for the contender; peak MiB: the device's high-water mark after its first call "
+        "(cumulative over the run: JAX cannot reset it)")
+  mib = lambda b: "-" if b is None else f"{b / 2**20:.1f}"
+  print(common.format_table(
+      ("variant", "B,T,H,K", "impl", "mode", "median ms", "ratio", "temp MiB", "peak MiB", "note"),
+      [(r["variant"], ",".join(map(str, r["shape"])), r["impl"], r["mode"],
+        "-" if r["median_ms"] is None else f"{r['median_ms']:.3f}",
+        "-" if r["ratio"] is None else f"{r['ratio']:.2f}", mib(r["temp_bytes"]), mib(r["peak_bytes"]),
+        "" if r["status"] == "ok" else r["status"][:48]) for r in rows]))
+  for error in dict.fromkeys(r["status"] for r in rows if r["status"].startswith("error")):
+    print(error)
+  results = {"config": dataclasses.asdict(config), "anchor": anchor, "jax": jax.__version__,
+             "device": f"{device.platform} ({device.device_kind})",
+             "peers": {"jla": jla_status} if "jla" in config.peers else {}, "rows": rows}
+  results["path"] = common.write_json(workdir, "benchmark.json", results)
+  print(f"wrote {results['path']}")
+  if config.plot:
+    results["plot"] = _plot(rows, workdir)
+  return results
+
+
+def _plot(rows, workdir) -> str | None:
+  """A horizontal bar chart of the medians (log scale) at `{workdir}/benchmark.png`."""
+  try:
+    import matplotlib
+  except ImportError:
+    print("matplotlib is not installed: no plot")
+    return None
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  timed = [r for r in rows if r["median_ms"] is not None]
+  fig, ax = plt.subplots(figsize=(8, 0.3 * len(timed) + 1))
+  ax.barh([f"{r['variant']} {r['impl']} {r['mode']} {','.join(map(str, r['shape']))}" for r in timed],
+          [r["median_ms"] for r in timed])
+  ax.set_xscale("log")
+  ax.set_xlabel("median ms")
+  ax.invert_yaxis()
+  fig.tight_layout()
+  path = os.path.join(workdir, "benchmark.png")
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  print(f"wrote {path}")
+  return path
+
+
+def _define_flags():
+  d = Config()
+  flags.DEFINE_list("variants", list(d.variants), "Variants to time (from ops.VARIANTS).")
+  flags.DEFINE_list("impls", list(d.impls), "This library's implementations to time.")
+  flags.DEFINE_string("shapes", ";".join(",".join(map(str, s)) for s in d.shapes),
+                      "Semicolon list of B,T,H,K (V = K, H_v = H).")
+  flags.DEFINE_enum("dtype", d.dtype, sorted(common.DTYPES), "dtype of q, k, v and beta.")
+  flags.DEFINE_list("modes", list(d.modes), "fwd and/or fwd_bwd.")
+  flags.DEFINE_integer("warmup", d.warmup, "Untimed rounds after compilation.")
+  flags.DEFINE_integer("iters", d.iters, "Timed rounds; the median is reported.")
+  flags.DEFINE_integer("chunk_size", d.chunk_size, "Chunk length of the chunked forms.")
+  flags.DEFINE_list("peers", list(d.peers), f"Peers to time when installed: {PEERS}.")
+  flags.DEFINE_list("jla_impls", list(d.jla_impls), f"jla implementations: {JLA_IMPLS}.")
+  flags.DEFINE_bool("softmax", d.softmax, "Also time causal softmax attention.")
+  flags.DEFINE_string("anchor", d.anchor, "Ratio reference: an impl, jla:<impl> or softmax; "
+                      "'' = jla:<first jla impl> when jla is installed, else the first impl.")
+  flags.DEFINE_integer("seed", d.seed, "Random seed.")
+  flags.DEFINE_bool("plot", d.plot, "Write benchmark.png (needs matplotlib).")
+  flags.DEFINE_string("workdir", "runs/benchmark", "Where benchmark.json (and .png) are written.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  f = flags.FLAGS
+  config = Config(variants=tuple(f.variants), impls=tuple(f.impls), shapes=parse_shapes(f.shapes),
+                  dtype=f.dtype, modes=tuple(f.modes), warmup=f.warmup, iters=f.iters,
+                  chunk_size=f.chunk_size, peers=tuple(f.peers), jla_impls=tuple(f.jla_impls),
+                  softmax=f.softmax, anchor=f.anchor, seed=f.seed, plot=f.plot)
+  run_benchmark(config, f.workdir)
+
+
+if __name__ == "__main__":
+  _define_flags()
+  app.run(main)

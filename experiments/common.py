@@ -1,0 +1,122 @@
+"""Inputs and calls shared by the experiment scripts: one place that knows each variant's arguments.
+
+Random inputs follow the benchmark recipe (shared/BENCHMARKS.md): q, k, v ~ N(0, 1) in the chosen dtype;
+scalar gates `g = log_sigmoid(N(0, 1) + 4)` `[B, T, H_v]` and per-channel gates the same `[B, T, H_v, K]`,
+both float32; `beta = sigmoid(N(0, 1))` `[B, T, H_v]` in the chosen dtype; an initial state ~ N(0, 1)
+`[B, H_v, K, V]` float32 (`[B, H_v, K, V + 1]` for linear_attention, whose last column is the normaliser
+z and is drawn as |N(0, 1)|, as a sum of positive features would be). The delta variants are called with
+`use_qk_l2norm=True`, so their q and k are l2-normalised per head inside the op.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from linear_attention_jax import ops
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+DELTA_VARIANTS = ("delta_rule", "gated_delta_rule", "kda")
+_GATES = {  # variant -> "scalar" | "channel" | None (no gate argument)
+    "linear_attention": None, "retention": None, "simple_gla": "scalar", "gla": "channel",
+    "delta_rule": None, "gated_delta_rule": "scalar", "kda": "channel",
+}
+
+
+def check_variants(variants) -> tuple[str, ...]:
+  """Returns `variants` as a tuple after checking every name is one of `ops.VARIANTS`."""
+  unknown = [v for v in variants if v not in ops.VARIANTS]
+  if unknown or not variants:
+    raise ValueError(f"variants must be a non-empty list from {ops.VARIANTS}; got {list(variants)}")
+  return tuple(variants)
+
+
+def dtype_of(name: str):
+  if name not in DTYPES:
+    raise ValueError(f"dtype must be one of {sorted(DTYPES)}; got {name!r}")
+  return DTYPES[name]
+
+
+def input_names(variant: str, *, initial_state: bool = False) -> tuple[str, ...]:
+  """Names of the variant's array inputs: q, k, v, then g and beta where it has them."""
+  names = ("q", "k", "v")
+  if _GATES[variant] is not None:
+    names += ("g",)
+  if variant in DELTA_VARIANTS:
+    names += ("beta",)
+  return names + (("initial_state",) if initial_state else ())
+
+
+def state_shape(variant: str, B: int, H_v: int, K: int, V: int) -> tuple[int, int, int, int]:
+  """`[B, H_v, K, V]`; linear_attention (normalize=True) carries z as one extra value column."""
+  return (B, H_v, K, V + 1) if variant == "linear_attention" else (B, H_v, K, V)
+
+
+def make_inputs(variant: str, rng: np.random.Generator, *, B: int, T: int, H: int, K: int, V: int,
+                H_v: int | None = None, dtype=jnp.float32,
+                initial_state: bool = False) -> dict[str, jax.Array]:
+  """Random inputs of `variant`, keyed by `input_names(variant, initial_state=...)`, in that order.
+
+  Drawn with NumPy (no per-shape compilation, unlike `jax.random` run eagerly), then put on the device.
+  """
+  H_v = H if H_v is None else H_v
+  normal = lambda *shape: rng.standard_normal(shape, dtype=np.float32)
+  inputs = {"q": normal(B, T, H, K), "k": normal(B, T, H, K), "v": normal(B, T, H_v, V)}
+  gate = _GATES[variant]
+  if gate is not None:
+    shape = (B, T, H_v) if gate == "scalar" else (B, T, H_v, K)
+    inputs["g"] = -np.logaddexp(0.0, -(normal(*shape) + 4.0))  # log_sigmoid(N(0, 1) + 4)
+  if variant in DELTA_VARIANTS:
+    inputs["beta"] = 1.0 / (1.0 + np.exp(-normal(B, T, H_v)))  # sigmoid(N(0, 1))
+  if initial_state:
+    h0 = normal(*state_shape(variant, B, H_v, K, V))
+    if variant == "linear_attention":
+      h0[..., -1] = np.abs(h0[..., -1])
+    inputs["initial_state"] = h0
+  in_dtype = {"q": dtype, "k": dtype, "v": dtype, "beta": dtype}  # gates and states stay float32
+  return {name: jnp.asarray(x, in_dtype.get(name, jnp.float32)) for name, x in inputs.items()}
+
+
+def call(variant: str, inputs: dict, **options):
+  """Runs `ops.<variant>` on `inputs` (from `make_inputs`) and `options` (impl, chunk_size, ...).
+
+  Positional arguments are taken in `input_names` order; `initial_state` is passed when present; the
+  delta variants get `use_qk_l2norm=True`. Returns the op's `(o, final_state)`.
+  """
+  args = tuple(inputs[name] for name in input_names(variant))
+  if "initial_state" in inputs:
+    options["initial_state"] = inputs["initial_state"]
+  if variant in DELTA_VARIANTS:
+    options["use_qk_l2norm"] = True
+  return getattr(ops, variant)(*args, **options)
+
+
+def format_table(header, rows) -> str:
+  """A plain-text table: numbers (and "-") right-aligned, other text left-aligned."""
+  cells = [list(map(str, header))] + [list(map(str, row)) for row in rows]
+  widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+  line = lambda row: "  ".join(c.rjust(w) if _numeric(c) else c.ljust(w)
+                               for c, w in zip(row, widths)).rstrip()
+  return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
+
+
+def _numeric(text: str) -> bool:
+  try:
+    float(text.replace(",", ""))
+  except ValueError:
+    return text == "-"
+  return True
+
+
+def write_json(workdir, name: str, results: dict) -> str:
+  """Writes `results` to `{workdir}/{name}` (creating workdir) and returns the path."""
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, name)
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(results, f, indent=1)
+  return path

@@ -1,0 +1,82 @@
+"""Smoke tests of the experiment scripts: each plain function on tiny inputs, and each main once."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from experiments import benchmark, common, equivalence
+from linear_attention_jax import ops
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_equivalence_every_variant_agrees_in_float32(tmp_path):
+  # Given every variant at T = 5 with chunks of 4 (a full chunk and a padded one), grouped heads
+  config = equivalence.Config(T=(5,), B=1, H=1, H_v=2, K=8, V=8, chunk_size=4)
+  # When the equivalence run compares chunk with recurrent
+  results = equivalence.run_equivalence(config, str(tmp_path))
+  # Then the JSON holds the rows, one per variant, with o, state and every input's gradient
+  with open(tmp_path / "equivalence.json", encoding="utf-8") as f:
+    assert json.load(f)["rows"] == results["rows"]
+  assert [r["variant"] for r in results["rows"]] == list(ops.VARIANTS)
+  for row in results["rows"]:
+    names = common.input_names(row["variant"], initial_state=True)
+    expected = {"o", "state"} | {equivalence._GRAD_KEYS[n] for n in names}
+    assert set(row["errors"]) == expected, row["variant"]
+    # and every error is small in float32
+    assert all(err < 1e-4 for err in row["errors"].values()), row
+
+
+def test_benchmark_has_a_row_per_variant_impl_and_mode(tmp_path):
+  plot = importlib.util.find_spec("matplotlib") is not None
+  # Given a scalar-gated additive and a per-channel delta variant at a tiny shape
+  config = benchmark.Config(variants=("simple_gla", "kda"), shapes=((1, 16, 2, 8),), dtype="float32",
+                            warmup=0, iters=2, chunk_size=8, plot=plot)
+  # When every contender is timed
+  results = benchmark.run_benchmark(config, str(tmp_path))
+  # Then the JSON holds the rows: one timed row per (variant, impl, mode), jla's say whether it ran
+  with open(tmp_path / "benchmark.json", encoding="utf-8") as f:
+    assert json.load(f)["rows"] == results["rows"]
+  rows = {(r["variant"], r["impl"], r["mode"]): r for r in results["rows"]}
+  jla_installed = importlib.util.find_spec("jla") is not None
+  for variant in config.variants:
+    for mode in config.modes:
+      for impl in config.impls:
+        row = rows[(variant, impl, mode)]
+        assert row["status"] == "ok" and row["median_ms"] > 0 and len(row["times_ms"]) == 2, row
+      jla = rows[(variant, "jla:chunked", mode)]
+      assert jla["status"] == ("ok" if jla_installed else "not installed"), jla
+      anchor = rows[(variant, results["anchor"], mode)]
+      assert anchor["ratio"] == 1.0
+  softmax = [r for r in results["rows"] if r["variant"] == "softmax"]
+  assert sorted(r["mode"] for r in softmax) == sorted(config.modes)
+  assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in softmax)
+  assert os.path.exists(tmp_path / "benchmark.png") == plot
+
+
+def test_benchmark_parses_shapes_and_rejects_bad_configs():
+  assert benchmark.parse_shapes("4,8192,16,128;1,64,2,8") == ((4, 8192, 16, 128), (1, 64, 2, 8))
+  with pytest.raises(ValueError, match="variants"):
+    benchmark.Config(variants=("softmax",))
+  with pytest.raises(ValueError, match="anchor"):
+    benchmark.Config(anchor="jla:triton")
+  with pytest.raises(ValueError, match="impls"):
+    equivalence.Config(impls=("recurrent",))
+
+
+@pytest.mark.parametrize("script, flags, output", [
+    ("equivalence.py", ["--variants=simple_gla", "--T=3", "--K=4", "--V=4"], "equivalence.json"),
+    ("benchmark.py", ["--variants=simple_gla", "--impls=chunk", "--modes=fwd", "--shapes=1,8,1,4",
+                      "--nosoftmax", "--warmup=0", "--iters=1"], "benchmark.json"),
+])
+def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
+  cmd = [sys.executable, os.path.join(ROOT, "experiments", script), f"--workdir={tmp_path}", *flags]
+  done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert os.path.exists(tmp_path / output)
+  assert f"wrote {tmp_path / output}" in done.stdout
