@@ -1,6 +1,8 @@
 # Two commands: `make run` (the main job) and `make test`. Each builds .venv with Python 3.12 first.
-# PYTHON picks the interpreter (default: python3.12 on PATH, else pyenv's 3.12.1).
-PYTHON ?= $(shell command -v python3.12 2>/dev/null || echo $$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python3)
+# PYTHON picks the interpreter (default: the first Python 3.12 that runs of python3.12 on the PATH,
+# python3, and pyenv's 3.12.1).
+PYTHON ?= $(shell for p in python3.12 python3 "$$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python3"; do \
+  "$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo "$$p"; break; }; done)
 VENV := .venv
 PY := $(VENV)/bin/python
 WORKDIR ?= runs/equivalence
@@ -8,6 +10,7 @@ WORKDIR ?= runs/equivalence
 .PHONY: venv run test bench clean
 
 $(VENV)/.installed: setup.py requirements-ci.txt
+	@test -n "$(PYTHON)" || { echo "no Python 3.12 found: run with PYTHON=/path/to/python3.12"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install -r requirements-ci.txt
