@@ -1,1 +1,6 @@
-"""Pallas kernels (Mosaic GPU and Mosaic TPU) for the chunked forms; depends only on jax."""
+"""Pallas kernels for the chunked forms of linear attention; depends only on jax.
+
+- `prep`: the per-chunk tensors of both families (XLA), shared by every backend.
+- `vjp`: the custom_vjp that joins the preparation and a backend's chunk walk into one op.
+- `tpu`: Mosaic TPU kernels for the walk (`pallas_kernels.tpu.chunked_attention`).
+"""

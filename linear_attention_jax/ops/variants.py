@@ -24,15 +24,39 @@ from linear_attention_jax.ops.chunk import chunk_form
 from linear_attention_jax.ops.feature_maps import l2_normalize, resolve_feature_map
 from linear_attention_jax.ops.packing import Packing, from_cu_seqlens, from_segment_ids
 from linear_attention_jax.ops.recurrent import recurrent_form
+from pallas_kernels import tpu as tpu_kernels
 
 
-def select_impl(impl: str, variant: str) -> str:
-  """The implementation that serves a call. "auto" picks the chunked form (no kernel is registered yet)."""
+def pallas_reason(*, K: int, V: int, chunk_size: int, packing: str = "none", dtype=jnp.float32,
+                  sharded: bool = False):
+  """None if a Pallas kernel serves a call of this kind on this backend, else why not.
+
+  The TPU kernels serve a TPU backend, or any backend inside `pallas_kernels.tpu.interpret_kernels()`
+  (the TPU interpreter, for tests). `V` counts the state's value columns (with any normaliser column);
+  `sharded`: the operands are split over mesh axes outside `jax.shard_map`.
+  """
+  backend = "tpu" if tpu_kernels.interpreting() is not None else jax.default_backend()
+  if backend != "tpu":
+    return f"no Pallas kernel runs on backend {backend!r} (the kernels are for TPU)"
+  return tpu_kernels.supports(K=K, V=V, chunk_size=chunk_size, dtype=dtype, packing=packing,
+                              backend=backend, sharded=sharded)
+
+
+def select_impl(impl: str, variant: str, **call) -> str:
+  """The implementation that serves a call: a named impl, or for "auto" the Pallas kernel where
+  `pallas_reason(**call)` is None, else the chunked form. `impl="pallas"` raises with that reason.
+
+  `call`: the keywords of `pallas_reason` (K, V, chunk_size, packing, dtype, sharded); without them
+  "auto" takes the chunked form and "pallas" raises.
+  """
+  if impl not in ("pallas", "auto"):
+    return impl
+  reason = pallas_reason(**call) if call else "the call's shapes were not given to select_impl"
+  if reason is None:
+    return "pallas"
   if impl == "pallas":
-    raise ValueError(
-        f"impl='pallas' cannot serve {variant}: no Pallas kernel for this variant is available on "
-        f"backend {jax.default_backend()!r}; use impl='chunk' or impl='auto'")
-  return "chunk" if impl == "auto" else impl
+    raise ValueError(f"impl='pallas' cannot serve {variant}: {reason}; use impl='chunk' or impl='auto'")
+  return "chunk"
 
 
 def _expand_heads(x, Hv):
@@ -59,7 +83,10 @@ def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_sta
   N = checks.check_packing(segment_ids, cu_seqlens, B, T)
   checks.check_initial_state(initial_state, B if N is None else N, Hv, K, V, v_extra=v_extra,
                              rows_name="B" if N is None else "N")
-  form = select_impl(impl, variant)
+  packing_kind = "segments" if segment_ids is not None else ("none" if cu_seqlens is None else "cu_seqlens")
+  compute_dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)  # the kernel's matmul dtype
+  form = select_impl(impl, variant, K=K, V=V + v_extra, chunk_size=chunk_size, packing=packing_kind,
+                     dtype=compute_dtype, sharded=tpu_kernels.explicitly_sharded(q, k, v))
 
   scale = K ** -0.5 if scale is None else scale
   q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
@@ -82,6 +109,10 @@ def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_sta
   if form == "recurrent":
     o, final = recurrent_form(q32, k32, v32, g32, b32, scale=scale, initial_state=h0,
                               packing=packing)
+  elif form == "pallas":
+    o, final = tpu_kernels.chunked_attention(q32, k32, v32, g32, b32, scale=scale, initial_state=h0,
+                                             segment_ids=segment_ids, chunk_size=chunk_size,
+                                             compute_dtype=compute_dtype)
   else:
     o, final = chunk_form(q32, k32, v32, g32, b32, scale=scale, initial_state=h0,
                           packing=packing, chunk_size=chunk_size)

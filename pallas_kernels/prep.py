@@ -1,0 +1,212 @@
+"""Everything inside the chunks, in XLA: the per-chunk tensors that a chunk-walk kernel consumes.
+
+Both families and every decay kind reduce to one walk over chunks. With `C` tokens per chunk, `G_i` the
+cumulative log-decay from the chunk start (inclusive) and `S` the `[K, V]` state entering a chunk:
+
+    u      = U - W S                              (delta family; additive: W = 0, U = V)
+    o      = Qg S + P u                           (unscaled; the caller multiplies by `scale`)
+    S_next = Diag(decay) S + Kd^T u
+
+    Qg    = Q * e^G                               rows that read the carried state, else 0
+    Kd    = K * e^(G_C - G)                       rows whose write survives to the chunk's end, else 0
+    P_ij  = sum_c q_ic k_jc e^(G_ic - G_jc)       j <= i, same segment, else 0
+    decay = e^(G_C) per key channel              0 where the chunk's last token left the carried segment
+    delta: (I + L) [U | W] = Diag(beta) [V | K * e^G],  L_ij = beta_i sum_c k_ic k_jc e^(G_ic - G_jc), j < i
+
+Scalar decay is per-channel decay broadcast over K; no decay is `G = 0`. `segment_ids` enter only
+through the masks above, so the walk needs no packing logic. Decay is never formed as e^G * e^-G: scalar
+gates mask `G_i - G_j` before the exponential; per-channel gates use a binary split of the chunk
+(`decayed_gram`) in which every exponent is non-positive. `(I + L)^-1` is built by block doubling
+(`unit_lower_inverse`), all matmuls, instead of a triangular solve.
+
+Layout of every per-chunk tensor: `[B, H, NC, C, ...]` (head-major, as TPU blocks want), float32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class ChunkTensors(NamedTuple):
+  """The walk's inputs (shapes with `H = H_v` and `NC` chunks of `C` tokens)."""
+
+  qg: jax.Array              # [B, H, NC, C, K]
+  kd: jax.Array              # [B, H, NC, C, K]
+  w: jax.Array | None        # [B, H, NC, C, K] for the delta family, None for the additive one
+  u: jax.Array               # [B, H, NC, C, V]
+  p: jax.Array               # [B, H, NC, C, C]
+  decay: jax.Array           # [B, H, NC, K]
+
+
+def padded_length(T: int, chunk_size: int, chunk_multiple: int = 1) -> int:
+  """T rounded up to whole groups of `chunk_multiple` chunks."""
+  step = chunk_size * chunk_multiple
+  return -(-T // step) * step
+
+
+def to_chunks(x, C: int, T_pad: int):
+  """`[B, T, H, ...]` -> `[B, H, NC, C, ...]`, zero-padded along T to `T_pad`."""
+  B, T, H = x.shape[:3]
+  x = jnp.pad(x, [(0, 0), (0, T_pad - T)] + [(0, 0)] * (x.ndim - 2))
+  return jnp.moveaxis(x.reshape((B, T_pad // C, C, H) + x.shape[3:]), 3, 1)
+
+
+def from_chunks(x, T: int):
+  """`[B, H, NC, C, ...]` -> `[B, T, H, ...]` (drops the padding)."""
+  B, H, NC, C = x.shape[:4]
+  return jnp.moveaxis(x, 1, 3).reshape((B, NC * C, H) + x.shape[4:])[:, :T]
+
+
+def canonical_segments(segment_ids):
+  """`[B, T]` ids -> 0, 1, 2, ... counting changes along T (equal ids then mean "same run")."""
+  ids = jnp.asarray(segment_ids)
+  changes = (ids[:, 1:] != ids[:, :-1]).astype(jnp.int32)
+  return jnp.concatenate([jnp.zeros_like(changes[:, :1]), jnp.cumsum(changes, axis=1)], axis=1)
+
+
+def prepare(q, k, v, g, beta, segment_ids, *, chunk_size: int, chunk_multiple: int = 1,
+            dtype=jnp.float32) -> ChunkTensors:
+  """The per-chunk tensors of one call (module docstring), in float32.
+
+  Args:
+    q, k: `[B, T, H, K]`; v: `[B, T, H_v, V]` with `H_v % H == 0` (q/k head h serves value heads
+      `h * H_v / H ... (h + 1) * H_v / H - 1`).
+    g: None, `[B, T, H_v]` (scalar) or `[B, T, H_v, K]` (per channel) natural-log decay.
+    beta: None (additive family) or `[B, T, H_v]` (delta family).
+    segment_ids: None or `[B, T]` int; the state restarts wherever the id changes along T.
+    chunk_size: C. chunk_multiple: T is padded to whole groups of this many chunks (neutral tokens:
+      k = 0, g = 0, beta = 0 change neither the outputs nor the final state).
+    dtype: operand dtype of the matmuls (float32: exact; bfloat16: one MXU pass, float32 results).
+      Everything else, and every result, is float32.
+  """
+  B, T, H, K = q.shape
+  Hv = v.shape[2]
+  C = chunk_size
+  T_pad = padded_length(T, C, chunk_multiple)
+  f32 = lambda x: None if x is None else x.astype(jnp.float32)
+  q, k, v, g, beta = map(f32, (q, k, v, g, beta))
+  if Hv != H:
+    q, k = jnp.repeat(q, Hv // H, axis=2), jnp.repeat(k, Hv // H, axis=2)
+  chunks = lambda x: None if x is None else to_chunks(x, C, T_pad)
+  qc, kc, vc, gc, bc = map(chunks, (q, k, v, g, beta))
+  NC = T_pad // C
+
+  causal = np.tril(np.ones((C, C), bool))
+  strict = np.tril(np.ones((C, C), bool), -1)
+  carry = to_last = carry_last = None
+  incl, excl = causal, strict
+  if segment_ids is not None:
+    seg = canonical_segments(segment_ids)
+    seg = jnp.pad(seg, [(0, 0), (0, T_pad - T)], mode="edge").reshape(B, 1, NC, C)
+    before = jnp.concatenate([seg[:, :, :1, 0], seg[:, :, :-1, -1]], axis=2)  # state's segment
+    same = seg[..., :, None] == seg[..., None, :]
+    carry = seg == before[..., None]             # token reads the state carried into its chunk
+    to_last = seg == seg[..., -1:]               # token's write survives to the chunk's end
+    carry_last = carry[..., -1]
+    incl, excl = causal & same, strict & same
+
+  ones = jnp.ones((B, Hv, NC, K), jnp.float32)
+  L = None
+  if gc is None:
+    qg, kg, kd = qc, kc, kc
+    decay = ones
+    P = jnp.where(incl, _gram(qc, kc, dtype), 0.0)
+    if bc is not None:
+      L = jnp.where(excl, _gram(kc, kc, dtype), 0.0)
+  else:
+    G = jnp.cumsum(gc, axis=3)
+    G_last = G[:, :, :, -1]
+    if gc.ndim == 4:  # scalar gate: G [B, H, NC, C]
+      diff = G[..., :, None] - G[..., None, :]
+      P = _gram(qc, kc, dtype) * jnp.exp(jnp.where(incl, diff, -jnp.inf))
+      if bc is not None:
+        L = _gram(kc, kc, dtype) * jnp.exp(jnp.where(excl, diff, -jnp.inf))
+      Ge, Gd = G[..., None], (G_last[..., None] - G)[..., None]
+      decay = ones * jnp.exp(G_last)[..., None]
+    else:  # per-channel gate: G [B, H, NC, C, K]
+      P = jnp.where(incl, decayed_gram(qc, kc, G, inclusive=True, dtype=dtype), 0.0)
+      if bc is not None:
+        L = jnp.where(excl, decayed_gram(kc, kc, G, inclusive=False, dtype=dtype), 0.0)
+      Ge, Gd = G, G_last[..., None, :] - G
+      decay = jnp.exp(G_last)
+    qg, kg, kd = qc * jnp.exp(Ge), kc * jnp.exp(Ge), kc * jnp.exp(Gd)
+  if carry is not None:
+    rows = lambda x, m: jnp.where(m[..., None], x, 0.0)
+    qg, kg, kd = rows(qg, carry), rows(kg, carry), rows(kd, to_last)
+    decay = jnp.where(carry_last[..., None], decay, 0.0)
+
+  if bc is None:
+    return ChunkTensors(qg=qg, kd=kd, w=None, u=vc, p=P, decay=decay)
+  b = bc[..., None]
+  X = _gram_t(unit_lower_inverse(b * L, dtype), jnp.concatenate([b * vc, b * kg], axis=-1), dtype)
+  return ChunkTensors(qg=qg, kd=kd, w=X[..., v.shape[-1]:], u=X[..., :v.shape[-1]], p=P, decay=decay)
+
+
+def _matmul(spec, a, b, dtype):
+  """einsum with operands in `dtype` and float32 results: one MXU pass for bfloat16, the exact float32
+  algorithm (`Precision.HIGHEST`) for float32. The casts are explicit so that a CPU computes what a
+  TPU would."""
+  if dtype == jnp.float32:
+    return jnp.einsum(spec, a, b, precision=jax.lax.Precision.HIGHEST)
+  return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def _gram(a, b, dtype):
+  return _matmul("...ik,...jk->...ij", a, b, dtype)
+
+
+def _gram_t(a, b, dtype):
+  return _matmul("...ij,...jk->...ik", a, b, dtype)
+
+
+def unit_lower_inverse(L, dtype=jnp.float32):
+  """`(I + L)^-1` for strictly lower-triangular `L: [..., C, C]`, as 2 log2(C) batched matmuls.
+
+  Start from the identity (the inverse of the 1 x 1 diagonal blocks) and double the block size: for
+  `M = [[A, 0], [E, D]]`, `M^-1 = [[A^-1, 0], [-D^-1 E A^-1, D^-1]]`, so with `X` the inverse of the
+  block diagonal at one level and `E` the entries of L that couple each later block to its partner,
+  `X - X E X` is the inverse at the next level. On a TPU these are MXU matmuls where a triangular solve
+  would take C dependent steps. `dtype`: the matmul operand dtype (see `_matmul`).
+  """
+  C = L.shape[-1]
+  X = jnp.broadcast_to(jnp.eye(C, dtype=jnp.float32), L.shape)
+  for _, _, pair in _level_masks(C):
+    X = X - _gram_t(_gram_t(X, jnp.where(pair, L, 0.0), dtype), X, dtype)
+  return X
+
+
+def _level_masks(C: int):
+  """For each level p: (row is the later block [C] bool, reference token [C] int, pair mask [C, C])."""
+  t = np.arange(C)
+  levels = []
+  for p in range(int(math.log2(C))):
+    later = ((t >> p) & 1).astype(bool)
+    ref = ((t >> (p + 1)) << (p + 1)) + (1 << p) - 1
+    pair = ((t[:, None] >> (p + 1)) == (t[None, :] >> (p + 1))) & later[:, None] & ~later[None, :]
+    levels.append((later, ref, pair))
+  return levels
+
+
+def decayed_gram(a, b, G, *, inclusive: bool, dtype=jnp.float32):
+  """`M_ij = sum_c a_ic b_jc exp(G_ic - G_jc)` for j < i (and j == i if `inclusive`); zero above.
+
+  `a, b, G: [..., C, K]`, G non-increasing along C. At level p the chunk is cut into blocks of 2^p
+  tokens and each later block is paired with the block before it through the reference token r that
+  ends the earlier block, so both factors e^(G_i - G_r) and e^(G_r - G_j) have non-positive exponents.
+  log2(C) matmuls cover every pair i > j once; nothing overflows for any g <= 0.
+  """
+  C = a.shape[-2]
+  total = jnp.zeros(a.shape[:-1] + (C,), jnp.float32)
+  for later, ref, pair in _level_masks(C):
+    G_ref = jnp.take(G, jnp.asarray(ref), axis=-2)
+    rows = later[:, None]
+    x = jnp.where(rows, a, b) * jnp.exp(jnp.where(rows, G - G_ref, G_ref - G))
+    total = total + jnp.where(pair, _gram(x, x, dtype), 0.0)
+  if inclusive:
+    total = total + jnp.sum(a * b, axis=-1)[..., None] * np.eye(C, dtype=np.float32)
+  return total

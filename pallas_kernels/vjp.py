@@ -1,0 +1,111 @@
+"""The custom_vjp wiring: XLA preparation (`prep.py`) + a backend's chunk walk, as one differentiable op.
+
+    forward:   tensors = prepare(q, k, v, g, beta)  ->  walk.forward(tensors, h0)  ->  (o, final)
+    backward:  recompute tensors (and the vjp of `prepare`), walk.forward(..., with_states=True) for the
+               state entering each chunk, walk.backward(...) in reverse, then the vjp of `prepare`
+               turns the per-chunk cotangents into dq, dk, dv, dg, dbeta; the walk gives dh0.
+
+Residuals are the op's inputs only (as flash attention keeps only q, k, v and statistics): the
+preparation and the chunk states are recomputed in the backward pass, so nothing of size `T * K * V`
+outlives the forward. A backend supplies a `Walk`; nothing here depends on the backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import prep
+
+
+class Walk(NamedTuple):
+  """A backend's chunk walk.
+
+  forward(tensors, h0, *, options, with_o, with_states, out_dtype) -> (o, states, final):
+    `tensors` a `prep.ChunkTensors` in the matmul dtype (decay float32), `h0` None or `[B, H, K, V]`
+    float32; `o: [B, H, NC, C, V]` (unscaled) or None, `states` opaque (for `backward`) or None,
+    `final: [B, H, K, V]` float32.
+  backward(tensors, states, do, dfinal, *, options) -> (float32 ChunkTensors of cotangents, dh0).
+  chunks_per_group(NC, options) -> int: T is padded to whole groups of this many chunks.
+  """
+
+  forward: Callable[..., Any]
+  backward: Callable[..., Any]
+  chunks_per_group: Callable[[int, Any], int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """Everything about a call that is not an array (hashable).
+
+  walk: the backend. options: the backend's own settings (block sizes, interpreter), passed through.
+  chunk_size: C. compute_dtype: the matmul dtype of the per-chunk tensors. out_dtype: o's dtype.
+  """
+
+  walk: Walk
+  options: Any
+  chunk_size: int
+  compute_dtype: Any
+  out_dtype: Any
+
+
+def _prepare(static: Static, q, k, v, g, beta, segment_ids):
+  NC = -(-q.shape[1] // static.chunk_size)
+  return prep.prepare(q, k, v, g, beta, segment_ids, chunk_size=static.chunk_size,
+                      chunk_multiple=static.walk.chunks_per_group(NC, static.options),
+                      dtype=static.compute_dtype)
+
+
+def _cast(t: prep.ChunkTensors, dtype) -> prep.ChunkTensors:
+  cast = lambda x: None if x is None else x.astype(dtype)
+  return t._replace(qg=cast(t.qg), kd=cast(t.kd), w=cast(t.w), u=cast(t.u), p=cast(t.p))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def chunked(static: Static, q, k, v, g, beta, h0, segment_ids):
+  """The op on chunks: `(o [B, H_v, NC, C, V] unscaled in static.out_dtype, final [B, H_v, K, V])`.
+
+  Shapes as in `prep.prepare`; `h0` None or `[B, H_v, K, V]` float32; `segment_ids` None or `[B, T]`.
+  """
+  t = _cast(_prepare(static, q, k, v, g, beta, segment_ids), static.compute_dtype)
+  o, _, final = static.walk.forward(t, h0, options=static.options, with_o=True, with_states=False,
+                                    out_dtype=static.out_dtype)
+  return o, final
+
+
+def _chunked_fwd(static, q, k, v, g, beta, h0, segment_ids):
+  return chunked(static, q, k, v, g, beta, h0, segment_ids), (q, k, v, g, beta, h0, segment_ids)
+
+
+def _chunked_bwd(static, residuals, cotangents):
+  q, k, v, g, beta, h0, segment_ids = residuals
+  do, dfinal = cotangents
+  t32, prep_vjp = jax.vjp(lambda *x: _prepare(static, *x, segment_ids), q, k, v, g, beta)
+  t = _cast(t32, static.compute_dtype)
+  _, states, _ = static.walk.forward(t, h0, options=static.options, with_o=False, with_states=True,
+                                     out_dtype=static.out_dtype)
+  grads, dh0 = static.walk.backward(t, states, do, dfinal, options=static.options)
+  dq, dk, dv, dg, dbeta = prep_vjp(jax.tree.map(_sum_over_extra_axes, grads, t32))
+  return dq, dk, dv, dg, dbeta, (None if h0 is None else dh0.astype(h0.dtype)), None
+
+
+def _sum_over_extra_axes(ct, primal):
+  """Under `jax.shard_map`, a cotangent that varies over mesh axes its primal does not (K-side tensors
+  when V is sharded) holds per-shard partial sums: add them up."""
+  extra = jax.typeof(ct).manual_axis_type.varying - jax.typeof(primal).manual_axis_type.varying
+  return jax.lax.psum(ct, tuple(sorted(extra))) if extra else ct
+
+
+chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def chunked_op(static: Static, q, k, v, g, beta, *, scale: float, initial_state, segment_ids):
+  """`chunked` in the library's layout: `(o [B, T, H_v, V] out_dtype, final [B, H_v, K, V] float32)`."""
+  h0 = None if initial_state is None else jnp.asarray(initial_state, jnp.float32)
+  o, final = chunked(static, q, k, v, g, beta, h0, segment_ids)
+  o = prep.from_chunks(o, q.shape[1])
+  return (o.astype(jnp.float32) * scale).astype(static.out_dtype), final
