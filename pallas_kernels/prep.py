@@ -24,7 +24,6 @@ Layout of every per-chunk tensor: `[B, H, NC, C, ...]` (head-major, as TPU block
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -150,7 +149,9 @@ def prepare(q, k, v, g, beta, segment_ids, *, chunk_size: int, chunk_multiple: i
 def _matmul(spec, a, b, dtype):
   """einsum with operands in `dtype` and float32 results: one MXU pass for bfloat16, the exact float32
   algorithm (`Precision.HIGHEST`) for float32. The casts are explicit so that a CPU computes what a
-  TPU would."""
+  TPU would. `dtype=None`: the backend's default precision, no casts (the XLA chunked form)."""
+  if dtype is None:
+    return jnp.einsum(spec, a, b)
   if dtype == jnp.float32:
     return jnp.einsum(spec, a, b, precision=jax.lax.Precision.HIGHEST)
   return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
@@ -164,49 +165,57 @@ def _gram_t(a, b, dtype):
   return _matmul("...ij,...jk->...ik", a, b, dtype)
 
 
-def unit_lower_inverse(L, dtype=jnp.float32):
-  """`(I + L)^-1` for strictly lower-triangular `L: [..., C, C]`, as 2 log2(C) batched matmuls.
+def _join_blocks(upper_left, lower_left, lower_right):
+  """`[[A, 0], [E, D]]` from `[..., s, s]` blocks."""
+  return jnp.concatenate([jnp.concatenate([upper_left, jnp.zeros_like(upper_left)], axis=-1),
+                          jnp.concatenate([lower_left, lower_right], axis=-1)], axis=-2)
 
-  Start from the identity (the inverse of the 1 x 1 diagonal blocks) and double the block size: for
-  `M = [[A, 0], [E, D]]`, `M^-1 = [[A^-1, 0], [-D^-1 E A^-1, D^-1]]`, so with `X` the inverse of the
-  block diagonal at one level and `E` the entries of L that couple each later block to its partner,
-  `X - X E X` is the inverse at the next level. On a TPU these are MXU matmuls where a triangular solve
-  would take C dependent steps. `dtype`: the matmul operand dtype (see `_matmul`).
+
+def unit_lower_inverse(L, dtype=jnp.float32):
+  """`(I + L)^-1` for strictly lower-triangular `L: [..., C, C]` (C a power of two), by merging blocks.
+
+  Start from the inverses of the 1 x 1 diagonal blocks (ones); at each level pair every diagonal block
+  with the next: `[[A, 0], [E, D]]^-1 = [[A^-1, 0], [-D^-1 E A^-1, D^-1]]`. log2(C) levels of small
+  batched matmuls: the arithmetic of forward substitution without C dependent steps (on a TPU, MXU work).
+  `dtype`: the matmul operand dtype (see `_matmul`).
   """
   C = L.shape[-1]
-  X = jnp.broadcast_to(jnp.eye(C, dtype=jnp.float32), L.shape)
-  for _, _, pair in _level_masks(C):
-    X = X - _gram_t(_gram_t(X, jnp.where(pair, L, 0.0), dtype), X, dtype)
-  return X
-
-
-def _level_masks(C: int):
-  """For each level p: (row is the later block [C] bool, reference token [C] int, pair mask [C, C])."""
-  t = np.arange(C)
-  levels = []
-  for p in range(int(math.log2(C))):
-    later = ((t >> p) & 1).astype(bool)
-    ref = ((t >> (p + 1)) << (p + 1)) + (1 << p) - 1
-    pair = ((t[:, None] >> (p + 1)) == (t[None, :] >> (p + 1))) & later[:, None] & ~later[None, :]
-    levels.append((later, ref, pair))
-  return levels
+  batch = L.shape[:-2]
+  X = jnp.ones(batch + (C, 1, 1), jnp.float32)  # inverses of the diagonal blocks, [..., C / s, s, s]
+  s = 1
+  while s < C:
+    nb = C // (2 * s)
+    blocks = jnp.diagonal(L.reshape(batch + (nb, 2 * s, nb, 2 * s)), axis1=-4, axis2=-2)
+    E = jnp.moveaxis(blocks, -1, -3)[..., s:, :s]   # [..., nb, s, s]
+    pairs = X.reshape(batch + (nb, 2, s, s))
+    A_inv, D_inv = pairs[..., 0, :, :], pairs[..., 1, :, :]
+    X = _join_blocks(A_inv, -_gram_t(_gram_t(D_inv, E, dtype), A_inv, dtype), D_inv)
+    s *= 2
+  return X.reshape(batch + (C, C))
 
 
 def decayed_gram(a, b, G, *, inclusive: bool, dtype=jnp.float32):
   """`M_ij = sum_c a_ic b_jc exp(G_ic - G_jc)` for j < i (and j == i if `inclusive`); zero above.
 
-  `a, b, G: [..., C, K]`, G non-increasing along C. At level p the chunk is cut into blocks of 2^p
-  tokens and each later block is paired with the block before it through the reference token r that
-  ends the earlier block, so both factors e^(G_i - G_r) and e^(G_r - G_j) have non-positive exponents.
-  log2(C) matmuls cover every pair i > j once; nothing overflows for any g <= 0.
+  `a, b, G: [..., C, K]` (C a power of two), G non-increasing along C. Built like a merge sort: the
+  diagonal blocks of 2^p tokens are known; pairing each with the next, the new lower-left block is
+  `(a_later * e^(G_later - G_r)) (b_earlier * e^(G_r - G_earlier))^T` with r the last token of the
+  earlier block, so both exponents are <= 0: exact wherever the true value is representable, at any
+  decay strength.
   """
-  C = a.shape[-2]
-  total = jnp.zeros(a.shape[:-1] + (C,), jnp.float32)
-  for later, ref, pair in _level_masks(C):
-    G_ref = jnp.take(G, jnp.asarray(ref), axis=-2)
-    rows = later[:, None]
-    x = jnp.where(rows, a, b) * jnp.exp(jnp.where(rows, G - G_ref, G_ref - G))
-    total = total + jnp.where(pair, _gram(x, x, dtype), 0.0)
-  if inclusive:
-    total = total + jnp.sum(a * b, axis=-1)[..., None] * np.eye(C, dtype=np.float32)
-  return total
+  C, K = a.shape[-2:]
+  batch = a.shape[:-2]
+  diag = jnp.sum(a * b, axis=-1) if inclusive else jnp.zeros(batch + (C,), jnp.float32)
+  M = diag[..., None, None]  # the diagonal blocks, [..., C / s, s, s]
+  s = 1
+  while s < C:
+    nb = C // (2 * s)
+    split = lambda x: x.reshape(batch + (nb, 2, s, K))
+    a2, b2, G2 = split(a), split(b), split(G)
+    G_ref = G2[..., 0, s - 1:s, :]
+    later = a2[..., 1, :, :] * jnp.exp(G2[..., 1, :, :] - G_ref)
+    earlier = b2[..., 0, :, :] * jnp.exp(G_ref - G2[..., 0, :, :])
+    pairs = M.reshape(batch + (nb, 2, s, s))
+    M = _join_blocks(pairs[..., 0, :, :], _gram(later, earlier, dtype), pairs[..., 1, :, :])
+    s *= 2
+  return M.reshape(batch + (C, C))

@@ -14,10 +14,10 @@ Everything but the walk over chunks is batched over all chunks at once; the walk
 carries one `[B, H, K, V]` state and keeps one state per chunk (never one per token).
 
 Decay is never formed as e^G * e^-G. Scalar gates mask G_i - G_j before the exponential. Per-channel
-gates use a binary split of the chunk (`_decayed_gram`): at level p the chunk is cut into blocks of 2^p
-tokens, and a row block is paired with the column block before it through the reference token r at
-the end of the column block, so both factors e^(G_i - G_r) and e^(G_r - G_j) have non-positive
-exponents. log2(C) matmuls cover every pair i > j exactly once; nothing overflows for any g <= 0.
+gates use a binary split of the chunk (`pallas_kernels.prep.decayed_gram`, shared with the kernels):
+diagonal blocks of 2^p tokens are merged pairwise, the new lower-left block coupling the later block to
+the earlier one through the reference token r that ends the earlier block, so both factors
+e^(G_i - G_r) and e^(G_r - G_j) have non-positive exponents. Nothing overflows for any g <= 0.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from linear_attention_jax.ops.packing import Packing, cu_layout
+from pallas_kernels.prep import decayed_gram, unit_lower_inverse
 
 
 def chunk_form(q, k, v, g, beta, *, scale, initial_state, packing: Packing, chunk_size: int):
@@ -212,9 +213,9 @@ def _intra_chunk(qc, kc, vc, gc, bc, carry, to_last, carry_last, incl, excl):
         L = jnp.einsum("bhnik,bhnjk->bhnij", kc, kc) * jnp.exp(jnp.where(excl, diff, -jnp.inf))
       Ge, Gd = G[..., None], (G_last[..., None] - G)[..., None]
     else:  # per-channel gate: [B, H, NC, C, K]
-      P = jnp.where(incl, _decayed_gram(qc, kc, G, inclusive=True), 0.0)
+      P = jnp.where(incl, decayed_gram(qc, kc, G, inclusive=True, dtype=None), 0.0)
       if bc is not None:
-        L = jnp.where(excl, _decayed_gram(kc, kc, G, inclusive=False), 0.0)
+        L = jnp.where(excl, decayed_gram(kc, kc, G, inclusive=False, dtype=None), 0.0)
       Ge, Gd = G, G_last[..., None, :] - G
     qg, kg, kd = qc * jnp.exp(Ge), kc * jnp.exp(Ge), kc * jnp.exp(Gd)
     decay_last = jnp.exp(G_last)
@@ -226,58 +227,5 @@ def _intra_chunk(qc, kc, vc, gc, bc, carry, to_last, carry_last, incl, excl):
     return P, qg, kd, decay_last, vc, None, jnp.einsum("bhnck,bhncv->bhnkv", kd, vc)
   bc = bc[..., None]
   rhs = jnp.concatenate([bc * vc, bc * kg], axis=-1)
-  X = jnp.einsum("bhnij,bhnjd->bhnid", _unit_lower_inverse(bc * L), rhs)
+  X = jnp.einsum("bhnij,bhnjd->bhnid", unit_lower_inverse(bc * L, dtype=None), rhs)
   return P, qg, kd, decay_last, X[..., :V], X[..., V:], None
-
-
-def _unit_lower_inverse(L):
-  """`(I + L)^-1` for strictly lower-triangular `L: [..., C, C]` (C a power of two), by merging blocks.
-
-  Start from the inverses of the 1x1 diagonal blocks (ones); at each level, pair every diagonal block
-  with the next and apply [[A, 0], [C, D]]^-1 = [[A^-1, 0], [-D^-1 C A^-1, D^-1]]. log2(C) levels of
-  small batched matmuls: the arithmetic of forward substitution without C sequential steps.
-  """
-  C = L.shape[-1]
-  batch = L.shape[:-2]
-  X = jnp.ones(batch + (C, 1, 1), L.dtype)  # inverses of the diagonal blocks, [..., C / s, s, s]
-  s = 1
-  while s < C:
-    nb = C // (2 * s)
-    blocks = jnp.diagonal(L.reshape(batch + (nb, 2 * s, nb, 2 * s)), axis1=-4, axis2=-2)
-    lower_left = jnp.moveaxis(blocks, -1, -3)[..., s:, :s]   # [..., nb, s, s]
-    pairs = X.reshape(batch + (nb, 2, s, s))
-    A_inv, D_inv = pairs[..., 0, :, :], pairs[..., 1, :, :]
-    off = -jnp.einsum("...ij,...jk,...kl->...il", D_inv, lower_left, A_inv)
-    X = jnp.concatenate([jnp.concatenate([A_inv, jnp.zeros_like(A_inv)], axis=-1),
-                         jnp.concatenate([off, D_inv], axis=-1)], axis=-2)
-    s *= 2
-  return X.reshape(batch + (C, C))
-
-
-def _decayed_gram(a, b, G, *, inclusive):
-  """`M_ij = sum_c a_ic b_jc exp(G_ic - G_jc)` for j < i (and j == i if `inclusive`); zero above.
-
-  `a, b, G: [..., C, K]` (C a power of two), G non-increasing along C. Built like a merge sort: the
-  diagonal blocks of 2^p tokens are known; pairing each with the next, the new lower-left block is
-  `(a_later * e^(G_later - G_r)) (b_earlier * e^(G_r - G_earlier))^T` with r the last token of the
-  earlier block, so both exponents are <= 0: exact wherever the true value is representable, at any
-  decay strength.
-  """
-  C, K = a.shape[-2:]
-  batch = a.shape[:-2]
-  diag = jnp.sum(a * b, axis=-1) if inclusive else jnp.zeros(batch + (C,), a.dtype)
-  M = diag[..., None, None]  # the diagonal blocks, [..., C / s, s, s]
-  s = 1
-  while s < C:
-    nb = C // (2 * s)
-    split = lambda x: x.reshape(batch + (nb, 2, s, K))
-    a2, b2, G2 = split(a), split(b), split(G)
-    G_ref = G2[..., 0, s - 1:s, :]
-    later = a2[..., 1, :, :] * jnp.exp(G2[..., 1, :, :] - G_ref)
-    earlier = b2[..., 0, :, :] * jnp.exp(G_ref - G2[..., 0, :, :])
-    off = jnp.einsum("...ik,...jk->...ij", later, earlier)
-    pairs = M.reshape(batch + (nb, 2, s, s))
-    M = jnp.concatenate([jnp.concatenate([pairs[..., 0, :, :], jnp.zeros_like(off)], axis=-1),
-                         jnp.concatenate([off, pairs[..., 1, :, :]], axis=-1)], axis=-2)
-    s *= 2
-  return M.reshape(batch + (C, C))
