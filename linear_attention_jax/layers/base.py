@@ -24,6 +24,8 @@ from flax import nnx
 from linear_attention_jax import ops
 from linear_attention_jax.layers.cache import LinearCache
 from linear_attention_jax.layers.conv import ShortConvolution
+from linear_attention_jax.sharding import for_current_rules
+from linear_attention_jax.sharding.rules import axes as logical_axes
 
 
 def a_log_init(key, shape, dtype=jnp.float32, low: float = 1.0, high: float = 16.0):
@@ -39,10 +41,16 @@ def dt_bias_init(key, shape, dtype=jnp.float32, dt_min: float = 1e-3, dt_max: fl
   return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
 
 
-def linear(width_in, width_out, *, use_bias=False, dtype, param_dtype, rngs):
-  """A dense projection `[..., width_in] -> [..., width_out]` in the layer dtype."""
+def linear(width_in, width_out, *, use_bias=False, axes=None, dtype, param_dtype, rngs):
+  """A dense projection `[..., width_in] -> [..., width_out]` in the layer dtype.
+
+  `axes`: the logical axes (`sharding.LOGICAL_AXES`) of the kernel `[width_in, width_out]`; the bias
+  takes the second.
+  """
+  meta = {} if axes is None else dict(kernel_metadata=logical_axes(*axes),
+                                      bias_metadata=logical_axes(axes[1]))
   return nnx.Linear(width_in, width_out, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                    rngs=rngs)
+                    rngs=rngs, **meta)
 
 
 _NO_CONV_ACTIVATIONS = {"identity": lambda x: x, "silu": jax.nn.silu}
@@ -90,13 +98,13 @@ class LinearMixer(nnx.Module):
     self.head_dim, self.head_v_dim, self.state_extra = head_dim, head_v_dim, state_extra
     self.impl, self.chunk_size, self.dtype = impl, chunk_size, dtype
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.q_proj = linear(width, H * head_dim, **kw)
-    self.k_proj = linear(width, H * head_dim, **kw)
-    self.v_proj = linear(width, Hv * head_v_dim, **kw)
+    self.q_proj = linear(width, H * head_dim, axes=("embed", "heads"), **kw)
+    self.k_proj = linear(width, H * head_dim, axes=("embed", "heads"), **kw)
+    self.v_proj = linear(width, Hv * head_v_dim, axes=("embed", "heads"), **kw)
     if use_short_conv:
-      self.q_conv = ShortConvolution(H * head_dim, conv_size, **kw)
-      self.k_conv = ShortConvolution(H * head_dim, conv_size, **kw)
-      self.v_conv = ShortConvolution(Hv * head_v_dim, conv_size, **kw)
+      self.q_conv = ShortConvolution(H * head_dim, conv_size, axis="heads", **kw)
+      self.k_conv = ShortConvolution(H * head_dim, conv_size, axis="heads", **kw)
+      self.v_conv = ShortConvolution(Hv * head_v_dim, conv_size, axis="heads", **kw)
     else:
       self.q_conv = self.k_conv = self.v_conv = None
 
@@ -151,8 +159,9 @@ class LinearMixer(nnx.Module):
     `gates`: the op's positional gate arguments after v (`[B, T, H_v]` or `[B, T, H_v, K]`), in order.
     Returns `(o [B, T, H_v, V] in v's dtype, new state [B, H_v, K, V] float32 or None)`.
     """
-    if cache is None:
-      o, _ = op(q, k, v, *gates, impl=self.impl, chunk_size=self.chunk_size, **kwargs)
+    if cache is None:  # under `sharding.use_rules(mesh, rules)` the op runs under shard_map
+      o, _ = for_current_rules(op)(q, k, v, *gates, impl=self.impl, chunk_size=self.chunk_size,
+                                   **kwargs)
       return o, None
     if q.shape[1] == 1:
       o, state = step(q[:, 0], k[:, 0], v[:, 0], *(g[:, 0] for g in gates), cache.state, **kwargs)

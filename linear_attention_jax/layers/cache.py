@@ -6,7 +6,8 @@ Two kinds, both pytrees (they pass through `jax.jit`, `lax.scan` and `jax.eval_s
     attention), the short-convolution windows (the last `W - 1` inputs of each convolved stream,
     `[B, W - 1, D]` float32) and the number of tokens seen. Its size does not depend on the context.
   KVCache: key and value buffers `[B, L, H_kv, D]` in the compute dtype for a context of L = max_len
-    tokens, and the number of tokens written. Its size grows linearly with L.
+    tokens, the number of tokens written, and the short-convolution windows when the layer has them.
+    Its size grows linearly with L.
 
 `pos` is a scalar int32: every row of a batch has seen the same number of tokens.
 """
@@ -47,10 +48,13 @@ class KVCache:
   Attributes:
     k, v: `[B, L, H_kv, D]` in the layer's compute dtype; rows `>= pos` are unwritten (zeros).
     pos: `[]` int32, tokens written so far.
+    conv: the short-convolution windows (q, k, v; `[B, W - 1, D]` float32 each), or an empty tuple
+      when the layer has no short convolution.
   """
   k: jax.Array
   v: jax.Array
   pos: jax.Array
+  conv: tuple[jax.Array, ...] = ()
 
   @property
   def max_len(self) -> int:

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from linear_attention_jax.sharding.rules import axes
+
 ACTIVATIONS = {"silu": jax.nn.silu, "swish": jax.nn.silu, "identity": lambda x: x}
 
 
@@ -25,11 +27,13 @@ class ShortConvolution(nnx.Module):
   Attributes:
     kernel: `[W, D]` param, tap w multiplies the input `W - 1 - w` steps back.
     bias: `[D]` param or None.
+
+  `axis`: the logical axis of D ("heads" for a mixer's q/k/v channels), for the sharding rules.
   """
 
   def __init__(self, features: int, kernel_size: int = 4, *, use_bias: bool = False,
-               activation: str = "silu", dtype=jnp.float32, param_dtype=jnp.float32,
-               rngs: nnx.Rngs):
+               activation: str = "silu", axis: str | None = None, dtype=jnp.float32,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
     if not isinstance(kernel_size, int) or kernel_size < 1:
       raise ValueError(f"kernel_size (the conv width) must be an integer >= 1; got {kernel_size!r}")
     if features < 1:
@@ -41,8 +45,8 @@ class ShortConvolution(nnx.Module):
     # PyTorch's Conv1d default for a depthwise conv: U(-1/sqrt(W), 1/sqrt(W)), fan-in W.
     bound = kernel_size ** -0.5
     self.kernel = nnx.Param(jax.random.uniform(rngs.params(), (kernel_size, features), param_dtype,
-                                               -bound, bound))
-    self.bias = nnx.Param(jnp.zeros((features,), param_dtype)) if use_bias else None
+                                               -bound, bound), **axes(None, axis))
+    self.bias = nnx.Param(jnp.zeros((features,), param_dtype), **axes(axis)) if use_bias else None
 
   def init_cache(self, batch: int) -> jax.Array:
     """Zero window `[B, W - 1, D]` float32: the sequence starts here."""

@@ -49,10 +49,10 @@ class DeltaNet(LinearMixer):
                      impl=impl, chunk_size=chunk_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     Hv, V = self.num_v_heads, self.head_v_dim
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.b_proj = linear(width, Hv, **kw)
-    self.g_proj = linear(width, Hv * V, **kw) if use_output_gate else None
+    self.b_proj = linear(width, Hv, axes=("embed", "heads"), **kw)
+    self.g_proj = linear(width, Hv * V, axes=("embed", "heads"), **kw) if use_output_gate else None
     self.o_norm = GatedRMSNorm(V, eps=norm_eps, activation="swish", **kw)
-    self.o_proj = linear(Hv * V, width, **kw)
+    self.o_proj = linear(Hv * V, width, axes=("heads", "embed"), **kw)
 
   def __call__(self, x: jax.Array, cache: LinearCache | None = None):
     """Mixes `x: [B, T, width]` along T.

@@ -23,6 +23,7 @@ from linear_attention_jax import ops
 from linear_attention_jax.layers.base import LinearMixer, a_log_init, dt_bias_init, linear
 from linear_attention_jax.layers.cache import LinearCache
 from linear_attention_jax.layers.norm import GatedRMSNorm
+from linear_attention_jax.sharding.rules import axes
 
 
 class GatedDeltaNet(LinearMixer):
@@ -52,13 +53,13 @@ class GatedDeltaNet(LinearMixer):
                      impl=impl, chunk_size=chunk_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     Hv, V = self.num_v_heads, self.head_v_dim
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.a_proj = linear(width, Hv, **kw)
-    self.b_proj = linear(width, Hv, **kw)
-    self.A_log = nnx.Param(a_log_init(rngs.params(), (Hv,), param_dtype))
-    self.dt_bias = nnx.Param(dt_bias_init(rngs.params(), (Hv,), param_dtype))
-    self.g_proj = linear(width, Hv * V, **kw)
+    self.a_proj = linear(width, Hv, axes=("embed", "heads"), **kw)
+    self.b_proj = linear(width, Hv, axes=("embed", "heads"), **kw)
+    self.A_log = nnx.Param(a_log_init(rngs.params(), (Hv,), param_dtype), **axes("heads"))
+    self.dt_bias = nnx.Param(dt_bias_init(rngs.params(), (Hv,), param_dtype), **axes("heads"))
+    self.g_proj = linear(width, Hv * V, axes=("embed", "heads"), **kw)
     self.o_norm = GatedRMSNorm(V, eps=norm_eps, activation="swish", **kw)
-    self.o_proj = linear(Hv * V, width, **kw)
+    self.o_proj = linear(Hv * V, width, axes=("heads", "embed"), **kw)
 
   def gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`(g, beta)`, each `[B, T, H_v]` float32, for `x: [B, T, width]`."""

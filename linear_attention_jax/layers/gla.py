@@ -52,11 +52,11 @@ class GatedLinearAttention(LinearMixer):
     Hv, K, V = self.num_v_heads, self.head_dim, self.head_v_dim
     self.gate_logit_normalizer = float(gate_logit_normalizer)
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.gk_down = linear(width, gate_low_rank_dim, **kw)
-    self.gk_up = linear(gate_low_rank_dim, Hv * K, use_bias=True, **kw)
-    self.g_proj = linear(width, Hv * V, **kw)
+    self.gk_down = linear(width, gate_low_rank_dim, axes=("embed", None), **kw)
+    self.gk_up = linear(gate_low_rank_dim, Hv * K, use_bias=True, axes=(None, "heads"), **kw)
+    self.g_proj = linear(width, Hv * V, axes=("embed", "heads"), **kw)
     self.o_norm = GatedRMSNorm(V, eps=norm_eps, activation="swish", **kw)
-    self.o_proj = linear(Hv * V, width, **kw)
+    self.o_proj = linear(Hv * V, width, axes=("heads", "embed"), **kw)
 
   def __call__(self, x: jax.Array, cache: LinearCache | None = None):
     """Mixes `x: [B, T, width]` along T.

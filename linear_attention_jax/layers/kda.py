@@ -21,6 +21,7 @@ from linear_attention_jax import ops
 from linear_attention_jax.layers.base import LinearMixer, a_log_init, dt_bias_init, linear
 from linear_attention_jax.layers.cache import LinearCache
 from linear_attention_jax.layers.norm import GatedRMSNorm
+from linear_attention_jax.sharding.rules import axes
 
 
 class KimiDeltaAttention(LinearMixer):
@@ -49,15 +50,15 @@ class KimiDeltaAttention(LinearMixer):
                      impl=impl, chunk_size=chunk_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     Hv, K, V = self.num_v_heads, self.head_dim, self.head_v_dim
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.f_down = linear(width, V, **kw)
-    self.f_up = linear(V, Hv * K, **kw)
-    self.b_proj = linear(width, Hv, **kw)
-    self.A_log = nnx.Param(a_log_init(rngs.params(), (Hv,), param_dtype))
-    self.dt_bias = nnx.Param(dt_bias_init(rngs.params(), (Hv * K,), param_dtype))
-    self.g_down = linear(width, V, **kw)
-    self.g_up = linear(V, Hv * V, use_bias=True, **kw)
+    self.f_down = linear(width, V, axes=("embed", None), **kw)
+    self.f_up = linear(V, Hv * K, axes=(None, "heads"), **kw)
+    self.b_proj = linear(width, Hv, axes=("embed", "heads"), **kw)
+    self.A_log = nnx.Param(a_log_init(rngs.params(), (Hv,), param_dtype), **axes("heads"))
+    self.dt_bias = nnx.Param(dt_bias_init(rngs.params(), (Hv * K,), param_dtype), **axes("heads"))
+    self.g_down = linear(width, V, axes=("embed", None), **kw)
+    self.g_up = linear(V, Hv * V, use_bias=True, axes=(None, "heads"), **kw)
     self.o_norm = GatedRMSNorm(V, eps=norm_eps, activation="sigmoid", **kw)
-    self.o_proj = linear(Hv * V, width, **kw)
+    self.o_proj = linear(Hv * V, width, axes=("heads", "embed"), **kw)
 
   def gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`(g [B, T, H_v, K], beta [B, T, H_v])` float32 for `x: [B, T, width]`."""

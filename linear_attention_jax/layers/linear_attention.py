@@ -47,7 +47,7 @@ class LinearAttention(LinearMixer):
                      impl=impl, chunk_size=chunk_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
                      state_extra=int(normalize))
     self.feature_map, self.normalize, self.eps = feature_map, normalize, eps
-    self.o_proj = linear(self.num_v_heads * self.head_v_dim, width, dtype=dtype,
+    self.o_proj = linear(self.num_v_heads * self.head_v_dim, width, axes=("heads", "embed"), dtype=dtype,
                          param_dtype=param_dtype, rngs=rngs)
 
   def __call__(self, x: jax.Array, cache: LinearCache | None = None):

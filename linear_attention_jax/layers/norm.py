@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from linear_attention_jax.sharding.rules import axes
+
 GATE_ACTIVATIONS = {"swish": jax.nn.silu, "silu": jax.nn.silu, "sigmoid": jax.nn.sigmoid}
 
 
@@ -28,7 +30,7 @@ class GatedRMSNorm(nnx.Module):
     if activation not in GATE_ACTIVATIONS:
       raise ValueError(f"activation must be one of {sorted(GATE_ACTIVATIONS)}; got {activation!r}")
     self.features, self.eps, self.activation, self.dtype = features, eps, activation, dtype
-    self.weight = nnx.Param(jnp.ones((features,), param_dtype))
+    self.weight = nnx.Param(jnp.ones((features,), param_dtype), **axes("head_v"))
 
   def __call__(self, x: jax.Array, gate: jax.Array | None = None) -> jax.Array:
     """`x: [..., V]`, `gate: [..., V]` or None (no gating). Returns `[..., V]` in the layer dtype."""
@@ -53,8 +55,8 @@ class HeadGroupNorm(nnx.Module):
   def __init__(self, num_heads: int, features: int, *, eps: float = 1e-5, dtype=jnp.float32,
                param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
     self.num_heads, self.features, self.eps, self.dtype = num_heads, features, eps, dtype
-    self.weight = nnx.Param(jnp.ones((num_heads, features), param_dtype))
-    self.bias = nnx.Param(jnp.zeros((num_heads, features), param_dtype))
+    self.weight = nnx.Param(jnp.ones((num_heads, features), param_dtype), **axes("heads", "head_v"))
+    self.bias = nnx.Param(jnp.zeros((num_heads, features), param_dtype), **axes("heads", "head_v"))
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """`x: [..., H_v, V]`. Returns the same shape in the layer dtype."""

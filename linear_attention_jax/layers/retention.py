@@ -54,9 +54,9 @@ class MultiScaleRetention(LinearMixer):
         jnp.asarray(gamma, jnp.float32), (Hv,)))
     self.rope_theta = rope_theta
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.g_proj = linear(width, Hv * V, **kw)
+    self.g_proj = linear(width, Hv * V, axes=("embed", "heads"), **kw)
     self.group_norm = HeadGroupNorm(Hv, V, eps=norm_eps, **kw)
-    self.o_proj = linear(Hv * V, width, **kw)
+    self.o_proj = linear(Hv * V, width, axes=("heads", "embed"), **kw)
 
   def __call__(self, x: jax.Array, cache: LinearCache | None = None):
     """Mixes `x: [B, T, width]` along T.

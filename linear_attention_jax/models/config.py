@@ -53,7 +53,10 @@ class LMConfig:
     head_v_dim: V of the linear mixers (default head_dim).
     mlp_ratio: SwiGLU hidden width / d; the hidden width is rounded up to a multiple of 32.
     conv_size: width of the short convolutions (>= 1).
-    use_short_conv: short convolutions on q, k, v in the mixers whose papers use them (D, G, K).
+    use_short_conv: short convolutions on q, k, v in the mixers named by `conv_letters`.
+    conv_letters: the mixers that get those convolutions (default "DGK", the mixers whose papers use
+      them; "LRFDGKA" gives every mixer, attention too, one: the "short conv + mixer" models of
+      associative-recall studies).
     tie_embeddings: the output head reuses the embedding matrix.
     rope_theta: rotary base (Attention and retention).
     norm_eps: epsilon of every RMSNorm.
@@ -74,6 +77,7 @@ class LMConfig:
   mlp_ratio: float = 8 / 3
   conv_size: int = 4
   use_short_conv: bool = True
+  conv_letters: str = CONV_LETTERS
   tie_embeddings: bool = True
   rope_theta: float = 10000.0
   norm_eps: float = 1e-5
@@ -114,6 +118,9 @@ class LMConfig:
                        f"embedding (pattern has 'A')")
     if not isinstance(self.conv_size, int) or isinstance(self.conv_size, bool) or self.conv_size < 1:
       raise ValueError(f"conv_size must be an integer >= 1; got conv_size={self.conv_size!r}")
+    if not isinstance(self.conv_letters, str) or set(self.conv_letters) - set(MIXER_LETTERS):
+      raise ValueError(f"conv_letters must be mixer letters ({''.join(MIXER_LETTERS)}); got "
+                       f"conv_letters={self.conv_letters!r}")
     if not self.mlp_ratio > 0:
       raise ValueError(f"mlp_ratio must be > 0; got mlp_ratio={self.mlp_ratio!r}")
     if self.impl not in ops.IMPLS:

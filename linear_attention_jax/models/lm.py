@@ -22,6 +22,7 @@ from flax import nnx
 from linear_attention_jax import layers
 from linear_attention_jax.layers.cache import KVCache, LinearCache
 from linear_attention_jax.models.config import CONV_LETTERS, LMConfig
+from linear_attention_jax.sharding.rules import axes, constrain
 
 
 @jax.tree_util.register_dataclass
@@ -44,7 +45,9 @@ class LMCache:
 
 def make_mixer(config: LMConfig, letter: str, *, rngs: nnx.Rngs) -> nnx.Module:
   """The mixer for one pattern letter, with the config's head sizes, dtypes and impl."""
-  kw = dict(dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
+  kw = dict(dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs,
+            use_short_conv=config.use_short_conv and letter in config.conv_letters,
+            conv_size=config.conv_size)
   if letter == "A":
     return layers.Attention(config.width, config.num_heads, num_kv_heads=config.num_kv_heads,
                             head_dim=config.head_dim, rope_theta=config.rope_theta, **kw)
@@ -53,8 +56,7 @@ def make_mixer(config: LMConfig, letter: str, *, rngs: nnx.Rngs) -> nnx.Module:
             head_v_dim=K if config.head_v_dim is None else config.head_v_dim,
             impl=config.impl, chunk_size=config.chunk_size)
   if letter in CONV_LETTERS:
-    kw.update(use_short_conv=config.use_short_conv, conv_size=config.conv_size,
-              norm_eps=config.norm_eps)
+    kw.update(norm_eps=config.norm_eps)
   cls = {"L": layers.LinearAttention, "R": layers.MultiScaleRetention,
          "F": layers.GatedLinearAttention, "D": layers.DeltaNet, "G": layers.GatedDeltaNet,
          "K": layers.KimiDeltaAttention}[letter]
@@ -70,9 +72,9 @@ class SwiGLU(nnx.Module):
 
   def __init__(self, width: int, hidden: int, *, dtype, param_dtype, rngs: nnx.Rngs):
     kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.gate = nnx.Linear(width, hidden, **kw)
-    self.up = nnx.Linear(width, hidden, **kw)
-    self.down = nnx.Linear(hidden, width, **kw)
+    self.gate = nnx.Linear(width, hidden, kernel_metadata=axes("embed", "mlp"), **kw)
+    self.up = nnx.Linear(width, hidden, kernel_metadata=axes("embed", "mlp"), **kw)
+    self.down = nnx.Linear(hidden, width, kernel_metadata=axes("mlp", "embed"), **kw)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
@@ -84,9 +86,11 @@ class Block(nnx.Module):
   def __init__(self, config: LMConfig, letter: str, *, rngs: nnx.Rngs):
     kw = dict(dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
     self.letter = letter
-    self.mixer_norm = nnx.RMSNorm(config.width, epsilon=config.norm_eps, **kw)
+    self.mixer_norm = nnx.RMSNorm(config.width, epsilon=config.norm_eps, scale_metadata=axes("embed"),
+                                  **kw)
     self.mixer = make_mixer(config, letter, rngs=rngs)
-    self.mlp_norm = nnx.RMSNorm(config.width, epsilon=config.norm_eps, **kw)
+    self.mlp_norm = nnx.RMSNorm(config.width, epsilon=config.norm_eps, scale_metadata=axes("embed"),
+                                **kw)
     self.mlp = SwiGLU(config.width, config.mlp_dim, **kw)
 
   def __call__(self, x: jax.Array, cache=None):
@@ -103,11 +107,14 @@ class LM(nnx.Module):
     self.config = config
     kw = dict(dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
     self.embed = nnx.Embed(config.vocab_size, config.width,
-                           embedding_init=nnx.initializers.normal(0.02), **kw)
+                           embedding_init=nnx.initializers.normal(0.02),
+                           embedding_metadata=axes("vocab", "embed"), **kw)
     self.blocks = nnx.List([Block(config, letter, rngs=rngs) for letter in config.layer_kinds])
-    self.final_norm = nnx.RMSNorm(config.width, epsilon=config.norm_eps, **kw)
+    self.final_norm = nnx.RMSNorm(config.width, epsilon=config.norm_eps, scale_metadata=axes("embed"),
+                                  **kw)
     self.lm_head = (None if config.tie_embeddings else
-                    nnx.Linear(config.width, config.vocab_size, use_bias=False, **kw))
+                    nnx.Linear(config.width, config.vocab_size, use_bias=False,
+                               kernel_metadata=axes("embed", "vocab"), **kw))
 
   def init_cache(self, batch: int, max_len: int) -> LMCache:
     """Empty caches for `batch` sequences of at most `max_len` tokens.
@@ -144,10 +151,12 @@ class LM(nnx.Module):
       pos = cache.pos
       if not isinstance(pos, jax.core.Tracer) and int(pos) + T > cache.max_len:
         raise ValueError(f"decoding past max_len: pos={int(pos)} + T={T} > max_len={cache.max_len}")
-    x = self.embed(tokens)
+    residual = ("batch", "seq", "embed")  # the layout of the residual stream under sharding rules
+    x = constrain(self.embed(tokens), residual)
     new = []
     for i, block in enumerate(self.blocks):
       x, c = block(x, None if cache is None else cache.layers[i])
+      x = constrain(x, residual)
       new.append(c)
     x = self.final_norm(x)
     logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
