@@ -21,6 +21,6 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "pytest-xdist"],
-        "experiments": ["matplotlib", "tqdm"],
+        "experiments": ["matplotlib", "tqdm", "tensorboardX"],
     },
 )

@@ -1,0 +1,364 @@
+"""Train: a language model from a config, with exact resume, evaluation, metrics and a loss plot.
+
+    python experiments/train.py --config=mqar_hybrid --workdir=runs/mqar_hybrid
+    python experiments/train.py --config=text_small --text_path=notes.txt --workdir=runs/text
+    python experiments/train.py --config=mqar_hybrid --set=steps=2000 --set=model.width=128 ...
+
+`--config` is a name in experiments/configs/ or a path to a config file; `--set=KEY=VALUE` (repeatable,
+dotted keys for nested fields) overrides one field; an unknown key is an error. `--text_path` is short
+for `--set=data.source=text --set=data.text.path=PATH`.
+
+What a run does (`train_and_evaluate`):
+- optimizer: AdamW with linear warmup and cosine decay to `min_lr_ratio * learning_rate`, global-norm
+  gradient clipping, weight decay on matrices only; moments in float32 whatever the parameter dtype.
+- precision: `model.dtype` for activations (float32 or bfloat16), `model.param_dtype` for parameters;
+  recurrent states, logits and the loss are float32.
+- checkpoints (orbax, experiments/checkpoint.py): every `checkpoint_every` steps and at the end, the
+  newest `keep_checkpoints` kept. A run restarted on the same workdir resumes from the latest one:
+  parameters, optimizer state and the data iterator's position, so step N + 1 sees the batch it would
+  have seen and its loss is the uninterrupted run's, to the bit.
+- evaluation every `eval_every` steps and at the end: loss and accuracy of every evaluation split
+  (MQAR: one per (seq_len, kv pairs) test setting, accuracy = recall at the queries).
+- metrics: `{workdir}/metrics.jsonl`, TensorBoard events in `{workdir}/tensorboard/`, the curves in
+  `{workdir}/loss.png`, the final numbers in `{workdir}/summary.json`; a progress bar shows loss,
+  tokens/s and the time left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import sys
+import time
+
+if __package__ in (None, ""):  # run as a file: put the repository root on the path
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import app, flags, logging
+from flax import nnx
+
+from experiments import configs, data
+from experiments.checkpoint import Checkpointer
+from experiments.metrics import MetricsWriter, plot_curves, read_metrics
+from linear_attention_jax.models import LM, LMConfig
+
+try:
+  from tqdm import tqdm
+except ImportError:  # tqdm is optional (setup.py's "experiments" extra)
+  tqdm = None
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  learning_rate: float = 1e-3  # peak learning rate, reached after the warmup
+  warmup_steps: int = 10  # linear warmup from 0
+  min_lr_ratio: float = 0.1  # the cosine decay ends at learning_rate * min_lr_ratio at the last step
+  weight_decay: float = 0.1  # AdamW's decoupled weight decay, on parameters with >= 2 dimensions
+  b1: float = 0.9  # Adam's first-moment decay
+  b2: float = 0.98  # Adam's second-moment decay
+  eps: float = 1e-8  # Adam's epsilon
+  clip_norm: float = 1.0  # gradients are scaled down to this global norm (0: no clipping)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  seed: int = 0  # parameter initialisation
+  steps: int = 100  # optimizer steps in all (resumed runs count from their checkpoint)
+  model: dict = dataclasses.field(default_factory=lambda: dict(
+      pattern="GA", width=32, depth=2, num_heads=2))  # LMConfig fields but vocab_size (from the data)
+  data: data.DataConfig = data.DataConfig()
+  optimizer: OptimizerConfig = OptimizerConfig()
+  log_every: int = 10  # steps between train-metric records (means over the steps since the last)
+  eval_every: int = 50  # steps between evaluations (0: only at the end)
+  eval_batches: int = 2  # batches per evaluation split
+  checkpoint_every: int = 50  # steps between checkpoints (0: only at the end)
+  keep_checkpoints: int = 2  # newest checkpoints kept
+
+  def __post_init__(self):
+    check_model_section(self.model)
+    if self.steps < 1 or self.log_every < 1 or self.eval_batches < 1:
+      raise ValueError(f"need steps, log_every, eval_batches >= 1; got steps={self.steps} "
+                       f"log_every={self.log_every} eval_batches={self.eval_batches}")
+    if self.optimizer.warmup_steps >= self.steps:
+      raise ValueError(f"optimizer.warmup_steps={self.optimizer.warmup_steps} must be < steps={self.steps}")
+
+  def lm_config(self, vocab_size: int) -> LMConfig:
+    return lm_config(self.model, vocab_size)
+
+
+def check_model_section(model: dict, section: str = "model"):
+  """A config's model section takes LMConfig's fields but vocab_size (the data sets it), with dtypes
+  named ("float32", "bfloat16"); anything else raises a `ValueError` naming it."""
+  known = {f.name for f in dataclasses.fields(LMConfig)} - {"vocab_size"}
+  unknown = sorted(set(model) - known)
+  if unknown:
+    raise ValueError(f"unknown config keys {[f'{section}.{k}' for k in unknown]} ({section} takes "
+                     f"the LMConfig fields but vocab_size: {sorted(known)})")
+  for name in ("dtype", "param_dtype"):
+    if name in model and model[name] not in DTYPES:
+      raise ValueError(f"{section}.{name} must be one of {sorted(DTYPES)}; got {model[name]!r}")
+
+
+def lm_config(model: dict, vocab_size: int) -> LMConfig:
+  """The LMConfig of a config's model section (checked by `check_model_section`)."""
+  check_model_section(model)
+  fields = dict(model, vocab_size=vocab_size)
+  for name in ("dtype", "param_dtype"):
+    if name in fields:
+      fields[name] = DTYPES[fields[name]]
+  return LMConfig(**fields)
+
+
+def load_config(name_or_path: str, overrides=()) -> TrainConfig:
+  """The `TrainConfig` of a config file (experiments/configs/), with `KEY=VALUE` overrides."""
+  return configs.build(TrainConfig, configs.load(name_or_path, "train", overrides))
+
+
+def make_optimizer(config: OptimizerConfig, steps: int) -> optax.GradientTransformation:
+  schedule = learning_rate_schedule(config, steps)
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  adamw = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
+                      weight_decay=config.weight_decay, mask=decay_mask)
+  clip = optax.clip_by_global_norm(config.clip_norm) if config.clip_norm else optax.identity()
+  return optax.chain(clip, adamw)
+
+
+def learning_rate_schedule(config: OptimizerConfig, steps: int):
+  return optax.warmup_cosine_decay_schedule(
+      0.0, config.learning_rate, config.warmup_steps, decay_steps=steps,
+      end_value=config.learning_rate * config.min_lr_ratio)
+
+
+def masked_sums(logits, targets):
+  """Summed cross-entropy, correct argmax predictions and scored positions (targets >= 0)."""
+  mask = targets >= 0
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, targets, 0))
+  correct = (jnp.argmax(logits, axis=-1) == targets) & mask
+  return jnp.sum(ce * mask), jnp.sum(correct), jnp.sum(mask)
+
+
+def _loss(graphdef, params, batch):
+  logits, _ = nnx.merge(graphdef, params)(batch["tokens"])
+  loss_sum, correct, count = masked_sums(logits, batch["targets"])
+  count = jnp.maximum(count, 1)
+  return loss_sum / count, correct / count
+
+
+def _float32(tree):
+  return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+
+
+# The step functions are jitted once per (model graph, optimizer config, steps): runs of one config in
+# one process (a resumed run, the learning rates of a sweep with the same rate) share the compilation.
+@functools.partial(jax.jit, static_argnames=("graphdef", "optimizer", "steps"), donate_argnums=0)
+def train_step(state, batch, *, graphdef, optimizer: OptimizerConfig, steps: int):
+  """One AdamW step on `batch`; returns the new state and `{"loss", "accuracy", "grad_norm"}`."""
+  tx = make_optimizer(optimizer, steps)
+  grad_fn = jax.value_and_grad(functools.partial(_loss, graphdef), has_aux=True)
+  (loss, accuracy), grads = grad_fn(state["params"], batch)
+  # The optimizer works in float32 (its moments too); bf16 parameters take the rounded update.
+  updates, opt_state = tx.update(_float32(grads), state["opt_state"], _float32(state["params"]))
+  new = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
+         "opt_state": opt_state}
+  return new, {"loss": loss, "accuracy": accuracy, "grad_norm": optax.tree.norm(grads)}
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def eval_step(params, batch, *, graphdef):
+  """Summed loss, correct predictions and scored positions of one batch."""
+  logits, _ = nnx.merge(graphdef, params)(batch["tokens"])
+  return masked_sums(logits, batch["targets"])
+
+
+def evaluate(graphdef, params, source, seed: int, num_batches: int) -> dict[str, float]:
+  """`eval/<split>/loss` and `eval/<split>/accuracy` per split, and their means over the splits."""
+  out = {}
+  for split in source.eval_splits:
+    totals = np.zeros(3)
+    for index in range(num_batches):
+      sums = eval_step(params, source.batch(split, seed, index), graphdef=graphdef)
+      totals += np.array([float(x) for x in sums])
+    count = max(totals[2], 1.0)
+    out[f"eval/{split}/loss"], out[f"eval/{split}/accuracy"] = totals[0] / count, totals[1] / count
+  for metric in ("loss", "accuracy"):
+    out[f"eval/{metric}"] = float(np.mean([out[f"eval/{s}/{metric}"] for s in source.eval_splits]))
+  return out
+
+
+def init_state(config: TrainConfig, model_config: LMConfig, tx):
+  """`(graphdef, state)`: the model's graph and `{"step", "params", "opt_state"}`."""
+  model = LM(model_config, rngs=nnx.Rngs(config.seed))
+  graphdef, params = nnx.split(model, nnx.Param)
+  return graphdef, {"step": jnp.zeros((), jnp.int32), "params": params,
+                    "opt_state": tx.init(_float32(params))}
+
+
+def train_and_evaluate(config: TrainConfig, workdir: str, *, progress: bool = True,
+                       interrupt_after: int | None = None) -> dict | None:
+  """Trains (resuming from `workdir` when it holds a checkpoint), evaluates, writes everything there.
+
+  Args:
+    config: the run.
+    workdir: its directory: config.json, checkpoints/, metrics.jsonl, tensorboard/, loss.png,
+      summary.json.
+    progress: show a progress bar (when tqdm is installed and the output is a terminal).
+    interrupt_after: stop right after this step as a killed run would: no final checkpoint, no
+      evaluation, no plot (for testing resume). Returns None then.
+
+  Returns:
+    The summary: final step, train loss, evaluation metrics, and the paths written.
+  """
+  os.makedirs(workdir, exist_ok=True)
+  _write_config(config, workdir)
+  source = data.make_source(config.data)
+  model_config = config.lm_config(source.vocab_size)
+  tx = make_optimizer(config.optimizer, config.steps)
+  graphdef, state = init_state(config, model_config, tx)
+  step_options = dict(graphdef=graphdef, optimizer=config.optimizer, steps=config.steps)
+  schedule = learning_rate_schedule(config.optimizer, config.steps)
+  checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"), every=config.checkpoint_every,
+                             keep=config.keep_checkpoints)
+  start = checkpoints.latest_step()
+  train_batches = data.batches(source, "train", config.data.seed)
+  if start is not None:
+    state, data_state = checkpoints.restore(start, jax.eval_shape(lambda: state))
+    train_batches = data.Batches.from_state(source, data_state["train"])
+    print(f"resumed from step {start} ({checkpoints.directory}); next batch: "
+          f"{train_batches.position}")
+  writer = MetricsWriter(workdir, resume_step=start)
+  eval_seed = config.data.seed + 1
+  first = 0 if start is None else start
+  bar = _progress_bar(progress, config.steps, first)
+  window, last_eval, tokens_per_step = [], {}, None
+  tick = time.perf_counter()
+  try:
+    for step in range(first + 1, config.steps + 1):
+      batch = next(train_batches)
+      tokens_per_step = batch["tokens"].size
+      state, metrics = train_step(state, batch, **step_options)
+      window.append(metrics)
+      if step % config.log_every == 0 or step == config.steps:
+        means = {k: float(np.mean([float(m[k]) for m in window])) for k in window[0]}
+        elapsed = time.perf_counter() - tick
+        record = {f"train/{k}": v for k, v in means.items()}
+        record["train/learning_rate"] = float(schedule(step - 1))
+        record["train/tokens_per_s"] = len(window) * tokens_per_step / elapsed
+        writer.write(step, record)
+        if bar is not None:
+          bar.set_postfix(loss=f"{means['loss']:.4f}", acc=f"{means['accuracy']:.3f}",
+                          tok_s=f"{record['train/tokens_per_s']:,.0f}", refresh=False)
+        window, tick = [], time.perf_counter()
+      if bar is not None:
+        bar.update(1)
+      if config.eval_every and step % config.eval_every == 0 and step != config.steps:
+        last_eval = evaluate(graphdef, state["params"], source, eval_seed, config.eval_batches)
+        writer.write(step, last_eval)
+        _say(bar, f"step {step}: eval loss {last_eval['eval/loss']:.4f} "
+                  f"accuracy {last_eval['eval/accuracy']:.4f}")
+        tick = time.perf_counter()
+      checkpoints.save(step, state, {"train": train_batches.state()})
+      if step == interrupt_after:
+        return None
+    final_step = int(state["step"])
+    last_eval = evaluate(graphdef, state["params"], source, eval_seed, config.eval_batches)
+    if final_step > first:  # a finished run started again only reports; its records are there
+      writer.write(final_step, last_eval)
+    checkpoints.save(final_step, state, {"train": train_batches.state()}, force=True)
+  finally:
+    if bar is not None:
+      bar.close()
+    writer.close()
+    checkpoints.close()
+  return _finish(config, workdir, model_config, final_step, last_eval, checkpoints, writer)
+
+
+def _finish(config, workdir, model_config, final_step, last_eval, checkpoints, writer) -> dict:
+  records = read_metrics(writer.path)
+  train_losses = [r["train/loss"] for r in records if "train/loss" in r]
+  title = (f"{config.data.source}, pattern {model_config.pattern}, width {model_config.width}, "
+           f"depth {model_config.depth}")
+  plot = plot_curves(records, os.path.join(workdir, "loss.png"), title=title)
+  summary = {"step": final_step, "train/loss": train_losses[-1] if train_losses else None,
+             **last_eval, "checkpoints": checkpoints.directory,
+             "checkpoint_steps": checkpoints.all_steps(), "metrics": writer.path,
+             "tensorboard": writer.tensorboard_dir if writer.has_tensorboard else None,
+             "plot": plot}
+  with open(os.path.join(workdir, "summary.json"), "w", encoding="utf-8") as f:
+    json.dump(summary, f, indent=1)
+  splits = ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in last_eval.items()
+                     if k.endswith("/accuracy") and k.count("/") == 2)
+  print(f"final eval accuracy {last_eval['eval/accuracy']:.4f} ({splits}), "
+        f"eval loss {last_eval['eval/loss']:.4f} at step {final_step}")
+  print(f"checkpoint: {checkpoints.directory}/{final_step}")
+  print(f"metrics:    {writer.path}" + (f" (TensorBoard: {writer.tensorboard_dir})"
+                                        if writer.has_tensorboard else ""))
+  print(f"plot:       {plot}")
+  return summary
+
+
+def _progress_bar(enabled: bool, total: int, initial: int):
+  if not enabled or tqdm is None:
+    return None
+  return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True, disable=None)
+
+
+def _say(bar, text: str):
+  if bar is not None and not bar.disable:
+    bar.write(text)
+  else:
+    print(text)
+
+
+def _write_config(config: TrainConfig, workdir: str):
+  """Writes `{workdir}/config.json`; warns when it replaces a different one (a resumed run whose
+  config changed is no longer the same run)."""
+  path = os.path.join(workdir, "config.json")
+  new = configs.to_dict(config)
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      old = json.load(f)
+    if old != new:
+      print(f"warning: {path} differs from this run's config; the run continues with the new one")
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(new, f, indent=1)
+
+
+def quiet_logs():
+  """absl's INFO lines (orbax logs every save) drown the progress bar: WARNING unless --verbosity."""
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+
+
+def _define_flags():
+  flags.DEFINE_string("config", "mqar_hybrid", "Config name in experiments/configs/ or a path to one.")
+  flags.DEFINE_multi_string("set", [], "Override KEY=VALUE (dotted keys for nested fields); repeatable.")
+  flags.DEFINE_string("text_path", None, "Train on the bytes of this file (sets data.source=text).")
+  flags.DEFINE_string("workdir", None, "Run directory (default runs/<config name>); resumes when it "
+                      "holds a checkpoint.")
+  flags.DEFINE_bool("progress", True, "Show a progress bar.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  f = flags.FLAGS
+  quiet_logs()
+  raw = configs.load(f.config, "train", f.set)
+  if f.text_path:
+    raw = configs.apply_overrides(raw, {"data.source": "text", "data.text.path": f.text_path})
+  config = configs.build(TrainConfig, raw)
+  workdir = f.workdir or os.path.join("runs", os.path.basename(f.config).removesuffix(".py"))
+  train_and_evaluate(config, workdir, progress=f.progress)
+
+
+if __name__ == "__main__":
+  _define_flags()
+  app.run(main)
