@@ -9,17 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from linear_attention_jax import ops
+from tests.ops.conftest import FAMILY  # variant -> (gate kind, has beta)
 
-# Variant -> (gate kind: None | "scalar" | "channel", has beta)
-FAMILY = {
-    "linear_attention": (None, False),
-    "retention": (None, False),
-    "simple_gla": ("scalar", False),
-    "gla": ("channel", False),
-    "delta_rule": (None, True),
-    "gated_delta_rule": ("scalar", True),
-    "kda": ("channel", True),
-}
 TOL = 1e-5  # relative RMS error, float32
 
 # Tiny shapes: XLA's CPU compile time dominates, and its optimisation level does not change results.
