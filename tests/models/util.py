@@ -1,15 +1,12 @@
-"""Tiny models for the model tests, and jitted calls that compile fast."""
+"""Tiny models for the model tests; jitted calls and token-by-token decoding come from the layer tests."""
 
 from __future__ import annotations
 
-import functools
-
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from linear_attention_jax.models import LM, LMConfig
-from tests.layers.util import fast_jit
+from tests.layers.util import call, decode_tokens as decode  # noqa: F401 (re-exported)
 
 VOCAB, B, T = 32, 2, 12
 
@@ -28,23 +25,3 @@ def tiny_model(**changes) -> LM:
 
 def tokens(T: int = T, seed: int = 0):
   return jax.random.randint(jax.random.key(seed), (B, T), 0, VOCAB)
-
-
-@functools.partial(fast_jit, static_argnums=0)
-def _call(graphdef, state, tokens, cache):
-  return nnx.merge(graphdef, state)(tokens, cache)
-
-
-def call(model, tokens, cache):
-  """`model(tokens, cache)` under jit."""
-  graphdef, state = nnx.split(model)
-  return _call(graphdef, state, tokens, cache)
-
-
-def decode(model, toks, cache, start: int):
-  """Feeds `toks[:, start:]` one token at a time; returns the logits `[B, T - start, vocab]`, cache."""
-  outs = []
-  for t in range(start, toks.shape[1]):
-    logits, cache = call(model, toks[:, t:t + 1], cache)
-    outs.append(logits)
-  return jnp.concatenate(outs, axis=1), cache
