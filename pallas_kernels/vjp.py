@@ -109,3 +109,33 @@ def chunked_op(static: Static, q, k, v, g, beta, *, scale: float, initial_state,
   o, final = chunked(static, q, k, v, g, beta, h0, segment_ids)
   o = prep.from_chunks(o, q.shape[1])
   return (o.astype(jnp.float32) * scale).astype(static.out_dtype), final
+
+
+def explicitly_sharded(*arrays) -> bool:
+  """True if an array is split over mesh axes that are not manual: a sharded jit (explicit mesh) outside
+  `jax.shard_map`, where a pallas_call cannot run. (Under an auto mesh the sharding is not visible at
+  trace time; XLA would then replicate the kernel's operands.)"""
+  for x in arrays:
+    spec = None if x is None else getattr(jax.typeof(x).sharding, "spec", None)
+    if spec is not None and any(p is not None for p in spec):
+      return True
+  return False
+
+
+def check_shapes(q, k, v, g, beta, initial_state, segment_ids):
+  """`(B, T, H, K, H_v, V)`, or a ValueError naming the argument whose shape is wrong."""
+  if q.ndim != 4 or k.shape != q.shape:
+    raise ValueError(f"q and k must have one shape [B, T, H, K]; got q {q.shape}, k {k.shape}")
+  B, T, H, K = q.shape
+  if v.ndim != 4 or v.shape[:2] != (B, T) or v.shape[2] % H:
+    raise ValueError(f"v must be [B, T, H_v, V] with B={B}, T={T} and H_v a multiple of H={H}; "
+                     f"got {v.shape}")
+  Hv, V = v.shape[2:]
+  want = {"g": (None, (B, T, Hv), (B, T, Hv, K)), "beta": (None, (B, T, Hv)),
+          "initial_state": (None, (B, Hv, K, V)), "segment_ids": (None, (B, T))}
+  for name, x in (("g", g), ("beta", beta), ("initial_state", initial_state),
+                  ("segment_ids", segment_ids)):
+    shape = None if x is None else tuple(x.shape)
+    if shape not in want[name]:
+      raise ValueError(f"{name} must be one of {want[name]} (None: absent); got {shape}")
+  return B, T, H, K, Hv, V

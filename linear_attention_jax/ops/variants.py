@@ -24,22 +24,36 @@ from linear_attention_jax.ops.chunk import chunk_form
 from linear_attention_jax.ops.feature_maps import l2_normalize, resolve_feature_map
 from linear_attention_jax.ops.packing import Packing, from_cu_seqlens, from_segment_ids
 from linear_attention_jax.ops.recurrent import recurrent_form
+from pallas_kernels import gpu as gpu_kernels
 from pallas_kernels import tpu as tpu_kernels
+from pallas_kernels import vjp as kernel_vjp
 
 
 def pallas_reason(*, K: int, V: int, chunk_size: int, packing: str = "none", dtype=jnp.float32,
                   sharded: bool = False):
   """None if a Pallas kernel serves a call of this kind on this backend, else why not.
 
-  The TPU kernels serve a TPU backend, or any backend inside `pallas_kernels.tpu.interpret_kernels()`
-  (the TPU interpreter, for tests). `V` counts the state's value columns (with any normaliser column);
+  The TPU kernels serve a TPU backend, or any backend inside `pallas_kernels.tpu.interpret_kernels()`;
+  the Mosaic GPU kernels serve a Hopper GPU, or any backend inside `pallas_kernels.gpu.interpret_kernels()`
+  (the interpreters, for tests). `V` counts the state's value columns (with any normaliser column);
   `sharded`: the operands are split over mesh axes outside `jax.shard_map`.
   """
-  backend = "tpu" if tpu_kernels.interpreting() is not None else jax.default_backend()
-  if backend != "tpu":
-    return f"no Pallas kernel runs on backend {backend!r} (the kernels are for TPU)"
-  return tpu_kernels.supports(K=K, V=V, chunk_size=chunk_size, dtype=dtype, packing=packing,
-                              backend=backend, sharded=sharded)
+  backend = _kernel_backend()
+  call = dict(K=K, V=V, chunk_size=chunk_size, dtype=dtype, packing=packing, sharded=sharded)
+  if backend == "tpu":
+    return tpu_kernels.supports(**call, backend="tpu")
+  if backend == "gpu":
+    return gpu_kernels.supports(**call)
+  return f"no Pallas kernel runs on backend {backend!r} (the kernels are for TPUs and Hopper GPUs)"
+
+
+def _kernel_backend() -> str:
+  """"tpu" or "gpu" inside that backend's interpreter context, else the running backend."""
+  if tpu_kernels.interpreting() is not None:
+    return "tpu"
+  if gpu_kernels.interpreting() is not None:
+    return "gpu"
+  return jax.default_backend()
 
 
 def select_impl(impl: str, variant: str, **call) -> str:
@@ -86,7 +100,7 @@ def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_sta
   packing_kind = "segments" if segment_ids is not None else ("none" if cu_seqlens is None else "cu_seqlens")
   compute_dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)  # the kernel's matmul dtype
   form = select_impl(impl, variant, K=K, V=V + v_extra, chunk_size=chunk_size, packing=packing_kind,
-                     dtype=compute_dtype, sharded=tpu_kernels.explicitly_sharded(q, k, v))
+                     dtype=compute_dtype, sharded=kernel_vjp.explicitly_sharded(q, k, v))
 
   scale = K ** -0.5 if scale is None else scale
   q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
@@ -109,6 +123,12 @@ def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_sta
   if form == "recurrent":
     o, final = recurrent_form(q32, k32, v32, g32, b32, scale=scale, initial_state=h0,
                               packing=packing)
+  elif form == "pallas" and _kernel_backend() == "gpu":
+    # bfloat16 / float16 operands and output (the state and every sum stay float32)
+    o, final = gpu_kernels.chunked_attention(q32, k32, v32, g32, b32, scale=scale, initial_state=h0,
+                                             segment_ids=segment_ids, chunk_size=chunk_size,
+                                             compute_dtype=compute_dtype, out_dtype=compute_dtype)
+    o = o.astype(jnp.float32)
   elif form == "pallas":
     o, final = tpu_kernels.chunked_attention(q32, k32, v32, g32, b32, scale=scale, initial_state=h0,
                                              segment_ids=segment_ids, chunk_size=chunk_size,

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import vjp
+from pallas_kernels.vjp import explicitly_sharded  # noqa: F401  (re-exported)
 from pallas_kernels.tpu import walk
 from pallas_kernels.tpu.walk import BlockSizes
 
@@ -39,17 +40,6 @@ def interpret_kernels(params: pltpu.InterpretParams | None = None):
 def interpreting() -> pltpu.InterpretParams | None:
   """The interpreter parameters in force (`interpret_kernels`), or None."""
   return _INTERPRET.get()
-
-
-def explicitly_sharded(*arrays) -> bool:
-  """True if an array is split over mesh axes that are not manual: a sharded jit (explicit mesh) outside
-  `jax.shard_map`, where a pallas_call cannot run. (Under an auto mesh the sharding is not visible at
-  trace time; XLA would then replicate the kernel's operands.)"""
-  for x in arrays:
-    spec = None if x is None else getattr(jax.typeof(x).sharding, "spec", None)
-    if spec is not None and any(p is not None for p in spec):
-      return True
-  return False
 
 
 def supports(*, K: int, V: int, chunk_size: int, dtype=jnp.float32, packing: str = "none",
@@ -94,25 +84,6 @@ def supports(*, K: int, V: int, chunk_size: int, dtype=jnp.float32, packing: str
   return None
 
 
-def _check_shapes(q, k, v, g, beta, initial_state, segment_ids):
-  """`(B, T, H, K, H_v, V)`, or a ValueError naming the argument whose shape is wrong."""
-  if q.ndim != 4 or k.shape != q.shape:
-    raise ValueError(f"q and k must have one shape [B, T, H, K]; got q {q.shape}, k {k.shape}")
-  B, T, H, K = q.shape
-  if v.ndim != 4 or v.shape[:2] != (B, T) or v.shape[2] % H:
-    raise ValueError(f"v must be [B, T, H_v, V] with B={B}, T={T} and H_v a multiple of H={H}; "
-                     f"got {v.shape}")
-  Hv, V = v.shape[2:]
-  want = {"g": (None, (B, T, Hv), (B, T, Hv, K)), "beta": (None, (B, T, Hv)),
-          "initial_state": (None, (B, Hv, K, V)), "segment_ids": (None, (B, T))}
-  for name, x in (("g", g), ("beta", beta), ("initial_state", initial_state),
-                  ("segment_ids", segment_ids)):
-    shape = None if x is None else tuple(x.shape)
-    if shape not in want[name]:
-      raise ValueError(f"{name} must be one of {want[name]} (None: absent); got {shape}")
-  return B, T, H, K, Hv, V
-
-
 @dataclasses.dataclass(frozen=True)
 class _Options:
   block_sizes: BlockSizes
@@ -155,13 +126,13 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
   Returns:
     `(o [B, T, H_v, V] in v's dtype, final_state [B, H_v, K, V] float32)`.
   """
-  B, T, H, K, Hv, V = _check_shapes(q, k, v, g, beta, initial_state, segment_ids)
+  B, T, H, K, Hv, V = vjp.check_shapes(q, k, v, g, beta, initial_state, segment_ids)
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype) if compute_dtype is None else compute_dtype
   interpret = interpreting() if interpret is None else interpret
   bs = BlockSizes() if block_sizes is None else block_sizes
   reason = supports(K=K, V=V, chunk_size=chunk_size, dtype=dtype, block_sizes=bs,
                     packing="none" if segment_ids is None else "segments", backend="tpu",
-                    sharded=explicitly_sharded(q, k, v, g, beta, initial_state, segment_ids))
+                    sharded=vjp.explicitly_sharded(q, k, v, g, beta, initial_state, segment_ids))
   if reason is not None:
     raise ValueError(reason)
   static = vjp.Static(walk=TPU_WALK, options=_Options(block_sizes=bs, interpret=interpret or False),

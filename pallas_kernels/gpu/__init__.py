@@ -1,0 +1,13 @@
+"""Mosaic GPU kernels (`plgpu.kernel`, wgmma, TMA) for the chunk walk of both families, on Hopper.
+
+`chunked_attention` is the op; `supports` says whether it serves a call (and why not);
+`interpret_kernels` runs the kernels in the Mosaic GPU interpreter; `sharded_chunked_attention` wraps the
+op in `jax.shard_map`. NOTES.md holds the cost model and each measured version.
+"""
+
+from pallas_kernels.gpu.ops import (chunked_attention, hopper_reason, interpret_kernels, interpreting,
+                                    supports)
+from pallas_kernels.gpu.sharding import sharded_chunked_attention
+
+__all__ = ["chunked_attention", "hopper_reason", "interpret_kernels", "interpreting",
+           "sharded_chunked_attention", "supports"]

@@ -1,0 +1,162 @@
+"""The Hopper GPU entry point: `chunked_attention` (both families, every decay kind), `supports`, and a
+switch that runs the kernels in the Mosaic GPU interpreter (`interpret_kernels`), for tests without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels import vjp
+from pallas_kernels.gpu import walk
+
+_INTERPRET: contextvars.ContextVar = contextvars.ContextVar("pallas_kernels_gpu_interpret", default=None)
+DTYPES = (jnp.bfloat16, jnp.float16)
+HEAD_DIMS = (64, 128)
+CHUNK_SIZES = (64,)
+SMEM_BYTES = 227 * 1024   # dynamic shared memory per block on sm_90
+
+
+@contextlib.contextmanager
+def interpret_kernels(params: plgpu.InterpretGPUParams | None = None):
+  """Inside this context the GPU kernels run in the Mosaic GPU interpreter (on any backend) with
+  `params` (default `plgpu.InterpretGPUParams()`: NaN for uninitialised memory, out-of-bounds reads
+  raise), and `supports` treats the backend as a Hopper GPU, so `impl="pallas"` reaches these kernels
+  on a CPU. jit caches do not see this switch: trace inside the context what you mean to interpret."""
+  token = _INTERPRET.set(plgpu.InterpretGPUParams() if params is None else params)
+  try:
+    yield
+  finally:
+    _INTERPRET.reset(token)
+
+
+def interpreting() -> plgpu.InterpretGPUParams | None:
+  """The interpreter parameters in force (`interpret_kernels`), or None."""
+  return _INTERPRET.get()
+
+
+def hopper_reason(backend: str | None = None) -> str | None:
+  """None if this process runs on a Hopper GPU (or inside `interpret_kernels`), else why not.
+  `backend="hopper"` asserts a Hopper target (exporting for one from any machine)."""
+  if backend == "hopper" or (backend is None and interpreting() is not None):
+    return None
+  backend = jax.default_backend() if backend is None else backend
+  if backend != "gpu":
+    return (f"the Mosaic GPU kernels need a Hopper GPU and the backend is {backend!r} (tests run them "
+            f"on a CPU inside pallas_kernels.gpu.interpret_kernels())")
+  device = jax.devices()[0]
+  cc = getattr(device, "compute_capability", None)
+  if cc != "9.0":
+    return (f"the Mosaic GPU kernels are written for Hopper (compute capability 9.0, wgmma); "
+            f"{device.device_kind} has {cc}")
+  return None
+
+
+def smem_bytes(*, C: int, K: int, V: int, itemsize: int, delta: bool, out_itemsize: int,
+               backward: bool) -> int:
+  """Shared memory of one program (double-buffered inputs, staging tiles, state)."""
+  bv = min(walk.BLOCK_V, V)
+  if not backward:
+    ins = C * K * (2 + delta) + C * bv + C * C  # kd, qg, [w], u, p
+    return (2 * ins * itemsize + 2 * K * 4 + 2 * C * bv * out_itemsize + 2 * bv * K * itemsize
+            + bv * K * 4 + delta * bv * C * itemsize)
+  ins = C * K * (1 + 2 * delta) + C * bv + delta * C * C  # qg, [kd, w], do, [p]
+  return 2 * ins * itemsize + 2 * K * 4 + 2 * bv * K * itemsize + bv * K * 4 + delta * bv * C * itemsize
+
+
+def supports(*, K: int, V: int, chunk_size: int, dtype=jnp.bfloat16, packing: str = "none",
+             backend: str | None = None, sharded: bool = False) -> str | None:
+  """None if the Mosaic GPU kernels serve a call of this kind, else the reason they do not.
+
+  Args:
+    K, V: head dims of the state. chunk_size: C. dtype: the matmul operand dtype (bfloat16 or float16;
+      the state is float32). packing: "none", "segments" or "cu_seqlens".
+    backend: None is the running backend (a Hopper GPU, or any inside `interpret_kernels`);
+      "hopper" takes a Hopper target as given.
+    sharded: the operands are split over non-manual mesh axes (`vjp.explicitly_sharded`).
+  """
+  reason = hopper_reason(backend)
+  if reason is not None:
+    return reason
+  if sharded:
+    return ("the inputs are sharded over mesh axes and XLA cannot partition a Pallas kernel: run it under "
+            "jax.shard_map (pallas_kernels.gpu.sharded_chunked_attention)")
+  if packing == "cu_seqlens":
+    return "the GPU kernel does not take cu_seqlens (pass segment_ids instead)"
+  if packing not in ("none", "segments"):
+    return f"unknown packing {packing!r}"
+  if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES]:
+    return (f"the GPU kernel takes bfloat16 or float16 operands (wgmma would run float32 as tf32), not "
+            f"{jnp.dtype(dtype).name}; cast q, k, v or use the chunk form")
+  if K not in HEAD_DIMS or V not in HEAD_DIMS:
+    return f"the GPU kernel takes K and V in {HEAD_DIMS}; got K={K}, V={V}"
+  if chunk_size not in CHUNK_SIZES:
+    return f"the GPU kernel walks chunks of {CHUNK_SIZES} tokens; got chunk_size={chunk_size}"
+  size = jnp.dtype(dtype).itemsize
+  for backward in (False, True):
+    need = smem_bytes(C=chunk_size, K=K, V=V, itemsize=size, delta=True, out_itemsize=size,
+                      backward=backward)
+    if need > SMEM_BYTES:
+      return f"a program needs {need} bytes of shared memory, more than {SMEM_BYTES}"
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+  interpret: Any  # None or plgpu.InterpretGPUParams
+
+
+def _forward(t, h0, *, options, with_o, with_states, out_dtype):
+  return walk.forward(t, h0, with_o=with_o, with_states=with_states, out_dtype=out_dtype,
+                      interpret=options.interpret)
+
+
+def _backward(t, states, do, dfinal, *, options):
+  return walk.backward(t, states, do, dfinal, interpret=options.interpret)
+
+
+GPU_WALK = vjp.Walk(forward=_forward, backward=_backward, chunks_per_group=lambda NC, options: 1)
+
+
+def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None, segment_ids=None,
+                      chunk_size: int = 64, compute_dtype=None, out_dtype=None, interpret=None):
+  """Either family in chunked form, with the chunk walk as Mosaic GPU kernels; differentiable in
+  q, k, v, g, beta and initial_state.
+
+  Args:
+    q, k: `[B, T, H, K]`. v: `[B, T, H_v, V]`, `H_v % H == 0` (grouped value heads).
+    g: None (no decay), `[B, T, H_v]` (scalar) or `[B, T, H_v, K]` (per channel) log-decay.
+    beta: None (additive family) or `[B, T, H_v]` (delta family).
+    scale: read-out scale, default `K ** -0.5`.
+    initial_state: None or `[B, H_v, K, V]`, used as float32.
+    segment_ids: None or `[B, T]` int: the state restarts from zero wherever the id changes.
+    chunk_size: C (64). compute_dtype: matmul operand dtype (bfloat16 or float16); default: q, k, v's
+      common dtype. out_dtype: o's dtype, default v's dtype.
+    interpret: None (the `interpret_kernels` context's parameters, else compiled) or a
+      `plgpu.InterpretGPUParams`.
+
+  Returns:
+    `(o [B, T, H_v, V] in out_dtype, final_state [B, H_v, K, V] float32)`.
+
+  The call targets a Hopper GPU (or the interpreter); `supports(...)` says whether this machine is one.
+  """
+  B, T, H, K, Hv, V = vjp.check_shapes(q, k, v, g, beta, initial_state, segment_ids)
+  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype) if compute_dtype is None else compute_dtype
+  interpret = interpreting() if interpret is None else interpret
+  reason = supports(K=K, V=V, chunk_size=chunk_size, dtype=dtype,
+                    packing="none" if segment_ids is None else "segments",
+                    backend="hopper",
+                    sharded=vjp.explicitly_sharded(q, k, v, g, beta, initial_state, segment_ids))
+  if reason is not None:
+    raise ValueError(reason)
+  out_dtype = v.dtype if out_dtype is None else out_dtype
+  static = vjp.Static(walk=GPU_WALK, options=_Options(interpret=interpret or None),
+                      chunk_size=chunk_size, compute_dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype))
+  return vjp.chunked_op(static, q, k, v, g, beta, scale=K ** -0.5 if scale is None else scale,
+                        initial_state=initial_state, segment_ids=segment_ids)

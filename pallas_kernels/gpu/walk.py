@@ -1,0 +1,320 @@
+"""The sequential walk over chunks as Mosaic GPU (Hopper) kernels: forward and backward.
+
+The per-chunk tensors come from `prep.prepare` (XLA, shared with the TPU kernels); these kernels do only
+what is sequential over chunks. Per chunk, with `S` the `[K, V]` state entering it:
+
+    forward                                   backward (chunks in reverse; dS = d loss / d S_next)
+    u      = U - W S                          stored: dS, the gradient of the state leaving each chunk
+    o      = Qg S + P u                       du  = P^T dO + Kd dS
+    S_next = Diag(decay) S + Kd^T u           dS <- Diag(decay) dS + Qg^T dO - W^T du
+
+Every other cotangent (dQg = dO S^T, dP = dO u^T, dKd = u dS^T, dW = -du S^T, dU = du,
+ddecay = rowsum(S * dS)) is a batched matmul over all chunks at once, done by XLA in `backward` from the
+states the forward stores and the dS the backward kernel stores: the kernels carry nothing they do not
+need to carry.
+
+One program per (batch, head, block of `BLOCK_V` value columns); it keeps the state transposed, `S^T`
+`[BLOCK_V, K]` float32, in registers as a WGMMA accumulator, so every matmul on the sequential path takes
+its left operand from registers (the state, or `u^T`, cast to the 16-bit operand dtype) and its right
+operand from shared memory. The next chunk's inputs are fetched by TMA into the other half of a double
+buffer while the current chunk computes; outputs leave through a double-buffered staging tile by TMA.
+
+Operands are bfloat16 or float16 with float32 accumulation (the state and its gradient are float32;
+what is stored per chunk is in the operand dtype, as the chunk-local tensors are). The value axis splits
+with no communication (the walk is independent per value column).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels.prep import ChunkTensors
+
+F32 = jnp.float32
+BLOCK_V = 64          # value columns per program: the WGMMA M dimension of the state
+WGMMA = plgpu.Layout.WGMMA
+COLS = plgpu.Layout.WGMMA.reduce(0)   # one value per column of a WGMMA-layout tile
+
+
+def smem(shape, dtype):
+  """A shared-memory buffer tiled and swizzled for TMA and WGMMA along its last dim."""
+  dtype = jnp.dtype(dtype)
+  swizzle = plgpu.find_swizzle(shape[-1] * dtype.itemsize * 8)
+  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // dtype.itemsize)),
+                                              plgpu.SwizzleTransform(swizzle)))
+
+
+def matmul(a, b, shape, init=None):
+  """`init + a @ b` on the tensor cores, float32 result (`a`: 16-bit registers in the WGMMA layout or a
+  shared-memory ref; `b`: a shared-memory ref, possibly a transposed view).
+
+  The result passes an optimisation barrier: reading the accumulator lowers to a `wgmma.wait_group` that
+  has no data dependency on the registers, so without it arithmetic on the result could be scheduled
+  before the wait."""
+  def scoped(acc):
+    plgpu.wgmma(acc, a, b)
+    return acc[...]
+  out = lax.optimization_barrier(pl.run_scoped(scoped, plgpu.ACC(shape, F32)))
+  return out if init is None else init + out
+
+
+def _flat(x):
+  """`[B, H, NC, C, D]` -> `[B, H, NC * C, D]` (free: a reshape of contiguous dims)."""
+  return None if x is None else x.reshape(x.shape[:2] + (-1,) + x.shape[4:])
+
+
+def _zeros_state(bv, K):
+  return plgpu.layout_cast(jnp.zeros((bv, K), F32), WGMMA)
+
+
+def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = False, out_dtype=F32,
+            interpret=None, block_v: int = BLOCK_V):
+  """The forward walk.
+
+  Args:
+    t: per-chunk tensors in one 16-bit dtype (`decay` float32), shapes as in `prep.ChunkTensors`.
+    h0: None or `[B, H, K, V]` float32.
+    with_o: compute `o`; with_states: store the (transposed) state entering every chunk.
+
+  Returns:
+    `(o [B, H, NC, C, V] out_dtype or None, states [B, H, NC, V, K] or None, final [B, H, K, V] f32)`.
+  """
+  B, H, NC, C, K = t.qg.shape
+  V = t.u.shape[-1]
+  dtype = t.qg.dtype
+  bv = min(block_v, V)
+  delta = t.w is not None
+  has_h0 = h0 is not None
+  qg, kd, u, p = _flat(t.qg), _flat(t.kd), _flat(t.u), _flat(t.p)
+  w_neg = None if not delta else _flat(-t.w)
+  decay = t.decay.astype(F32)
+
+  out_type = []
+  if with_o:
+    out_type.append(jax.ShapeDtypeStruct((B, H, NC * C, V), out_dtype))
+  if with_states:
+    out_type.append(jax.ShapeDtypeStruct((B, H, NC, V, K), dtype))
+  out_type.append(jax.ShapeDtypeStruct((B, H, V, K), F32))
+
+  n_in = 3 + delta + 2 * with_o  # kd, u, decay, [w], [qg, p]
+  scratch = dict(
+      kd_s=smem((2, C, K), dtype), u_s=smem((2, C, bv), dtype),
+      decay_s=plgpu.SMEM((2, K), F32),
+      state_s=plgpu.SMEM((bv, K), F32), h_s=smem((2, bv, K), dtype),
+      in_bar=plgpu.Barrier(num_arrivals=n_in, num_barriers=2), state_bar=plgpu.Barrier())
+  if delta:
+    scratch["w_s"] = smem((2, C, K), dtype)
+  if with_o:
+    scratch.update(qg_s=smem((2, C, K), dtype), p_s=smem((2, C, C), dtype),
+                   o_s=smem((2, C, bv), out_dtype))
+  if delta:
+    scratch["un_s"] = smem((bv, C), dtype)
+
+  def body(*refs, kd_s, u_s, decay_s, state_s, h_s, in_bar, state_bar, w_s=None, qg_s=None, p_s=None,
+           o_s=None, un_s=None):
+    refs = list(refs)
+    take = lambda present=True: refs.pop(0) if present else None
+    qg_r, kd_r, w_r, u_r, p_r, decay_r, h0_r = (
+        take(with_o), take(), take(delta), take(), take(with_o), take(), take(has_h0))
+    o_r, states_r, final_r = take(with_o), take(with_states), take()
+    b, h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+    vs = pl.ds(iv * bv, bv)
+
+    def issue(n, slot):
+      rows, bar = pl.ds(n * C, C), in_bar.at[slot]
+      plgpu.copy_gmem_to_smem(kd_r.at[b, h, rows], kd_s.at[slot], bar)
+      plgpu.copy_gmem_to_smem(u_r.at[b, h, rows, vs], u_s.at[slot], bar)
+      plgpu.copy_gmem_to_smem(decay_r.at[b, h, n], decay_s.at[slot], bar)
+      if delta:
+        plgpu.copy_gmem_to_smem(w_r.at[b, h, rows], w_s.at[slot], bar)
+      if with_o:
+        plgpu.copy_gmem_to_smem(qg_r.at[b, h, rows], qg_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(p_r.at[b, h, rows], p_s.at[slot], bar)
+
+    issue(0, 0)
+    if has_h0:
+      plgpu.copy_gmem_to_smem(h0_r.at[b, h, vs], state_s, state_bar)
+      plgpu.barrier_wait(state_bar)
+      s0 = plgpu.load(state_s, layout=WGMMA)
+    else:
+      s0 = _zeros_state(bv, K)
+
+    def step(n, s_t):
+      slot = lax.rem(n, 2)
+      plgpu.barrier_wait(in_bar.at[slot])
+
+      @pl.when(n + 1 < NC)
+      def _prefetch():
+        issue(n + 1, 1 - slot)
+
+      # The state is the left operand of the matmuls below, from shared memory (`s_lo`); this slot's
+      # staging tiles were last read by the stores issued two chunks ago.
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      s_lo = h_s.at[slot]
+      s_lo[...] = s_t.astype(dtype)
+      plgpu.commit_smem()
+      u_lo = u_s.at[slot].T
+      if delta:  # u^T = U^T - S^T W^T
+        u_t = matmul(s_lo, w_s.at[slot].T, (bv, C),
+                     init=plgpu.load(u_s.at[slot].T, layout=WGMMA).astype(F32))
+        u_lo = un_s
+        u_lo[...] = u_t.astype(dtype)
+        plgpu.commit_smem()
+      if with_o:  # o^T = S^T Qg^T + u^T P^T
+        o_t = matmul(s_lo, qg_s.at[slot].T, (bv, C))
+        o_t = matmul(u_lo, p_s.at[slot].T, (bv, C), init=o_t)
+        o_s.at[slot].T[...] = o_t.astype(out_dtype)
+      if with_o or with_states:
+        plgpu.commit_smem()
+        if with_o:
+          plgpu.copy_smem_to_gmem(o_s.at[slot], o_r.at[b, h, pl.ds(n * C, C), vs], commit_group=False)
+        if with_states:
+          plgpu.copy_smem_to_gmem(h_s.at[slot], states_r.at[b, h, n, vs], commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+      # S_next^T = S^T Diag(decay) + u^T Kd
+      d = lax.broadcast_in_dim(plgpu.load(decay_s.at[slot], layout=COLS), (bv, K), [1])
+      return matmul(u_lo, kd_s.at[slot], (bv, K), init=s_t * d)
+
+    s_t = lax.fori_loop(0, NC, step, s0)
+    state_s[...] = s_t
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(state_s, final_r.at[b, h, vs])
+    plgpu.wait_smem_to_gmem(0)
+
+  args = [x for x, present in ((qg, with_o), (kd, True), (w_neg, delta), (u, True), (p, with_o),
+                               (decay, True), (None if h0 is None else jnp.swapaxes(h0, -1, -2), has_h0))
+          if present]
+  outs = list(plgpu.kernel(
+      body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H, V // bv),
+      grid_names=("b", "h", "v"), compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret)(*args))
+  o = outs.pop(0).reshape(B, H, NC, C, V) if with_o else None
+  states = outs.pop(0) if with_states else None
+  return o, states, jnp.swapaxes(outs.pop(0), -1, -2)
+
+
+def backward_states(t: ChunkTensors, do, dfinal, *, interpret=None, block_v: int = BLOCK_V):
+  """The reverse walk: `(dstates [B, H, NC, V, K] in the operand dtype, dh0 [B, H, K, V] float32)`,
+  `dstates[n]` the (transposed) gradient of the state leaving chunk n.
+
+  `do: [B, H, NC, C, V]` (any float dtype; cast to the operand dtype), `dfinal` None or `[B, H, K, V]`.
+  """
+  B, H, NC, C, K = t.qg.shape
+  V = t.u.shape[-1]
+  dtype = t.qg.dtype
+  bv = min(block_v, V)
+  delta = t.w is not None
+  has_df = dfinal is not None
+  qg, kd, p = _flat(t.qg), _flat(t.kd), _flat(t.p)
+  w_neg = None if not delta else _flat(-t.w)
+  do = _flat(do.astype(dtype))
+  decay = t.decay.astype(F32)
+
+  out_type = (jax.ShapeDtypeStruct((B, H, NC, V, K), dtype), jax.ShapeDtypeStruct((B, H, V, K), F32))
+  n_in = 3 + 3 * delta  # qg, do, decay, [kd, w, p]
+  scratch = dict(
+      qg_s=smem((2, C, K), dtype), do_s=smem((2, C, bv), dtype), decay_s=plgpu.SMEM((2, K), F32),
+      h_s=smem((2, bv, K), dtype), state_s=plgpu.SMEM((bv, K), F32),
+      in_bar=plgpu.Barrier(num_arrivals=n_in, num_barriers=2), state_bar=plgpu.Barrier())
+  if delta:
+    scratch.update(kd_s=smem((2, C, K), dtype), w_s=smem((2, C, K), dtype), p_s=smem((2, C, C), dtype),
+                   du_s=smem((bv, C), dtype))
+
+  def body(*refs, qg_s, do_s, decay_s, h_s, state_s, in_bar, state_bar, kd_s=None, w_s=None, p_s=None,
+           du_s=None):
+    refs = list(refs)
+    take = lambda present=True: refs.pop(0) if present else None
+    qg_r, kd_r, w_r, p_r, do_r, decay_r, df_r = (
+        take(), take(delta), take(delta), take(delta), take(), take(), take(has_df))
+    ds_r, dh0_r = take(), take()
+    b, h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+    vs = pl.ds(iv * bv, bv)
+
+    def issue(n, slot):
+      rows, bar = pl.ds(n * C, C), in_bar.at[slot]
+      plgpu.copy_gmem_to_smem(qg_r.at[b, h, rows], qg_s.at[slot], bar)
+      plgpu.copy_gmem_to_smem(do_r.at[b, h, rows, vs], do_s.at[slot], bar)
+      plgpu.copy_gmem_to_smem(decay_r.at[b, h, n], decay_s.at[slot], bar)
+      if delta:
+        plgpu.copy_gmem_to_smem(kd_r.at[b, h, rows], kd_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(w_r.at[b, h, rows], w_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(p_r.at[b, h, rows], p_s.at[slot], bar)
+
+    issue(NC - 1, (NC - 1) % 2)
+    if has_df:
+      plgpu.copy_gmem_to_smem(df_r.at[b, h, vs], state_s, state_bar)
+      plgpu.barrier_wait(state_bar)
+      ds0 = plgpu.load(state_s, layout=WGMMA)
+    else:
+      ds0 = _zeros_state(bv, K)
+
+    def step(i, ds_t):
+      n = NC - 1 - i
+      slot = lax.rem(n, 2)
+      plgpu.barrier_wait(in_bar.at[slot])
+
+      @pl.when(n > 0)
+      def _prefetch():
+        issue(n - 1, 1 - slot)
+
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      ds_lo = h_s.at[slot]
+      ds_lo[...] = ds_t.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(ds_lo, ds_r.at[b, h, n, vs])
+      do_t = do_s.at[slot].T
+      # dS^T <- dS^T Diag(decay) + dO^T Qg - du^T W,   du^T = dO^T P + dS^T Kd^T
+      d = lax.broadcast_in_dim(plgpu.load(decay_s.at[slot], layout=COLS), (bv, K), [1])
+      nxt = matmul(do_t, qg_s.at[slot], (bv, K), init=ds_t * d)
+      if delta:
+        du_t = matmul(do_t, p_s.at[slot], (bv, C))
+        du_t = matmul(ds_lo, kd_s.at[slot].T, (bv, C), init=du_t)
+        du_s[...] = du_t.astype(dtype)
+        plgpu.commit_smem()
+        nxt = matmul(du_s, w_s.at[slot], (bv, K), init=nxt)
+      return nxt
+
+    ds_t = lax.fori_loop(0, NC, step, ds0)
+    state_s[...] = ds_t
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(state_s, dh0_r.at[b, h, vs])
+    plgpu.wait_smem_to_gmem(0)
+
+  args = [x for x, present in ((qg, True), (kd, delta), (w_neg, delta), (p, delta), (do, True),
+                               (decay, True),
+                               (None if dfinal is None else jnp.swapaxes(dfinal.astype(F32), -1, -2),
+                                has_df))
+          if present]
+  dstates, dh0 = plgpu.kernel(
+      body, out_type=out_type, scratch_types=scratch, grid=(B, H, V // bv),
+      grid_names=("b", "h", "v"), compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret)(*args)
+  return dstates, jnp.swapaxes(dh0, -1, -2)
+
+
+def backward(t: ChunkTensors, states, do, dfinal, *, interpret=None, block_v: int = BLOCK_V):
+  """Cotangents of the per-chunk tensors (float32 `ChunkTensors`) and dh0, from the reverse walk's
+  per-chunk dS and the forward's per-chunk states, by batched matmuls over all chunks (XLA)."""
+  dstates, dh0 = backward_states(t, do, dfinal, interpret=interpret, block_v=block_v)
+  ein = functools.partial(jnp.einsum, preferred_element_type=F32)
+  S, dS = states, dstates                                   # [B, H, NC, V, K], transposed
+  do = do.astype(t.u.dtype)
+  du = ein("bhnij,bhnic->bhnjc", t.p, do) + ein("bhnck,bhnvk->bhncv", t.kd, dS)
+  u = t.u.astype(F32)
+  if t.w is not None:
+    u = u - ein("bhnck,bhnvk->bhncv", t.w, S)
+  u_lo = u.astype(t.u.dtype)
+  grads = ChunkTensors(
+      qg=ein("bhncv,bhnvk->bhnck", do, S),
+      kd=ein("bhncv,bhnvk->bhnck", u_lo, dS),
+      w=None if t.w is None else -ein("bhncv,bhnvk->bhnck", du.astype(t.u.dtype), S),
+      u=du,
+      p=ein("bhniv,bhnjv->bhnij", do, u_lo),
+      decay=jnp.einsum("bhnvk,bhnvk->bhnk", S.astype(F32), dS.astype(F32)))
+  return grads, dh0

@@ -1,0 +1,152 @@
+"""The Mosaic GPU kernels in the Mosaic GPU interpreter against the NumPy float64 loop: o, final state
+and every gradient (q, k, v, g, beta, initial state) for both families and every decay kind, with grouped
+value heads, packed sequences, T not a multiple of the chunk, strong gates, split value blocks; and the
+walk kernels alone against a float32 mirror that rounds where they round (tight).
+
+The kernels take 16-bit operands only (wgmma would run float32 as tf32), so the end-to-end checks use
+float16 (tolerance `util.F16_TOL`) and bfloat16 (`util.BF16_TOL`); the mirror checks hold to 1e-5.
+Uninitialised memory is NaN and out-of-bounds reads raise in every case.
+"""
+
+import jax
+import jax.numpy as jnp
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import numpy as np
+import pytest
+
+from pallas_kernels import gpu, prep
+from pallas_kernels.gpu import walk
+from tests.ops.conftest import make_inputs, rel_rms
+from tests.pallas_kernels.gpu.util import BF16_TOL, PARAMS, check
+
+KINDS = ("linear_attention", "simple_gla", "gla", "delta_rule", "gated_delta_rule", "kda")
+
+
+@pytest.mark.parametrize("variant", KINDS)
+def test_every_family_and_decay(variant):
+  # Given grouped value heads (H=1 serves H_v=2), an initial state and T = 150 (3 chunks, the last partial)
+  inp = make_inputs(variant, B=1, T=150, H=1, Hv=2, K=64, V=64, seed=0)
+  # Then o, the final state and every gradient match the float64 loop
+  check(variant, inp)
+
+
+@pytest.mark.parametrize("variant", ["simple_gla", "kda"])
+def test_segment_ids(variant):
+  # Runs of 30, 1 (a length-one segment), 33, 7 and 29 tokens, the last reusing an earlier id; changes
+  # fall inside chunks and on the chunk boundary t = 64.
+  T = 100
+  seg = np.zeros((1, T), np.int32)
+  seg[0, 30:31], seg[0, 31:64], seg[0, 64:71], seg[0, 71:] = 5, 1, 2, 0
+  check(variant, make_inputs(variant, B=1, T=T, H=1, Hv=1, K=64, V=64, seed=6), seg=seg)
+
+
+@pytest.mark.parametrize("variant", ["gla", "gated_delta_rule"])
+def test_strong_gates_and_no_initial_state(variant):
+  # Log-decays down to -20 per token: nothing may overflow inside a 64-token chunk.
+  inp = make_inputs(variant, B=1, T=130, H=1, Hv=1, K=64, V=64, gates="strong", seed=3)
+  inp["h0"] = None
+  check(variant, inp)
+
+
+def test_two_value_blocks_and_bfloat16():
+  # V = 128: two programs of 64 value columns per head; K = 128; bfloat16 operands.
+  errors = check("gated_delta_rule", make_inputs("gated_delta_rule", B=1, T=64, H=1, Hv=1, K=128, V=128,
+                                                 seed=5), dtype=jnp.bfloat16, tol=BF16_TOL)
+  assert errors["o"] > 1e-4  # bfloat16 really was used
+
+
+def _mirror_forward(t: prep.ChunkTensors, h0):
+  """The forward walk in float32, rounding the state and u to the operand dtype where the kernel does."""
+  lo = t.qg.dtype
+  f = lambda x: x.astype(jnp.float32)
+  S = h0
+  outs, states = [], []
+  for n in range(t.qg.shape[2]):
+    S_lo = f(S.astype(lo))
+    states.append(S_lo)
+    u = f(t.u[:, :, n])
+    if t.w is not None:
+      u = f((u - jnp.einsum("bhck,bhkv->bhcv", f(t.w[:, :, n]), S_lo)).astype(lo))
+    outs.append(jnp.einsum("bhck,bhkv->bhcv", f(t.qg[:, :, n]), S_lo)
+                + jnp.einsum("bhij,bhjv->bhiv", f(t.p[:, :, n]), u))
+    S = t.decay[:, :, n][..., None] * S + jnp.einsum("bhck,bhcv->bhkv", f(t.kd[:, :, n]), u)
+  return jnp.stack(outs, 2), jnp.stack(states, 2), S
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["additive", "delta"])
+def test_forward_walk_matches_its_float32_mirror(delta):
+  variant = "kda" if delta else "gla"
+  inp = make_inputs(variant, B=1, T=192, H=1, Hv=1, K=64, V=128, seed=11)
+  x = {n: None if inp.get(n) is None else jnp.asarray(inp[n]) for n in ("q", "k", "v", "g", "beta")}
+  t = prep.prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], None, chunk_size=64,
+                   dtype=jnp.bfloat16)
+  t = t._replace(**{n: getattr(t, n).astype(jnp.bfloat16) for n in ("qg", "kd", "w", "u", "p")
+                    if getattr(t, n) is not None})
+  h0 = jnp.asarray(inp["h0"])
+  o, states, final = walk.forward(t, h0, with_o=True, with_states=True, out_dtype=jnp.float32,
+                                  interpret=PARAMS)
+  ro, rstates, rfinal = _mirror_forward(t, h0)
+  assert rel_rms(o, ro) < 1e-5 and rel_rms(final, rfinal) < 1e-5
+  assert rel_rms(jnp.swapaxes(states, -1, -2).astype(jnp.float32), rstates) < 1e-5
+
+
+def test_public_api_reaches_the_kernel_in_the_interpreter():
+  from linear_attention_jax import ops
+  inp = make_inputs("kda", B=1, T=70, H=1, Hv=1, K=64, V=64, seed=2)
+  q, k, v = (jnp.asarray(inp[n], jnp.bfloat16) for n in ("q", "k", "v"))
+  with gpu.interpret_kernels():
+    assert ops.select_impl("auto", "kda", K=64, V=64, chunk_size=64, dtype=jnp.bfloat16) == "pallas"
+    o, _ = ops.kda(q, k, v, jnp.asarray(inp["g"]), jnp.asarray(inp["beta"]), impl="pallas")
+  ref, _ = ops.kda(q, k, v, jnp.asarray(inp["g"]), jnp.asarray(inp["beta"]), impl="recurrent")
+  assert o.dtype == jnp.bfloat16 and rel_rms(o, ref) < BF16_TOL
+
+
+def test_rejects_what_it_cannot_serve():
+  inp = make_inputs("kda", T=20, K=64, V=64)
+  q, k, v = (jnp.asarray(inp[n], jnp.bfloat16) for n in ("q", "k", "v"))
+  with pytest.raises(ValueError, match=r"chunks of \(64,\) tokens; got chunk_size=32"):
+    gpu.chunked_attention(q, k, v, inp["g"], inp["beta"], chunk_size=32, interpret=PARAMS)
+  with pytest.raises(ValueError, match=r"^initial_state must be one of .*got \(2, 4, 64, 13\)"):
+    gpu.chunked_attention(q, k, v, inp["g"], inp["beta"], initial_state=np.zeros((2, 4, 64, 13)))
+  with pytest.raises(ValueError, match=r"bfloat16 or float16 operands .* not float32"):
+    gpu.chunked_attention(q.astype(jnp.float32), k, v, interpret=PARAMS)
+  assert "cu_seqlens" in gpu.supports(K=64, V=64, chunk_size=64, packing="cu_seqlens", backend="hopper")
+  assert "K and V in (64, 128)" in gpu.supports(K=32, V=64, chunk_size=64, backend="hopper")
+  assert "backend is 'cpu'" in gpu.supports(K=64, V=64, chunk_size=64)
+  assert "shard_map" in gpu.supports(K=64, V=64, chunk_size=64, backend="hopper", sharded=True)
+  assert gpu.supports(K=128, V=128, chunk_size=64, dtype=jnp.bfloat16, backend="hopper") is None
+
+
+def _mirror_backward(t: prep.ChunkTensors, do, dfinal):
+  """The reverse walk in float32, rounding dS and du to the operand dtype where the kernel does."""
+  lo = t.qg.dtype
+  f = lambda x: x.astype(jnp.float32)
+  dS, stored = dfinal, []
+  for n in reversed(range(t.qg.shape[2])):
+    dS_lo = f(dS.astype(lo))
+    stored.append(dS_lo)
+    do_n = f(do[:, :, n].astype(lo))
+    nxt = t.decay[:, :, n][..., None] * dS + jnp.einsum("bhck,bhcv->bhkv", f(t.qg[:, :, n]), do_n)
+    if t.w is not None:
+      du = jnp.einsum("bhij,bhiv->bhjv", f(t.p[:, :, n]), do_n) + jnp.einsum(
+          "bhck,bhkv->bhcv", f(t.kd[:, :, n]), dS_lo)
+      nxt = nxt - jnp.einsum("bhck,bhcv->bhkv", f(t.w[:, :, n]), f(du.astype(lo)))
+    dS = nxt
+  return jnp.stack(stored[::-1], 2), dS
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["additive", "delta"])
+def test_reverse_walk_matches_its_float32_mirror(delta):
+  variant = "kda" if delta else "gla"
+  inp = make_inputs(variant, B=1, T=192, H=1, Hv=1, K=64, V=128, seed=12)
+  x = {n: None if inp.get(n) is None else jnp.asarray(inp[n]) for n in ("q", "k", "v", "g", "beta")}
+  t = prep.prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], None, chunk_size=64, dtype=jnp.bfloat16)
+  t = t._replace(**{n: getattr(t, n).astype(jnp.bfloat16) for n in ("qg", "kd", "w", "u", "p")
+                    if getattr(t, n) is not None})
+  rng = np.random.default_rng(0)
+  do = jnp.asarray(rng.normal(size=t.u.shape), jnp.float32)
+  dfinal = jnp.asarray(rng.normal(size=(1, 1, 64, 128)), jnp.float32)
+  dstates, dh0 = walk.backward_states(t, do, dfinal, interpret=PARAMS)
+  rstates, rdh0 = _mirror_backward(t, do, dfinal)
+  assert rel_rms(dh0, rdh0) < 1e-5
+  assert rel_rms(jnp.swapaxes(dstates, -1, -2).astype(jnp.float32), rstates) < 1e-5

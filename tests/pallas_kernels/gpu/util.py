@@ -1,0 +1,63 @@
+"""Runs `pallas_kernels.gpu.chunked_attention` in the Mosaic GPU interpreter with gradients and measures
+it against the NumPy float64 loop of tests/ops (o, final state, every gradient); and a float32 mirror of
+the walk that rounds exactly where the kernels round, for tight checks of the kernels alone."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import numpy as np
+
+from pallas_kernels import gpu
+from tests.ops.conftest import rel_rms
+from tests.ops.test_equivalence import _reference
+
+# Uninitialised memory is NaN and out-of-bounds reads raise (the defaults).
+PARAMS = plgpu.InterpretGPUParams()
+NAMES = ("q", "k", "v", "g", "beta", "h0")
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+# float16 operands (11-bit significands): the rounding of q, k, v and of the per-chunk tensors, the state
+# and u as matmul operands gives ~1e-3 relative RMS error against the float64 loop.
+F16_TOL = 4e-3
+BF16_TOL = 2e-2
+
+
+@functools.partial(jax.jit, static_argnames=("params", "dtype"), compiler_options=FAST_COMPILE)
+def run_with_grads(inp, do, dhT, seg, *, params, dtype):
+  """`(o, final_state, {name: gradient})` of the kernel op under cotangents `do`, `dhT`; q, k, v enter
+  in `dtype`, g, beta and h0 in float32."""
+  names = [n for n in NAMES if inp.get(n) is not None]
+  cast = {"q": dtype, "k": dtype, "v": dtype}
+
+  def f(*xs):
+    x = {n: xs[names.index(n)].astype(cast.get(n, jnp.float32)) if n in names else None for n in NAMES}
+    return gpu.chunked_attention(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
+                                 segment_ids=seg, interpret=params)
+
+  (o, hT), vjp = jax.vjp(f, *[jnp.asarray(inp[n], jnp.float32) for n in names])
+  return o, hT, dict(zip(names, vjp((do.astype(o.dtype), dhT))))
+
+
+def check(variant, inp, *, seg=None, params=PARAMS, dtype=jnp.float16, tol=F16_TOL, seed=1):
+  """Asserts relative RMS errors <= tol for o, the final state and every gradient; returns them. The
+  reference sees q, k, v rounded to `dtype` as the kernel does."""
+  rng = np.random.default_rng(seed)
+  B, T, Hv, V = inp["v"].shape
+  K = inp["q"].shape[-1]
+  inp = {n: None if x is None else (np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+                                    if n in ("q", "k", "v") else np.asarray(x, np.float32))
+         for n, x in inp.items()}
+  do = rng.normal(size=inp["v"].shape).astype(np.float32)
+  dhT = rng.normal(size=(B, Hv, K, V)).astype(np.float32)
+  o, hT, grads = run_with_grads(inp, do, dhT, None if seg is None else jnp.asarray(seg), params=params,
+                                dtype=dtype)
+  ref_inp = dict(inp, h0=np.zeros((B, Hv, K, V), np.float32) if inp.get("h0") is None else inp["h0"])
+  ro, rhT, rgrads = _reference(variant, ref_inp, do, dhT, segment_ids=seg)
+  errors = {"o": rel_rms(o, ro), "state": rel_rms(hT, rhT)}
+  errors.update({f"d{n}": rel_rms(grads[n], rgrads[n]) for n in grads})
+  print(f"{variant} T={T} " + " ".join(f"{n}={e:.1e}" for n, e in errors.items()))
+  assert np.isfinite(list(errors.values())).all(), errors
+  for name, e in errors.items():
+    assert e <= tol, (name, errors)
+  return errors
