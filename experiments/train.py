@@ -3,10 +3,19 @@
     python experiments/train.py --config=mqar_hybrid --workdir=runs/mqar_hybrid
     python experiments/train.py --config=text_small --text_path=notes.txt --workdir=runs/text
     python experiments/train.py --config=mqar_hybrid --set=steps=2000 --set=model.width=128 ...
+    python experiments/train.py --config=text_small --mesh_data=-1 --mesh_tensor=2 --sharding_rules=tp
 
 `--config` is a name in experiments/configs/ or a path to a config file; `--set=KEY=VALUE` (repeatable,
 dotted keys for nested fields) overrides one field; an unknown key is an error. `--text_path` is short
 for `--set=data.source=text --set=data.text.path=PATH`.
+
+Sharding (linear_attention_jax.sharding): the mesh flags `--mesh_data`, `--mesh_fsdp`, `--mesh_seq`,
+`--mesh_tensor` (one may be -1: the devices the others leave) and `--sharding_rules` (dp, fsdp, tp,
+state_v, cp, '+'-joined) select a mesh over all devices and the rule set that lays the parameters, the
+optimizer moments and the batch out on it; the step runs under `jax.jit` with those in/out shardings
+(every mixer's recurrence under `shard_map`). Without any of these flags a run uses one device, as it
+always did. Multi-host: `--coordinator_address`, `--num_processes`, `--process_id` on every process.
+A checkpoint holds the global arrays, so a run saved on one mesh resumes on another (or on one device).
 
 What a run does (`train_and_evaluate`):
 - optimizer: AdamW with linear warmup and cosine decay to `min_lr_ratio * learning_rate`, global-norm
@@ -16,7 +25,8 @@ What a run does (`train_and_evaluate`):
 - checkpoints (orbax, experiments/checkpoint.py): every `checkpoint_every` steps and at the end, the
   newest `keep_checkpoints` kept. A run restarted on the same workdir resumes from the latest one:
   parameters, optimizer state and the data iterator's position, so step N + 1 sees the batch it would
-  have seen and its loss is the uninterrupted run's, to the bit.
+  have seen and its loss is the uninterrupted run's, to the bit (on the same devices and mesh; on
+  another mesh, up to float rounding: the sharded step sums in another order).
 - evaluation every `eval_every` steps and at the end: loss and accuracy of every evaluation split
   (MQAR: one per (seq_len, kv pairs) test setting, accuracy = recall at the queries).
 - metrics: `{workdir}/metrics.jsonl`, TensorBoard events in `{workdir}/tensorboard/`, the curves in
@@ -46,7 +56,9 @@ from flax import nnx
 from experiments import configs, data
 from experiments.checkpoint import Checkpointer
 from experiments.metrics import MetricsWriter, plot_curves, read_metrics
+from linear_attention_jax import sharding
 from linear_attention_jax.models import LM, LMConfig
+from linear_attention_jax.sharding import checkpoint as sharded_checkpoint
 
 try:
   from tqdm import tqdm
@@ -178,13 +190,13 @@ def eval_step(params, batch, *, graphdef):
   return masked_sums(logits, batch["targets"])
 
 
-def evaluate(graphdef, params, source, seed: int, num_batches: int) -> dict[str, float]:
+def evaluate(setup: TrainSetup, params, source, seed: int, num_batches: int) -> dict[str, float]:
   """`eval/<split>/loss` and `eval/<split>/accuracy` per split, and their means over the splits."""
   out = {}
   for split in source.eval_splits:
     totals = np.zeros(3)
     for index in range(num_batches):
-      sums = eval_step(params, source.batch(split, seed, index), graphdef=graphdef)
+      sums = setup.eval_step(params, setup.place(source.batch(split, seed, index)))
       totals += np.array([float(x) for x in sums])
     count = max(totals[2], 1.0)
     out[f"eval/{split}/loss"], out[f"eval/{split}/accuracy"] = totals[0] / count, totals[1] / count
@@ -201,8 +213,79 @@ def init_state(config: TrainConfig, model_config: LMConfig, tx):
                     "opt_state": tx.init(_float32(params))}
 
 
+@dataclasses.dataclass
+class TrainSetup:
+  """A run's model graph and initial state, and the functions that move them: on one device
+  (`mesh` None: plain `jax.jit`, host batches passed as they are) or laid out on `mesh` by `rules`
+  (parameters, optimizer moments and batches; the steps jitted with those in/out shardings).
+  Built by `setup_training`; train.py and sharded_throughput.py both run through it.
+
+  Attributes:
+    graphdef: the LM's graph (`nnx.split`).
+    state: `{"step", "params", "opt_state"}`, placed (the train step donates it).
+    train_step: `(state, batch) -> (state, {"loss", "accuracy", "grad_norm"})`.
+    eval_step: `(params, batch) -> (summed loss, correct predictions, scored positions)`.
+    place: a host batch (`{"tokens", "targets"}` NumPy arrays) -> the batch the steps take.
+    mesh, rules: the mesh and rule set, or None.
+  """
+  graphdef: object
+  state: dict
+  train_step: object
+  eval_step: object
+  place: object
+  mesh: jax.sharding.Mesh | None = None
+  rules: str | None = None
+
+  def abstract_state(self):
+    """The state's shapes, dtypes and shardings: what a checkpoint restores into. Orbax reads each
+    device's block of the global arrays, so the checkpoint may come from any mesh."""
+    like = jax.eval_shape(lambda: self.state)
+    if self.mesh is not None:
+      return sharded_checkpoint.abstract_state(like, self.mesh, self.rules)
+    # One device: where the fresh state lives (a checkpoint's own sharding may name devices that
+    # this machine lacks).
+    return jax.tree.map(lambda a, x: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=x.sharding),
+                        like, self.state)
+
+  def lower(self, state, batch):
+    """The train step lowered for `state` and a placed `batch` (`.compile().memory_analysis()`)."""
+    if self.mesh is None:
+      return train_step.lower(state, batch, **self.train_step.keywords)
+    return self.train_step.jitted.lower(state, batch)
+
+  def describe(self) -> str:
+    if self.mesh is None:
+      return f"1 device ({jax.devices()[0].platform})"
+    sizes = ", ".join(f"{a}={n}" for a, n in self.mesh.shape.items() if n > 1) or "1 device"
+    return f"{self.rules} ({sizes})"
+
+
+def setup_training(config: TrainConfig, model_config: LMConfig, *, mesh=None,
+                   rules: str = "dp") -> TrainSetup:
+  """The initial state and the jitted steps of `config`, on one device (`mesh` None) or on `mesh`.
+
+  On a mesh, the model is checked against it first (`sharding.check_model_config`: a size the mesh
+  axes do not divide raises `ValueError` naming the field), the state is initialised exactly as on
+  one device and then laid out by `rules`, and batches are placed with the batch sharding.
+  """
+  tx = make_optimizer(config.optimizer, config.steps)
+  graphdef, state = init_state(config, model_config, tx)
+  step = functools.partial(train_step, graphdef=graphdef, optimizer=config.optimizer, steps=config.steps)
+  evaluate_step = functools.partial(eval_step, graphdef=graphdef)
+  if mesh is None:
+    return TrainSetup(graphdef, state, step, evaluate_step, place=lambda batch: batch)
+  sharding.rule_set(rules)  # an unknown rule set raises here, naming it
+  sharding.check_model_config(model_config, mesh, rules)
+  state = sharding.shard_train_state(state, mesh, rules)
+  return TrainSetup(
+      graphdef, state, sharding.make_sharded_train_step(step, mesh, rules, state),
+      sharding.make_sharded_eval_step(evaluate_step, mesh, rules, state["params"]),
+      place=lambda batch: sharding.shard_batch(batch, mesh, rules), mesh=mesh, rules=rules)
+
+
 def train_and_evaluate(config: TrainConfig, workdir: str, *, progress: bool = True,
-                       interrupt_after: int | None = None) -> dict | None:
+                       interrupt_after: int | None = None, mesh=None,
+                       rules: str = "dp") -> dict | None:
   """Trains (resuming from `workdir` when it holds a checkpoint), evaluates, writes everything there.
 
   Args:
@@ -212,6 +295,8 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, progress: bool = Tr
     progress: show a progress bar (when tqdm is installed and the output is a terminal).
     interrupt_after: stop right after this step as a killed run would: no final checkpoint, no
       evaluation, no plot (for testing resume). Returns None then.
+    mesh, rules: train sharded on this `jax.sharding.Mesh` by these rules (`setup_training`);
+      None: one device. A checkpoint written on any mesh restores onto this one.
 
   Returns:
     The summary: final step, train loss, evaluation metrics, and the paths written.
@@ -220,16 +305,18 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, progress: bool = Tr
   _write_config(config, workdir)
   source = data.make_source(config.data)
   model_config = config.lm_config(source.vocab_size)
-  tx = make_optimizer(config.optimizer, config.steps)
-  graphdef, state = init_state(config, model_config, tx)
-  step_options = dict(graphdef=graphdef, optimizer=config.optimizer, steps=config.steps)
+  setup = setup_training(config, model_config, mesh=mesh, rules=rules)
+  state = setup.state
+  if mesh is not None:
+    print(f"sharded: {setup.describe()} over {mesh.devices.size} {mesh.devices.flat[0].platform} "
+          f"devices")
   schedule = learning_rate_schedule(config.optimizer, config.steps)
   checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"), every=config.checkpoint_every,
                              keep=config.keep_checkpoints)
   start = checkpoints.latest_step()
   train_batches = data.batches(source, "train", config.data.seed)
   if start is not None:
-    state, data_state = checkpoints.restore(start, jax.eval_shape(lambda: state))
+    state, data_state = checkpoints.restore(start, setup.abstract_state())
     train_batches = data.Batches.from_state(source, data_state["train"])
     print(f"resumed from step {start} ({checkpoints.directory}); next batch: "
           f"{train_batches.position}")
@@ -243,7 +330,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, progress: bool = Tr
     for step in range(first + 1, config.steps + 1):
       batch = next(train_batches)
       tokens_per_step = batch["tokens"].size
-      state, metrics = train_step(state, batch, **step_options)
+      state, metrics = setup.train_step(state, setup.place(batch))
       window.append(metrics)
       if step % config.log_every == 0 or step == config.steps:
         means = {k: float(np.mean([float(m[k]) for m in window])) for k in window[0]}
@@ -259,7 +346,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, progress: bool = Tr
       if bar is not None:
         bar.update(1)
       if config.eval_every and step % config.eval_every == 0 and step != config.steps:
-        last_eval = evaluate(graphdef, state["params"], source, eval_seed, config.eval_batches)
+        last_eval = evaluate(setup, state["params"], source, eval_seed, config.eval_batches)
         writer.write(step, last_eval)
         _say(bar, f"step {step}: eval loss {last_eval['eval/loss']:.4f} "
                   f"accuracy {last_eval['eval/accuracy']:.4f}")
@@ -268,7 +355,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, progress: bool = Tr
       if step == interrupt_after:
         return None
     final_step = int(state["step"])
-    last_eval = evaluate(graphdef, state["params"], source, eval_seed, config.eval_batches)
+    last_eval = evaluate(setup, state["params"], source, eval_seed, config.eval_batches)
     if final_step > first:  # a finished run started again only reports; its records are there
       writer.write(final_step, last_eval)
     checkpoints.save(final_step, state, {"train": train_batches.state()}, force=True)
@@ -344,6 +431,18 @@ def _define_flags():
   flags.DEFINE_string("workdir", None, "Run directory (default runs/<config name>); resumes when it "
                       "holds a checkpoint.")
   flags.DEFINE_bool("progress", True, "Show a progress bar.")
+  sharding.define_flags()
+
+
+def mesh_from_flags(flag_values=None):
+  """`(mesh, rules)` the sharding flags select (starting the multi-host runtime when they name a
+  coordinator), or `(None, "dp")` when none is given: one device."""
+  fv = flags.FLAGS if flag_values is None else flag_values
+  if not sharding.flags_given(fv):
+    return None, "dp"
+  mesh_config = sharding.config_from_flags(fv)
+  sharding.initialize_distributed(mesh_config)
+  return sharding.make_mesh(mesh_config), fv.sharding_rules
 
 
 def main(argv):
@@ -351,12 +450,13 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   f = flags.FLAGS
   quiet_logs()
+  mesh, rules = mesh_from_flags(f)  # first: a multi-host job starts before any device is touched
   raw = configs.load(f.config, "train", f.set)
   if f.text_path:
     raw = configs.apply_overrides(raw, {"data.source": "text", "data.text.path": f.text_path})
   config = configs.build(TrainConfig, raw)
   workdir = f.workdir or os.path.join("runs", os.path.basename(f.config).removesuffix(".py"))
-  train_and_evaluate(config, workdir, progress=f.progress)
+  train_and_evaluate(config, workdir, progress=f.progress, mesh=mesh, rules=rules)
 
 
 if __name__ == "__main__":

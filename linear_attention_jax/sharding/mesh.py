@@ -174,6 +174,18 @@ def define_flags(flag_values=None) -> None:
                     flag_values=fv)
 
 
+_FLAG_NAMES = tuple(f"mesh_{name}" for name in MESH_AXES) + (
+    "sharding_rules", "coordinator_address", "num_processes", "process_id", "local_device_ids")
+
+
+def flags_given(flag_values=None) -> bool:
+  """Whether any flag `define_flags` defined was set on the command line (scripts that run on one
+  device unless told otherwise ask this before building a mesh)."""
+  from absl import flags
+  fv = flags.FLAGS if flag_values is None else flag_values
+  return any(fv[name].present for name in _FLAG_NAMES)
+
+
 def config_from_flags(flag_values=None) -> MeshConfig:
   """The `MeshConfig` of the flags `define_flags` defined (checked: a bad value raises `ValueError`)."""
   from absl import flags

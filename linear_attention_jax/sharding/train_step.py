@@ -3,7 +3,9 @@
     mesh = make_mesh(MeshConfig(data=-1, tensor=2))
     state = shard_train_state(state, mesh, "tp")          # {"step", "params", "opt_state"} or any pytree
     step = make_sharded_train_step(train_step, mesh, "tp", state)
-    state, metrics = step(state, batch)                   # batch leaves [B, T]: rows over the batch axes
+    batch = shard_batch(host_batch, mesh, "tp")           # leaves [B, T]: rows over the batch axes
+    state, metrics = step(state, batch)
+    evaluate = make_sharded_eval_step(eval_fn, mesh, "tp", state["params"])   # (params, batch) -> ...
 
 A parameter's sharding comes from its logical axes (the `out_sharding` metadata the layers set), and
 the optimizer's moments inherit them (optax maps over the same `nnx.Variable`s); anything without
@@ -16,6 +18,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -78,6 +81,39 @@ def _unjitted(fn):
   return fn.__wrapped__ if hasattr(fn, "lower") and hasattr(fn, "__wrapped__") else fn
 
 
+def batch_sharding(mesh, rules, axes=("batch", "seq")) -> NamedSharding:
+  """The sharding of a batch leaf whose leading dimensions have the logical axes `axes`."""
+  return named_sharding(mesh, axes, rule_set(rules))
+
+
+def shard_batch(batch, mesh, rules, axes=("batch", "seq")):
+  """`batch` (host arrays: the same global batch in every process) placed with `batch_sharding`.
+
+  Each device receives only its block (`jax.make_array_from_callback`), so this also serves a
+  multi-host job whose processes each build the global batch. Checks the shapes first (`check_batch`).
+  """
+  table = rule_set(rules)
+  check_batch(batch, mesh, table, axes)
+
+  def one(x):
+    x = np.asarray(x)
+    sharding = named_sharding(mesh, axes[:x.ndim], table)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+  return jax.tree.map(one, batch)
+
+
+def _jit_under_rules(fn, mesh, table, in_shardings, out_shardings, donate, compiler_options):
+  fn = _unjitted(fn)
+
+  def traced(*args):
+    with use_rules(mesh, table):
+      return fn(*args)
+
+  return fn, jax.jit(traced, in_shardings=in_shardings, out_shardings=out_shardings,
+                     donate_argnums=(0,) if donate else (), compiler_options=compiler_options)
+
+
 def make_sharded_train_step(step, mesh, rules, state, *, batch_axes=("batch", "seq"),
                             donate: bool = True, compiler_options: dict | None = None):
   """`step(state, batch) -> (state, metrics)` jitted with shardings from `rules` on `mesh`.
@@ -92,25 +128,39 @@ def make_sharded_train_step(step, mesh, rules, state, *, batch_axes=("batch", "s
 
   Returns:
     `sharded_step(state, batch)`: inputs resharded to `(state shardings, batch sharding)`, outputs
-    `(state with the same shardings, metrics replicated)`; checks the batch shapes first.
+    `(state with the same shardings, metrics replicated)`; checks the batch shapes first. Its
+    `.jitted` is the `jax.jit` object (for `.lower(...)`), `.shardings` the state's shardings.
   """
   table = rule_set(rules)
-  fn = _unjitted(step)
   shardings = state_shardings(state, mesh, table)
-  batch_sharding = named_sharding(mesh, batch_axes, table)
-
-  def traced(state, batch):
-    with use_rules(mesh, table):
-      return fn(state, batch)
-
-  jitted = jax.jit(traced, in_shardings=(shardings, batch_sharding),
-                   out_shardings=(shardings, NamedSharding(mesh, P())),
-                   donate_argnums=(0,) if donate else (), compiler_options=compiler_options)
+  fn, jitted = _jit_under_rules(step, mesh, table, (shardings, batch_sharding(mesh, table, batch_axes)),
+                                (shardings, NamedSharding(mesh, P())), donate, compiler_options)
 
   @functools.wraps(fn)
   def sharded_step(state, batch):
     check_batch(batch, mesh, table, batch_axes)
     return jitted(state, batch)
+
+  sharded_step.jitted = jitted
+  sharded_step.shardings = shardings
+  return sharded_step
+
+
+def make_sharded_eval_step(step, mesh, rules, params, *, batch_axes=("batch", "seq"),
+                           compiler_options: dict | None = None):
+  """`step(params, batch) -> metrics` jitted with `params` laid out by `rules` (as
+  `make_sharded_train_step` lays out a state's parameters), the batch split over the batch axes and
+  the metrics replicated; nothing donated. `params` may be abstract. Same attributes as the train step.
+  """
+  table = rule_set(rules)
+  shardings = state_shardings(params, mesh, table)
+  fn, jitted = _jit_under_rules(step, mesh, table, (shardings, batch_sharding(mesh, table, batch_axes)),
+                                NamedSharding(mesh, P()), False, compiler_options)
+
+  @functools.wraps(fn)
+  def sharded_step(params, batch):
+    check_batch(batch, mesh, table, batch_axes)
+    return jitted(params, batch)
 
   sharded_step.jitted = jitted
   sharded_step.shardings = shardings

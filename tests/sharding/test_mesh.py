@@ -50,6 +50,17 @@ def test_config_from_flags():
   assert not sharding.initialize_distributed(MeshConfig())  # single process: nothing to start
 
 
+@pytest.mark.parametrize("argv, given", [
+    ([], False), (["--mesh_tensor=2"], True), (["--sharding_rules=fsdp"], True),
+    (["--mesh_data=-1"], True),  # the default value, but given: the script asked for a mesh
+])
+def test_flags_given_tells_a_mesh_request_from_the_defaults(argv, given):
+  fv = flags.FlagValues()
+  sharding.define_flags(fv)
+  fv(["prog", *argv])
+  assert sharding.flags_given(fv) == given
+
+
 @multidevice
 def test_mesh_and_model_checks_on_8_devices():
   mesh = sharding.make_mesh(MeshConfig(data=-1, tensor=2))
