@@ -51,6 +51,8 @@ class Config:
   # Matmul precision while tracing: "highest" keeps float32 matmuls float32 on GPUs and TPUs, which
   # otherwise run them at reduced (TF32-like) precision and show ~4e-4 errors; "default" leaves it.
   matmul_precision: str = "highest"
+  # > 0: pack each row with sequences at this many random boundaries (segment_ids), else one sequence
+  packed: int = 0
 
   def __post_init__(self):
     common.check_variants(self.variants)
@@ -76,9 +78,10 @@ def relative_rms(a, b) -> float:
 _CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def _forward_backward(inputs, cotangents, *, variant, impl, chunk_size):
+def _forward_backward(inputs, cotangents, segment_ids, *, variant, impl, chunk_size):
   """o, the final state and the gradient of every input under the given cotangents, keyed as QUANTITIES."""
-  fn = lambda x: common.call(variant, x, impl=impl, chunk_size=chunk_size, output_final_state=True)
+  fn = lambda x: common.call(variant, x, impl=impl, chunk_size=chunk_size, output_final_state=True,
+                             segment_ids=segment_ids)
   (o, final), pull = jax.vjp(fn, inputs)
   (grads,) = pull(cotangents)
   return {"o": o, "state": final, **{_GRAD_KEYS[name]: g for name, g in grads.items()}}
@@ -98,9 +101,15 @@ def compare(config: Config, variant: str, T: int) -> list[dict]:
                               H_v=config.H_v, dtype=common.dtype_of(config.dtype), initial_state=True)
   cotangents = (jnp.asarray(rng.standard_normal((config.B, T, config.H_v, config.V)), inputs["v"].dtype),
                 jnp.asarray(rng.standard_normal(inputs["initial_state"].shape), jnp.float32))
+  segment_ids = None
+  if config.packed:  # boundaries at random positions (possibly inside chunks, possibly adjacent)
+    starts = np.zeros((config.B, T), np.int32)
+    for row in starts:
+      row[rng.integers(1, max(T, 2), size=config.packed)] = 1
+    segment_ids = jnp.asarray(np.cumsum(starts, axis=1, dtype=np.int32))
   fb = _jitted_forward_backward()
   with jax.default_matmul_precision(config.matmul_precision):  # thread-local: set in this worker
-    outs = {impl: jax.device_get(fb(inputs, cotangents, variant=variant, impl=impl,
+    outs = {impl: jax.device_get(fb(inputs, cotangents, segment_ids, variant=variant, impl=impl,
                                     chunk_size=config.chunk_size)) for impl in config.impls}
   ref = outs[config.impls[0]]
   return [{"variant": variant, "T": T, "impl": impl, "reference": config.impls[0],
@@ -120,7 +129,8 @@ def run_equivalence(config: Config, workdir: str) -> dict:
              for q in QUANTITIES if any(q in r["errors"] for r in rows)}
   print(f"relative RMS error against impl={config.impls[0]!r}, dtype={config.dtype}, B={config.B} "
         f"H={config.H} H_v={config.H_v} K={config.K} V={config.V} chunk_size={config.chunk_size} "
-        f"matmul_precision={config.matmul_precision} on {jax.devices()[0].device_kind}")
+        f"matmul_precision={config.matmul_precision} packed={config.packed} "
+        f"on {jax.devices()[0].device_kind}")
   fmt = lambda e: "-" if e is None else f"{e:.1e}"
   print(common.format_table(
       ("variant", "T", "impl") + QUANTITIES,
@@ -147,6 +157,7 @@ def _define_flags():
   flags.DEFINE_integer("chunk_size", d.chunk_size, "Chunk length of the chunked form.")
   flags.DEFINE_enum("matmul_precision", d.matmul_precision, ["default", "high", "highest"],
                     "Matmul precision while tracing (GPUs and TPUs run float32 matmuls as TF32 by default).")
+  flags.DEFINE_integer("packed", d.packed, "Random sequence boundaries per row (segment_ids); 0: none.")
   flags.DEFINE_string("workdir", "runs/equivalence", "Where equivalence.json is written.")
 
 
@@ -156,7 +167,7 @@ def main(argv):
   f = flags.FLAGS
   config = Config(variants=tuple(f.variants), T=tuple(int(t) for t in f.T), B=f.B, H=f.H, H_v=f.H_v,
                   K=f.K, V=f.V, dtype=f.dtype, seed=f.seed, impls=tuple(f.impls),
-                  chunk_size=f.chunk_size, matmul_precision=f.matmul_precision)
+                  chunk_size=f.chunk_size, matmul_precision=f.matmul_precision, packed=f.packed)
   run_equivalence(config, f.workdir)
 
 
