@@ -20,7 +20,7 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest", "pytest-xdist"],
+        "test": ["pytest", "pytest-xdist", "nbclient", "nbformat", "ipykernel"],  # the last three run notebooks/
         "experiments": ["matplotlib", "tqdm", "tensorboardX"],
     },
 )
