@@ -30,20 +30,22 @@ from pallas_kernels import vjp as kernel_vjp
 
 
 def pallas_reason(*, K: int, V: int, chunk_size: int, packing: str = "none", dtype=jnp.float32,
-                  sharded: bool = False):
+                  sharded: bool = False, v_extra: int = 0):
   """None if a Pallas kernel serves a call of this kind on this backend, else why not.
 
   The TPU kernels serve a TPU backend, or any backend inside `pallas_kernels.tpu.interpret_kernels()`;
   the Mosaic GPU kernels serve a Hopper GPU, or any backend inside `pallas_kernels.gpu.interpret_kernels()`
-  (the interpreters, for tests). `V` counts the state's value columns (with any normaliser column);
+  (the interpreters, for tests). `V` counts the state's value columns and `v_extra` of them are
+  appended ones (the linear-attention normaliser): the TPU kernels walk all of them, the GPU kernels the
+  first `V - v_extra` (the walk is independent per value column, so the chunked form takes the rest).
   `sharded`: the operands are split over mesh axes outside `jax.shard_map`.
   """
   backend = _kernel_backend()
-  call = dict(K=K, V=V, chunk_size=chunk_size, dtype=dtype, packing=packing, sharded=sharded)
+  call = dict(K=K, chunk_size=chunk_size, dtype=dtype, packing=packing, sharded=sharded)
   if backend == "tpu":
-    return tpu_kernels.supports(**call, backend="tpu")
+    return tpu_kernels.supports(**call, V=V, backend="tpu")
   if backend == "gpu":
-    return gpu_kernels.supports(**call)
+    return gpu_kernels.supports(**call, V=V - v_extra)
   return f"no Pallas kernel runs on backend {backend!r} (the kernels are for TPUs and Hopper GPUs)"
 
 
@@ -100,7 +102,8 @@ def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_sta
   packing_kind = "segments" if segment_ids is not None else ("none" if cu_seqlens is None else "cu_seqlens")
   compute_dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)  # the kernel's matmul dtype
   form = select_impl(impl, variant, K=K, V=V + v_extra, chunk_size=chunk_size, packing=packing_kind,
-                     dtype=compute_dtype, sharded=kernel_vjp.explicitly_sharded(q, k, v))
+                     dtype=compute_dtype, sharded=kernel_vjp.explicitly_sharded(q, k, v),
+                     v_extra=v_extra)
 
   scale = K ** -0.5 if scale is None else scale
   q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
@@ -124,11 +127,18 @@ def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_sta
     o, final = recurrent_form(q32, k32, v32, g32, b32, scale=scale, initial_state=h0,
                               packing=packing)
   elif form == "pallas" and _kernel_backend() == "gpu":
-    # bfloat16 / float16 operands and output (the state and every sum stay float32)
-    o, final = gpu_kernels.chunked_attention(q32, k32, v32, g32, b32, scale=scale, initial_state=h0,
-                                             segment_ids=segment_ids, chunk_size=chunk_size,
-                                             compute_dtype=compute_dtype, out_dtype=compute_dtype)
+    # bfloat16 / float16 operands and output (the state and every sum stay float32); the normaliser
+    # columns (v_extra) walk in the chunked form: every value column walks independently
+    o, final = gpu_kernels.chunked_attention(
+        q32, k32, v32[..., :V], g32, b32, scale=scale, initial_state=None if h0 is None else h0[..., :V],
+        segment_ids=segment_ids, chunk_size=chunk_size, compute_dtype=compute_dtype,
+        out_dtype=compute_dtype)
     o = o.astype(jnp.float32)
+    if v_extra:
+      o_x, final_x = chunk_form(q32, k32, v32[..., V:], g32, b32, scale=scale,
+                                initial_state=None if h0 is None else h0[..., V:], packing=packing,
+                                chunk_size=chunk_size)
+      o, final = jnp.concatenate([o, o_x], axis=-1), jnp.concatenate([final, final_x], axis=-1)
   elif form == "pallas":
     o, final = tpu_kernels.chunked_attention(q32, k32, v32, g32, b32, scale=scale, initial_state=h0,
                                              segment_ids=segment_ids, chunk_size=chunk_size,

@@ -69,6 +69,16 @@ def _flat(x):
   return None if x is None else x.reshape(x.shape[:2] + (-1,) + x.shape[4:])
 
 
+def _vary_like(outs, args):
+  """Under `jax.shard_map(check_vma=True)`: the kernel's outputs vary over the mesh axes its inputs vary
+  over (`plgpu.kernel` itself does not track them)."""
+  axes = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in args))
+  def vary(x):
+    missing = axes - jax.typeof(x).manual_axis_type.varying
+    return lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
+  return [vary(x) for x in outs]
+
+
 def _zeros_state(bv, K):
   return plgpu.layout_cast(jnp.zeros((bv, K), F32), WGMMA)
 
@@ -194,6 +204,7 @@ def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = Fal
       body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H, V // bv),
       grid_names=("b", "h", "v"), compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret)(*args))
+  outs = _vary_like(outs, args)
   o = outs.pop(0).reshape(B, H, NC, C, V) if with_o else None
   states = outs.pop(0) if with_states else None
   return o, states, jnp.swapaxes(outs.pop(0), -1, -2)
@@ -295,6 +306,7 @@ def backward_states(t: ChunkTensors, do, dfinal, *, interpret=None, block_v: int
       body, out_type=out_type, scratch_types=scratch, grid=(B, H, V // bv),
       grid_names=("b", "h", "v"), compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret)(*args)
+  dstates, dh0 = _vary_like((dstates, dh0), args)
   return dstates, jnp.swapaxes(dh0, -1, -2)
 
 

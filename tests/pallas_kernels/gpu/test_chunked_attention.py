@@ -150,3 +150,26 @@ def test_reverse_walk_matches_its_float32_mirror(delta):
   rstates, rdh0 = _mirror_backward(t, do, dfinal)
   assert rel_rms(dh0, rdh0) < 1e-5
   assert rel_rms(jnp.swapaxes(dstates, -1, -2).astype(jnp.float32), rstates) < 1e-5
+
+
+def test_linear_attention_normaliser_splits_off_to_the_chunk_form():
+  # normalize=True carries z as a V+1-th state column: the kernel walks the V value columns and the
+  # chunked form the normaliser column (each value column walks alone), so auto still takes the kernel.
+  from linear_attention_jax import ops
+  inp = make_inputs("linear_attention", B=1, T=100, H=2, Hv=2, K=64, V=64, seed=13)
+  q, k, v = (jnp.asarray(inp[n], jnp.float16) for n in ("q", "k", "v"))
+  h0 = np.abs(np.random.default_rng(0).normal(size=(1, 2, 64, 65))).astype(np.float32)
+  run = lambda impl: jax.vjp(lambda q, k, v, h0: ops.linear_attention(
+      q, k, v, initial_state=h0, output_final_state=True, impl=impl), q, k, v, jnp.asarray(h0))
+  with gpu.interpret_kernels():
+    assert ops.select_impl("auto", "linear_attention", K=64, V=65, chunk_size=64, dtype=jnp.float16,
+                           v_extra=1) == "pallas"
+    (o, final), pull = run("pallas")
+    cot = (jnp.ones_like(o), jnp.ones_like(final))
+    grads = pull(cot)
+  (ro, rfinal), rpull = run("recurrent")
+  rgrads = rpull(cot)
+  assert final.shape == (1, 2, 64, 65)
+  assert rel_rms(o, ro) < 4e-3 and rel_rms(final, rfinal) < 4e-3
+  for a, b in zip(grads, rgrads):
+    assert rel_rms(a, b) < 4e-3

@@ -1,0 +1,41 @@
+"""`sharded_chunked_attention` for the GPU kernels: the op under `jax.shard_map` (batch x heads, and batch
+x value columns, with `check_vma=True`) exports with its gradient for a 2 x 2 mesh of H200s.
+
+The numerics of the shard_map wrapper (`pallas_kernels.sharding`, shared with the TPU kernels) are checked
+on four CPU devices in tests/pallas_kernels/tpu/test_sharding.py; the Mosaic GPU interpreter simulates a
+single device, so the GPU kernels cannot run sharded on a CPU."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.mesh import AbstractDevice
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels import gpu
+
+
+@pytest.mark.parametrize("axes", [{"batch_axis": "data", "head_axis": "model"},
+                                  {"batch_axis": "data", "value_axis": "model"}],
+                         ids=["batch+heads", "batch+values"])
+def test_sharded_exports_for_two_by_two_h200s(axes):
+  mesh = AbstractMesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2,
+                      abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
+                                                     platform="gpu"))
+  B, T, H, D = 4, 1024, 8, 128
+  spec = lambda shape, dtype, p: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, p))
+  rows = P("data", None, "model") if "head_axis" in axes else P("data")
+  values = P("data", None, "model") if "head_axis" in axes else P("data", None, None, "model")
+  args = (spec((B, T, H, D), jnp.bfloat16, rows), spec((B, T, H, D), jnp.bfloat16, rows),
+          spec((B, T, H, D), jnp.bfloat16, values), spec((B, T, H), jnp.float32, rows),
+          spec((B, T, H), jnp.float32, rows))
+  fn = gpu.sharded_chunked_attention(mesh, **axes)
+
+  def loss(*xs):
+    o, final = fn(*xs)
+    return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final)
+
+  with jax.sharding.use_abstract_mesh(mesh):
+    exported = jax.export.export(jax.jit(jax.grad(loss, argnums=range(5))), platforms=["cuda"])(*args)
+  assert exported.nr_devices == 4
+  assert exported.mlir_module().count("custom_call @mosaic_gpu") == 3
