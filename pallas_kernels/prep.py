@@ -69,7 +69,7 @@ def canonical_segments(segment_ids):
 
 
 def prepare(q, k, v, g, beta, segment_ids, *, chunk_size: int, chunk_multiple: int = 1,
-            dtype=jnp.float32) -> ChunkTensors:
+            dtype=jnp.float32, inverse_dtype=None) -> ChunkTensors:
   """The per-chunk tensors of one call (module docstring), in float32.
 
   Args:
@@ -82,10 +82,14 @@ def prepare(q, k, v, g, beta, segment_ids, *, chunk_size: int, chunk_multiple: i
       k = 0, g = 0, beta = 0 change neither the outputs nor the final state).
     dtype: operand dtype of the matmuls (float32: exact; bfloat16: one MXU pass, float32 results).
       Everything else, and every result, is float32.
+    inverse_dtype: operand dtype of the many small matmuls of `(I + L)^-1` (None: `dtype`). On the
+      H200 float32 is both exact and faster there than bfloat16 (no cast passes between the levels;
+      pallas_kernels/gpu/NOTES.md); on a TPU bfloat16 is one MXU pass.
   """
   B, T, H, K = q.shape
   Hv = v.shape[2]
   C = chunk_size
+  inverse_dtype = dtype if inverse_dtype is None else inverse_dtype
   T_pad = padded_length(T, C, chunk_multiple)
   f32 = lambda x: None if x is None else x.astype(jnp.float32)
   q, k, v, g, beta = map(f32, (q, k, v, g, beta))
@@ -142,7 +146,7 @@ def prepare(q, k, v, g, beta, segment_ids, *, chunk_size: int, chunk_multiple: i
   if bc is None:
     return ChunkTensors(qg=qg, kd=kd, w=None, u=vc, p=P, decay=decay)
   b = bc[..., None]
-  X = _gram_t(unit_lower_inverse(b * L, dtype), jnp.concatenate([b * vc, b * kg], axis=-1), dtype)
+  X = _gram_t(unit_lower_inverse(b * L, inverse_dtype), jnp.concatenate([b * vc, b * kg], axis=-1), dtype)
   return ChunkTensors(qg=qg, kd=kd, w=X[..., v.shape[-1]:], u=X[..., :v.shape[-1]], p=P, decay=decay)
 
 

@@ -44,6 +44,7 @@ class Static:
 
   walk: the backend. options: the backend's own settings (block sizes, interpreter), passed through.
   chunk_size: C. compute_dtype: the matmul dtype of the per-chunk tensors. out_dtype: o's dtype.
+  inverse_dtype: `prep.prepare`'s operand dtype of the matmuls of `(I + L)^-1` (None: compute_dtype).
   """
 
   walk: Walk
@@ -51,13 +52,14 @@ class Static:
   chunk_size: int
   compute_dtype: Any
   out_dtype: Any
+  inverse_dtype: Any = None
 
 
 def _prepare(static: Static, q, k, v, g, beta, segment_ids):
   NC = -(-q.shape[1] // static.chunk_size)
   return prep.prepare(q, k, v, g, beta, segment_ids, chunk_size=static.chunk_size,
                       chunk_multiple=static.walk.chunks_per_group(NC, static.options),
-                      dtype=static.compute_dtype)
+                      dtype=static.compute_dtype, inverse_dtype=static.inverse_dtype)
 
 
 def _cast(t: prep.ChunkTensors, dtype) -> prep.ChunkTensors:

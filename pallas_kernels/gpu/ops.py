@@ -125,7 +125,8 @@ GPU_WALK = vjp.Walk(forward=_forward, backward=_backward, chunks_per_group=lambd
 
 
 def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None, segment_ids=None,
-                      chunk_size: int = 64, compute_dtype=None, out_dtype=None, interpret=None):
+                      chunk_size: int = 64, compute_dtype=None, out_dtype=None, inverse_dtype=jnp.float32,
+                      interpret=None):
   """Either family in chunked form, with the chunk walk as Mosaic GPU kernels; differentiable in
   q, k, v, g, beta and initial_state.
 
@@ -137,7 +138,9 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
     initial_state: None or `[B, H_v, K, V]`, used as float32.
     segment_ids: None or `[B, T]` int: the state restarts from zero wherever the id changes.
     chunk_size: C (64). compute_dtype: matmul operand dtype (bfloat16 or float16); default: q, k, v's
-      common dtype. out_dtype: o's dtype, default v's dtype.
+      common dtype. out_dtype: o's dtype, default v's dtype. inverse_dtype: operand dtype of the
+      matmuls of `(I + L)^-1` in the preparation (`prep.prepare`, delta family); float32 is exact and,
+      on the H200, faster than bfloat16 there (NOTES.md).
     interpret: None (the `interpret_kernels` context's parameters, else compiled) or a
       `plgpu.InterpretGPUParams`.
 
@@ -157,6 +160,7 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
     raise ValueError(reason)
   out_dtype = v.dtype if out_dtype is None else out_dtype
   static = vjp.Static(walk=GPU_WALK, options=_Options(interpret=interpret or None),
-                      chunk_size=chunk_size, compute_dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype))
+                      chunk_size=chunk_size, compute_dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype),
+                      inverse_dtype=None if inverse_dtype is None else jnp.dtype(inverse_dtype))
   return vjp.chunked_op(static, q, k, v, g, beta, scale=K ** -0.5 if scale is None else scale,
                         initial_state=initial_state, segment_ids=segment_ids)
