@@ -72,6 +72,8 @@ def test_benchmark_parses_shapes_and_rejects_bad_configs():
     ("equivalence.py", ["--variants=simple_gla", "--T=3", "--K=4", "--V=4"], "equivalence.json"),
     ("benchmark.py", ["--variants=simple_gla", "--impls=chunk", "--modes=fwd", "--shapes=1,8,1,4",
                       "--nosoftmax", "--warmup=0", "--iters=1"], "benchmark.json"),
+    ("kernel_breakdown.py", ["--variants=gated_delta_rule", "--shape=1,64,1,64", "--iters=1",
+                             "--interpret"], "kernel_breakdown.json"),
 ])
 def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
   cmd = [sys.executable, os.path.join(ROOT, "experiments", script), f"--workdir={tmp_path}", *flags]

@@ -1,0 +1,114 @@
+"""Where the time of the Pallas GPU op goes: each stage of `pallas_kernels.gpu.chunked_attention` timed
+alone (jitted, median of `--iters` after warm-up) on the benchmark's inputs.
+
+Stages (pallas_kernels/gpu/NOTES.md): the XLA preparation forward and its vjp, the forward walk with
+outputs, the forward walk that stores states, the reverse walk, and the reverse walk plus the batched
+cotangent matmuls. Prints a table and writes `{workdir}/kernel_breakdown.json`. Meant for a Hopper GPU;
+elsewhere `--interpret` runs the kernels in the Mosaic GPU interpreter (tiny shapes only: a smoke run).
+
+Example:
+  python experiments/kernel_breakdown.py --shape=4,8192,16,128 --variants=simple_gla,gated_delta_rule,kda
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+if __package__ in (None, ""):  # run as a file: put the repository root on the path
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import numpy as np
+from absl import app, flags
+
+from experiments import common
+from pallas_kernels import prep, vjp
+from pallas_kernels.gpu import walk
+
+STAGES = ("prep fwd", "walk o", "walk states", "reverse walk", "reverse + cotangents", "prep vjp")
+
+
+def _time(fn, args, iters: int) -> float:
+  jax.block_until_ready(fn(*args))  # compile
+  for _ in range(2):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - start) * 1e3)
+  return statistics.median(times)
+
+
+def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 0) -> dict:
+  """`{stage: median ms}` for one variant at `shape = (B, T, H, D)`."""
+  B, T, H, D = shape
+  rng = np.random.default_rng(seed)
+  x = common.make_inputs(variant, rng, B=B, T=T, H=H, K=D, V=D, dtype=dtype)
+  k = x["k"].astype(jnp.float32)
+  k = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(dtype)  # as use_qk_l2norm would
+  beta = x.get("beta")
+  beta = None if beta is None else beta.astype(jnp.float32)
+  args = (x["q"], k, x["v"], x.get("g"), beta)
+  prepare = lambda *a: prep.prepare(*a, None, chunk_size=64, dtype=dtype, inverse_dtype=jnp.float32)
+  prep_fwd = jax.jit(lambda *a: vjp._cast(prepare(*a), dtype))
+  t = prep_fwd(*args)
+  do = jnp.asarray(rng.standard_normal(t.u.shape), dtype)
+  states_fn = jax.jit(lambda t: walk.forward(t, None, with_o=False, with_states=True, out_dtype=dtype,
+                                             interpret=interpret)[1])
+  states = states_fn(t)
+  cot = jax.tree.map(lambda a: jnp.full(a.shape, 1e-2, jnp.float32), prepare(*args))
+  stages = {
+      "prep fwd": (prep_fwd, args),
+      "walk o": (jax.jit(lambda t: walk.forward(t, None, with_o=True, out_dtype=dtype,
+                                                interpret=interpret)[0]), (t,)),
+      "walk states": (states_fn, (t,)),
+      "reverse walk": (jax.jit(lambda t, do: walk.backward_states(t, do, None, interpret=interpret)),
+                       (t, do)),
+      "reverse + cotangents": (jax.jit(lambda t, s, do: walk.backward(t, s, do, None,
+                                                                      interpret=interpret)),
+                               (t, states, do)),
+      "prep vjp": (jax.jit(lambda *a: jax.vjp(prepare, *a[:5])[1](a[5])), args + (cot,)),
+  }
+  return {name: _time(fn, fn_args, iters) for name, (fn, fn_args) in stages.items()}
+
+
+def _define_flags():
+  flags.DEFINE_list("variants", ["simple_gla", "gated_delta_rule", "kda"], "Variants (ops.VARIANTS).")
+  flags.DEFINE_list("shape", ["4", "8192", "16", "128"], "B,T,H,D (K = V = D).")
+  flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16"], "dtype of q, k, v.")
+  flags.DEFINE_integer("iters", 10, "Timed rounds per stage; the median is reported.")
+  flags.DEFINE_bool("interpret", False, "Run the kernels in the Mosaic GPU interpreter (any backend).")
+  flags.DEFINE_string("workdir", "runs/kernel_breakdown", "Where kernel_breakdown.json is written.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  f = flags.FLAGS
+  common.check_variants(f.variants)
+  if "linear_attention" in f.variants:
+    raise app.UsageError("linear_attention carries a normaliser column; time retention instead")
+  shape = tuple(int(s) for s in f.shape)
+  if len(shape) != 4:
+    raise app.UsageError(f"--shape must be B,T,H,D; got {f.shape}")
+  dtype = jnp.bfloat16 if f.dtype == "bfloat16" else jnp.float16
+  interpret = plgpu.InterpretGPUParams() if f.interpret else None
+  rows = {v: breakdown(v, shape, dtype=dtype, iters=f.iters, interpret=interpret) for v in f.variants}
+  print(f"{jax.devices()[0].device_kind}, shape {shape}, {f.dtype}, median ms of {f.iters}"
+        + (" (Mosaic GPU interpreter)" if f.interpret else ""))
+  print(common.format_table(("variant",) + STAGES,
+                            [(v,) + tuple(f"{rows[v][s]:.3f}" for s in STAGES) for v in rows]))
+  path = common.write_json(f.workdir, "kernel_breakdown.json",
+                           {"shape": shape, "dtype": f.dtype, "interpret": f.interpret, "ms": rows})
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  _define_flags()
+  app.run(main)
