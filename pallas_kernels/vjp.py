@@ -12,6 +12,8 @@ outlives the forward. A backend supplies a `Walk`; nothing here depends on the b
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple
@@ -141,3 +143,23 @@ def check_shapes(q, k, v, g, beta, initial_state, segment_ids):
     if shape not in want[name]:
       raise ValueError(f"{name} must be one of {want[name]} (None: absent); got {shape}")
   return B, T, H, K, Hv, V
+
+
+class InterpretSwitch:
+  """A backend's "run the kernels in the interpreter" switch: `use(params)` is a context manager
+  inside which `current()` returns `params` (else None). jit caches do not see it: trace inside."""
+
+  def __init__(self, name: str, default_params: Callable[[], Any]):
+    self._var = contextvars.ContextVar(name, default=None)
+    self._default = default_params
+
+  @contextlib.contextmanager
+  def use(self, params=None):
+    token = self._var.set(self._default() if params is None else params)
+    try:
+      yield
+    finally:
+      self._var.reset(token)
+
+  def current(self):
+    return self._var.get()

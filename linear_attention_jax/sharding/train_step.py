@@ -135,15 +135,7 @@ def make_sharded_train_step(step, mesh, rules, state, *, batch_axes=("batch", "s
   shardings = state_shardings(state, mesh, table)
   fn, jitted = _jit_under_rules(step, mesh, table, (shardings, batch_sharding(mesh, table, batch_axes)),
                                 (shardings, NamedSharding(mesh, P())), donate, compiler_options)
-
-  @functools.wraps(fn)
-  def sharded_step(state, batch):
-    check_batch(batch, mesh, table, batch_axes)
-    return jitted(state, batch)
-
-  sharded_step.jitted = jitted
-  sharded_step.shardings = shardings
-  return sharded_step
+  return _checking_batches(fn, jitted, shardings, mesh, table, batch_axes)
 
 
 def make_sharded_eval_step(step, mesh, rules, params, *, batch_axes=("batch", "seq"),
@@ -156,11 +148,16 @@ def make_sharded_eval_step(step, mesh, rules, params, *, batch_axes=("batch", "s
   shardings = state_shardings(params, mesh, table)
   fn, jitted = _jit_under_rules(step, mesh, table, (shardings, batch_sharding(mesh, table, batch_axes)),
                                 NamedSharding(mesh, P()), False, compiler_options)
+  return _checking_batches(fn, jitted, shardings, mesh, table, batch_axes)
+
+
+def _checking_batches(fn, jitted, shardings, mesh, table, batch_axes):
+  """`jitted(state_or_params, batch)` after `check_batch`, with `.jitted` and `.shardings` attached."""
 
   @functools.wraps(fn)
-  def sharded_step(params, batch):
+  def sharded_step(state, batch):
     check_batch(batch, mesh, table, batch_axes)
-    return jitted(params, batch)
+    return jitted(state, batch)
 
   sharded_step.jitted = jitted
   sharded_step.shardings = shardings

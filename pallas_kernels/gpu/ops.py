@@ -4,8 +4,6 @@ switch that runs the kernels in the Mosaic GPU interpreter (`interpret_kernels`)
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 from typing import Any
 
@@ -16,29 +14,24 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels import vjp
 from pallas_kernels.gpu import walk
 
-_INTERPRET: contextvars.ContextVar = contextvars.ContextVar("pallas_kernels_gpu_interpret", default=None)
+_INTERPRET = vjp.InterpretSwitch("pallas_kernels_gpu_interpret", plgpu.InterpretGPUParams)
 DTYPES = (jnp.bfloat16, jnp.float16)
 HEAD_DIMS = (64, 128)
 CHUNK_SIZES = (64,)
 SMEM_BYTES = 227 * 1024   # dynamic shared memory per block on sm_90
 
 
-@contextlib.contextmanager
 def interpret_kernels(params: plgpu.InterpretGPUParams | None = None):
   """Inside this context the GPU kernels run in the Mosaic GPU interpreter (on any backend) with
   `params` (default `plgpu.InterpretGPUParams()`: NaN for uninitialised memory, out-of-bounds reads
   raise), and `supports` treats the backend as a Hopper GPU, so `impl="pallas"` reaches these kernels
   on a CPU. jit caches do not see this switch: trace inside the context what you mean to interpret."""
-  token = _INTERPRET.set(plgpu.InterpretGPUParams() if params is None else params)
-  try:
-    yield
-  finally:
-    _INTERPRET.reset(token)
+  return _INTERPRET.use(params)
 
 
 def interpreting() -> plgpu.InterpretGPUParams | None:
   """The interpreter parameters in force (`interpret_kernels`), or None."""
-  return _INTERPRET.get()
+  return _INTERPRET.current()
 
 
 def hopper_reason(backend: str | None = None) -> str | None:

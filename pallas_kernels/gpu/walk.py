@@ -79,8 +79,27 @@ def _vary_like(outs, args):
   return [vary(x) for x in outs]
 
 
-def _zeros_state(bv, K):
-  return plgpu.layout_cast(jnp.zeros((bv, K), F32), WGMMA)
+def _program(bv):
+  """This program's batch row, head and slice of value columns."""
+  return lax.axis_index("b"), lax.axis_index("h"), pl.ds(lax.axis_index("v") * bv, bv)
+
+
+def _initial(src, state_s, bar, bv, K):
+  """The float32 `[bv, K]` tile `src` (a GMEM ref, or None for zeros) in registers, WGMMA layout."""
+  if src is None:
+    return plgpu.layout_cast(jnp.zeros((bv, K), F32), WGMMA)
+  plgpu.copy_gmem_to_smem(src, state_s, bar)
+  plgpu.barrier_wait(bar)
+  return plgpu.load(state_s, layout=WGMMA)
+
+
+def _store_last(x, state_s, dst):
+  """Writes the float32 registers `x` to the GMEM ref `dst` through `state_s`, and waits for every
+  store of the program."""
+  state_s[...] = x
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(state_s, dst)
+  plgpu.wait_smem_to_gmem(0)
 
 
 def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = False, out_dtype=F32,
@@ -133,8 +152,7 @@ def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = Fal
     qg_r, kd_r, w_r, u_r, p_r, decay_r, h0_r = (
         take(with_o), take(), take(delta), take(), take(with_o), take(), take(has_h0))
     o_r, states_r, final_r = take(with_o), take(with_states), take()
-    b, h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
-    vs = pl.ds(iv * bv, bv)
+    b, h, vs = _program(bv)
 
     def issue(n, slot):
       rows, bar = pl.ds(n * C, C), in_bar.at[slot]
@@ -148,12 +166,7 @@ def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = Fal
         plgpu.copy_gmem_to_smem(p_r.at[b, h, rows], p_s.at[slot], bar)
 
     issue(0, 0)
-    if has_h0:
-      plgpu.copy_gmem_to_smem(h0_r.at[b, h, vs], state_s, state_bar)
-      plgpu.barrier_wait(state_bar)
-      s0 = plgpu.load(state_s, layout=WGMMA)
-    else:
-      s0 = _zeros_state(bv, K)
+    s0 = _initial(h0_r.at[b, h, vs] if has_h0 else None, state_s, state_bar, bv, K)
 
     def step(n, s_t):
       slot = lax.rem(n, 2)
@@ -191,11 +204,7 @@ def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = Fal
       d = lax.broadcast_in_dim(plgpu.load(decay_s.at[slot], layout=COLS), (bv, K), [1])
       return matmul(u_lo, kd_s.at[slot], (bv, K), init=s_t * d)
 
-    s_t = lax.fori_loop(0, NC, step, s0)
-    state_s[...] = s_t
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(state_s, final_r.at[b, h, vs])
-    plgpu.wait_smem_to_gmem(0)
+    _store_last(lax.fori_loop(0, NC, step, s0), state_s, final_r.at[b, h, vs])
 
   args = [x for x, present in ((qg, with_o), (kd, True), (w_neg, delta), (u, True), (p, with_o),
                                (decay, True), (None if h0 is None else jnp.swapaxes(h0, -1, -2), has_h0))
@@ -244,8 +253,7 @@ def backward_states(t: ChunkTensors, do, dfinal, *, interpret=None, block_v: int
     qg_r, kd_r, w_r, p_r, do_r, decay_r, df_r = (
         take(), take(delta), take(delta), take(delta), take(), take(), take(has_df))
     ds_r, dh0_r = take(), take()
-    b, h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
-    vs = pl.ds(iv * bv, bv)
+    b, h, vs = _program(bv)
 
     def issue(n, slot):
       rows, bar = pl.ds(n * C, C), in_bar.at[slot]
@@ -258,12 +266,7 @@ def backward_states(t: ChunkTensors, do, dfinal, *, interpret=None, block_v: int
         plgpu.copy_gmem_to_smem(p_r.at[b, h, rows], p_s.at[slot], bar)
 
     issue(NC - 1, (NC - 1) % 2)
-    if has_df:
-      plgpu.copy_gmem_to_smem(df_r.at[b, h, vs], state_s, state_bar)
-      plgpu.barrier_wait(state_bar)
-      ds0 = plgpu.load(state_s, layout=WGMMA)
-    else:
-      ds0 = _zeros_state(bv, K)
+    ds0 = _initial(df_r.at[b, h, vs] if has_df else None, state_s, state_bar, bv, K)
 
     def step(i, ds_t):
       n = NC - 1 - i
@@ -291,11 +294,7 @@ def backward_states(t: ChunkTensors, do, dfinal, *, interpret=None, block_v: int
         nxt = matmul(du_s, w_s.at[slot], (bv, K), init=nxt)
       return nxt
 
-    ds_t = lax.fori_loop(0, NC, step, ds0)
-    state_s[...] = ds_t
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(state_s, dh0_r.at[b, h, vs])
-    plgpu.wait_smem_to_gmem(0)
+    _store_last(lax.fori_loop(0, NC, step, ds0), state_s, dh0_r.at[b, h, vs])
 
   args = [x for x, present in ((qg, True), (kd, delta), (w_neg, delta), (p, delta), (do, True),
                                (decay, True),

@@ -3,8 +3,6 @@ switch that runs the kernels in the TPU interpreter (`interpret_kernels`), for t
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 from typing import Any
 
@@ -17,12 +15,11 @@ from pallas_kernels.vjp import explicitly_sharded  # noqa: F401  (re-exported)
 from pallas_kernels.tpu import walk
 from pallas_kernels.tpu.walk import BlockSizes
 
-_INTERPRET: contextvars.ContextVar = contextvars.ContextVar("pallas_kernels_tpu_interpret", default=None)
+_INTERPRET = vjp.InterpretSwitch("pallas_kernels_tpu_interpret", pltpu.InterpretParams)
 MIN_CHUNK = 16  # a bfloat16 (16, 128) tile: blocks of C rows are whole tiles
 DTYPES = (jnp.float32, jnp.bfloat16)
 
 
-@contextlib.contextmanager
 def interpret_kernels(params: pltpu.InterpretParams | None = None):
   """Inside this context the TPU kernels run in the TPU interpreter (on any backend) with `params`
   (default `pltpu.InterpretParams()`: NaN for uninitialised memory, out-of-bounds reads raise), and
@@ -30,16 +27,12 @@ def interpret_kernels(params: pltpu.InterpretParams | None = None):
 
   jit caches do not see this switch: trace inside the context the functions you mean to interpret.
   """
-  token = _INTERPRET.set(pltpu.InterpretParams() if params is None else params)
-  try:
-    yield
-  finally:
-    _INTERPRET.reset(token)
+  return _INTERPRET.use(params)
 
 
 def interpreting() -> pltpu.InterpretParams | None:
   """The interpreter parameters in force (`interpret_kernels`), or None."""
-  return _INTERPRET.get()
+  return _INTERPRET.current()
 
 
 def supports(*, K: int, V: int, chunk_size: int, dtype=jnp.float32, packing: str = "none",
