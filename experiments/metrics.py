@@ -36,16 +36,20 @@ class MetricsWriter:
     workdir: the run's directory.
     resume_step: the step the run restarts from; records after it are dropped (None: a fresh run, so
       all earlier records are dropped).
+    enabled: False writes nothing (the other processes of a multi-host job: process 0 writes).
   """
 
-  def __init__(self, workdir: str, resume_step: int | None = None):
-    os.makedirs(workdir, exist_ok=True)
+  def __init__(self, workdir: str, resume_step: int | None = None, enabled: bool = True):
     self.path = os.path.join(workdir, METRICS_FILE)
+    self.tensorboard_dir = os.path.join(workdir, TENSORBOARD_DIR)
+    self.enabled = enabled
+    self._tb = None
+    if not enabled:
+      return
+    os.makedirs(workdir, exist_ok=True)
     keep = [r for r in read_metrics(self.path) if resume_step is not None and r["step"] <= resume_step]
     with open(self.path, "w", encoding="utf-8") as f:
       f.writelines(json.dumps(r) + "\n" for r in keep)
-    self.tensorboard_dir = os.path.join(workdir, TENSORBOARD_DIR)
-    self._tb = None
     if SummaryWriter is not None:
       purge = None if resume_step is None else resume_step + 1
       self._tb = SummaryWriter(logdir=self.tensorboard_dir, purge_step=purge, flush_secs=10)
@@ -55,6 +59,8 @@ class MetricsWriter:
     return self._tb is not None
 
   def write(self, step: int, scalars: dict[str, float]):
+    if not self.enabled:
+      return
     record = {"step": int(step), **{k: float(v) for k, v in scalars.items()}}
     with open(self.path, "a", encoding="utf-8") as f:
       f.write(json.dumps(record) + "\n")

@@ -302,7 +302,9 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, progress: bool = Tr
     The summary: final step, train loss, evaluation metrics, and the paths written.
   """
   os.makedirs(workdir, exist_ok=True)
-  _write_config(config, workdir)
+  primary = is_primary()
+  if primary:
+    _write_config(config, workdir)
   source = data.make_source(config.data)
   model_config = config.lm_config(source.vocab_size)
   setup = setup_training(config, model_config, mesh=mesh, rules=rules)
@@ -320,10 +322,10 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, progress: bool = Tr
     train_batches = data.Batches.from_state(source, data_state["train"])
     print(f"resumed from step {start} ({checkpoints.directory}); next batch: "
           f"{train_batches.position}")
-  writer = MetricsWriter(workdir, resume_step=start)
+  writer = MetricsWriter(workdir, resume_step=start, enabled=primary)
   eval_seed = config.data.seed + 1
   first = 0 if start is None else start
-  bar = _progress_bar(progress, config.steps, first)
+  bar = _progress_bar(progress and primary, config.steps, first)
   window, last_eval, tokens_per_step = [], {}, None
   tick = time.perf_counter()
   try:
@@ -367,7 +369,16 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, progress: bool = Tr
   return _finish(config, workdir, model_config, final_step, last_eval, checkpoints, writer)
 
 
+def is_primary() -> bool:
+  """Process 0 of a (multi-host) job: the one that writes metrics, plots, config and summary. Every
+  process trains and takes part in the (collective) checkpoint saves."""
+  return jax.process_index() == 0
+
+
 def _finish(config, workdir, model_config, final_step, last_eval, checkpoints, writer) -> dict:
+  if not writer.enabled:
+    return {"step": final_step, **last_eval, "checkpoints": checkpoints.directory,
+            "checkpoint_steps": checkpoints.all_steps()}
   records = read_metrics(writer.path)
   train_losses = [r["train/loss"] for r in records if "train/loss" in r]
   title = (f"{config.data.source}, pattern {model_config.pattern}, width {model_config.width}, "

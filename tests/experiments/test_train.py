@@ -197,3 +197,13 @@ def test_main_rejects_an_unknown_override(tmp_path):
   done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120,
                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert done.returncode != 0 and "model.widht" in done.stderr
+
+
+def test_only_process_zero_writes_metrics_plots_and_summaries(tmp_path, monkeypatch):
+  # Given a process that is not process 0 of a multi-host job
+  monkeypatch.setattr(train, "is_primary", lambda: False)
+  # When it trains (checkpoints are collective: every process takes part)
+  summary = train.train_and_evaluate(tiny_config(), str(tmp_path), progress=False)
+  # Then it saved checkpoints but wrote none of process 0's files
+  assert summary["checkpoint_steps"] == [3, 6]
+  assert sorted(os.listdir(tmp_path)) == ["checkpoints"]
