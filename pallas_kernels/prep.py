@@ -24,6 +24,7 @@ Layout of every per-chunk tensor: `[B, H, NC, C, ...]` (head-major, as TPU block
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -175,14 +176,35 @@ def _join_blocks(upper_left, lower_left, lower_right):
                           jnp.concatenate([lower_left, lower_right], axis=-1)], axis=-2)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def unit_lower_inverse(L, dtype=jnp.float32):
   """`(I + L)^-1` for strictly lower-triangular `L: [..., C, C]` (C a power of two), by merging blocks.
 
   Start from the inverses of the 1 x 1 diagonal blocks (ones); at each level pair every diagonal block
   with the next: `[[A, 0], [E, D]]^-1 = [[A^-1, 0], [-D^-1 E A^-1, D^-1]]`. log2(C) levels of small
   batched matmuls: the arithmetic of forward substitution without C dependent steps (on a TPU, MXU work).
-  `dtype`: the matmul operand dtype (see `_matmul`).
+  `dtype`: the matmul operand dtype (see `_matmul`). Entries of `L` on and above the diagonal are not
+  read (their gradient is zero). The gradient is the closed form `dL = -X^T dX X^T` (strictly lower
+  part), two matmuls instead of the reverse of every level.
   """
+  return _unit_lower_inverse(L, dtype)
+
+
+def _unit_lower_inverse_fwd(L, dtype):
+  X = _unit_lower_inverse(L, dtype)
+  return X, X
+
+
+def _unit_lower_inverse_bwd(dtype, X, dX):
+  Xt = jnp.swapaxes(X, -1, -2)
+  dL = -_gram_t(_gram_t(Xt, dX, dtype), Xt, dtype)
+  return (jnp.where(np.tril(np.ones(dL.shape[-2:], bool), -1), dL, 0.0),)
+
+
+unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
+
+
+def _unit_lower_inverse(L, dtype):
   C = L.shape[-1]
   batch = L.shape[:-2]
   X = jnp.ones(batch + (C, 1, 1), jnp.float32)  # inverses of the diagonal blocks, [..., C / s, s, s]
