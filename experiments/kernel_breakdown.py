@@ -1,9 +1,10 @@
 """Where the time of the Pallas GPU op goes: each stage of `pallas_kernels.gpu.chunked_attention` timed
 alone (jitted, median of `--iters` after warm-up) on the benchmark's inputs.
 
-Stages (pallas_kernels/gpu/NOTES.md): the XLA preparation forward and its vjp, the forward walk with
-outputs, the forward walk that stores states, the reverse walk, and the reverse walk plus the batched
-cotangent matmuls. Prints a table and writes `{workdir}/kernel_breakdown.json`. Meant for a Hopper GPU;
+Stages (pallas_kernels/gpu/NOTES.md): the whole op's forward, prepared and fused (`fused=True`: the
+additive family with no or scalar decay; "-" for the others), the XLA preparation forward and its vjp,
+the forward walk with outputs, the forward walk that stores states, the reverse walk, and the reverse
+walk plus the batched cotangent matmuls. Prints a table and writes `{workdir}/kernel_breakdown.json`. Meant for a Hopper GPU;
 elsewhere `--interpret` runs the kernels in the Mosaic GPU interpreter (tiny shapes only: a smoke run).
 
 Example:
@@ -27,10 +28,11 @@ import numpy as np
 from absl import app, flags
 
 from experiments import common
-from pallas_kernels import prep, vjp
-from pallas_kernels.gpu import walk
+from pallas_kernels import gpu, prep, vjp
+from pallas_kernels.gpu import fused, walk
 
-STAGES = ("prep fwd", "walk o", "walk states", "reverse walk", "reverse + cotangents", "prep vjp")
+STAGES = ("op fwd", "op fwd fused", "prep fwd", "walk o", "walk states", "reverse walk",
+          "reverse + cotangents", "prep vjp")
 
 
 def _time(fn, args, iters: int) -> float:
@@ -63,7 +65,11 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
                                              interpret=interpret)[1])
   states = states_fn(t)
   cot = jax.tree.map(lambda a: jnp.full(a.shape, 1e-2, jnp.float32), prepare(*args))
+  op = lambda use_fused: jax.jit(lambda *a: gpu.chunked_attention(*a, fused=use_fused,
+                                                                  interpret=interpret)[0])
   stages = {
+      "op fwd": (op(False), args),
+      "op fwd fused": (op(True), args) if fused.serves(args[3], beta, None) else None,
       "prep fwd": (prep_fwd, args),
       "walk o": (jax.jit(lambda t: walk.forward(t, None, with_o=True, out_dtype=dtype,
                                                 interpret=interpret)[0]), (t,)),
@@ -75,7 +81,8 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
                                (t, states, do)),
       "prep vjp": (jax.jit(lambda *a: jax.vjp(prepare, *a[:5])[1](a[5])), args + (cot,)),
   }
-  return {name: _time(fn, fn_args, iters) for name, (fn, fn_args) in stages.items()}
+  return {name: None if stage is None else _time(stage[0], stage[1], iters)
+          for name, stage in stages.items()}
 
 
 def _define_flags():
@@ -103,7 +110,8 @@ def main(argv):
   print(f"{jax.devices()[0].device_kind}, shape {shape}, {f.dtype}, median ms of {f.iters}"
         + (" (Mosaic GPU interpreter)" if f.interpret else ""))
   print(common.format_table(("variant",) + STAGES,
-                            [(v,) + tuple(f"{rows[v][s]:.3f}" for s in STAGES) for v in rows]))
+                            [(v,) + tuple("-" if rows[v][s] is None else f"{rows[v][s]:.3f}"
+                                          for s in STAGES) for v in rows]))
   path = common.write_json(f.workdir, "kernel_breakdown.json",
                            {"shape": shape, "dtype": f.dtype, "interpret": f.interpret, "ms": rows})
   print(f"wrote {path}")

@@ -33,11 +33,15 @@ class Walk(NamedTuple):
     `final: [B, H, K, V]` float32.
   backward(tensors, states, do, dfinal, *, options) -> (float32 ChunkTensors of cotangents, dh0).
   chunks_per_group(NC, options) -> int: T is padded to whole groups of this many chunks.
+  fused_forward(q, k, v, g, beta, h0, segment_ids, *, options, chunk_size, compute_dtype, out_dtype)
+    -> (o, final) like `chunked`, computed from the raw inputs with no prepared tensors in device
+    memory; or None where the backend has no such kernel for this call (the prepared path runs).
   """
 
   forward: Callable[..., Any]
   backward: Callable[..., Any]
   chunks_per_group: Callable[[int, Any], int]
+  fused_forward: Callable[..., Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +79,12 @@ def chunked(static: Static, q, k, v, g, beta, h0, segment_ids):
 
   Shapes as in `prep.prepare`; `h0` None or `[B, H_v, K, V]` float32; `segment_ids` None or `[B, T]`.
   """
+  if static.walk.fused_forward is not None:
+    out = static.walk.fused_forward(q, k, v, g, beta, h0, segment_ids, options=static.options,
+                                    chunk_size=static.chunk_size, compute_dtype=static.compute_dtype,
+                                    out_dtype=static.out_dtype)
+    if out is not None:
+      return out
   t = _cast(_prepare(static, q, k, v, g, beta, segment_ids), static.compute_dtype)
   o, _, final = static.walk.forward(t, h0, options=static.options, with_o=True, with_states=False,
                                     out_dtype=static.out_dtype)

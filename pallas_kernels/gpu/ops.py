@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import vjp
+from pallas_kernels.gpu import fused as fused_kernel
 from pallas_kernels.gpu import walk
 
 _INTERPRET = vjp.InterpretSwitch("pallas_kernels_gpu_interpret", plgpu.InterpretGPUParams)
@@ -103,6 +104,7 @@ def supports(*, K: int, V: int, chunk_size: int, dtype=jnp.bfloat16, packing: st
 @dataclasses.dataclass(frozen=True)
 class _Options:
   interpret: Any  # None or plgpu.InterpretGPUParams
+  fused: bool = False
 
 
 def _forward(t, h0, *, options, with_o, with_states, out_dtype):
@@ -114,12 +116,20 @@ def _backward(t, states, do, dfinal, *, options):
   return walk.backward(t, states, do, dfinal, interpret=options.interpret)
 
 
-GPU_WALK = vjp.Walk(forward=_forward, backward=_backward, chunks_per_group=lambda NC, options: 1)
+def _fused_forward(q, k, v, g, beta, h0, segment_ids, *, options, chunk_size, compute_dtype, out_dtype):
+  if not (options.fused and fused_kernel.serves(g, beta, segment_ids)):
+    return None
+  return fused_kernel.forward(q, k, v, g, h0, chunk_size=chunk_size, dtype=compute_dtype,
+                              out_dtype=out_dtype, interpret=options.interpret)
+
+
+GPU_WALK = vjp.Walk(forward=_forward, backward=_backward, chunks_per_group=lambda NC, options: 1,
+                    fused_forward=_fused_forward)
 
 
 def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None, segment_ids=None,
                       chunk_size: int = 64, compute_dtype=None, out_dtype=None, inverse_dtype=jnp.float32,
-                      interpret=None):
+                      fused: bool = False, interpret=None):
   """Either family in chunked form, with the chunk walk as Mosaic GPU kernels; differentiable in
   q, k, v, g, beta and initial_state.
 
@@ -133,7 +143,9 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
     chunk_size: C (64). compute_dtype: matmul operand dtype (bfloat16 or float16); default: q, k, v's
       common dtype. out_dtype: o's dtype, default v's dtype. inverse_dtype: operand dtype of the
       matmuls of `(I + L)^-1` in the preparation (`prep.prepare`, delta family); float32 is exact and,
-      on the H200, faster than bfloat16 there (NOTES.md).
+      on the H200, faster than bfloat16 there (NOTES.md). fused: the additive family with no or scalar
+      decay and no segment_ids runs its forward as one kernel that forms the chunk tensors in shared
+      memory (`fused.py`; opt-in until measured on a GPU); the backward is the same either way.
     interpret: None (the `interpret_kernels` context's parameters, else compiled) or a
       `plgpu.InterpretGPUParams`.
 
@@ -152,7 +164,7 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
   if reason is not None:
     raise ValueError(reason)
   out_dtype = v.dtype if out_dtype is None else out_dtype
-  static = vjp.Static(walk=GPU_WALK, options=_Options(interpret=interpret or None),
+  static = vjp.Static(walk=GPU_WALK, options=_Options(interpret=interpret or None, fused=fused),
                       chunk_size=chunk_size, compute_dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype),
                       inverse_dtype=None if inverse_dtype is None else jnp.dtype(inverse_dtype))
   return vjp.chunked_op(static, q, k, v, g, beta, scale=K ** -0.5 if scale is None else scale,

@@ -212,7 +212,7 @@ def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = Fal
   outs = list(plgpu.kernel(
       body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H, V // bv),
       grid_names=("b", "h", "v"), compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=interpret)(*args))
+      interpret=interpret, kernel_name="chunk_walk_fwd" if with_o else "chunk_walk_states")(*args))
   outs = _vary_like(outs, args)
   o = outs.pop(0).reshape(B, H, NC, C, V) if with_o else None
   states = outs.pop(0) if with_states else None
@@ -304,7 +304,7 @@ def backward_states(t: ChunkTensors, do, dfinal, *, interpret=None, block_v: int
   dstates, dh0 = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, H, V // bv),
       grid_names=("b", "h", "v"), compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=interpret)(*args)
+      interpret=interpret, kernel_name="chunk_walk_bwd")(*args)
   dstates, dh0 = _vary_like((dstates, dh0), args)
   return dstates, jnp.swapaxes(dh0, -1, -2)
 

@@ -173,3 +173,30 @@ def test_linear_attention_normaliser_splits_off_to_the_chunk_form():
   assert rel_rms(o, ro) < 4e-3 and rel_rms(final, rfinal) < 4e-3
   for a, b in zip(grads, rgrads):
     assert rel_rms(a, b) < 4e-3
+
+
+@pytest.mark.parametrize("variant", ["linear_attention", "simple_gla"])
+def test_fused_forward_equals_the_prepared_path(variant):
+  # The fused kernel forms P, q e^G and k e^(G_C - G) in shared memory with the roundings of prep.py,
+  # so it computes the same numbers as the prepared path (grouped heads: H=1 serves H_v=2).
+  inp = make_inputs(variant, B=1, T=150, H=1, Hv=2, K=64, V=128, seed=14)
+  q, k, v = (jnp.asarray(inp[n], jnp.bfloat16) for n in ("q", "k", "v"))
+  g = None if inp.get("g") is None else jnp.asarray(inp["g"])
+  h0 = jnp.asarray(inp["h0"])
+  run = lambda fused: jax.vjp(lambda q, k, v, h0: gpu.chunked_attention(
+      q, k, v, g, initial_state=h0, fused=fused, interpret=PARAMS), q, k, v, h0)
+  (o, final), pull = run(True)
+  (ro, rfinal), rpull = run(False)
+  assert rel_rms(o, ro) < 1e-6 and rel_rms(final, rfinal) < 1e-6
+  cot = (jnp.asarray(np.random.default_rng(0).normal(size=o.shape), o.dtype), jnp.ones_like(final))
+  for a, b in zip(pull(cot), rpull(cot)):
+    assert rel_rms(a, b) < 1e-6
+
+
+def test_fused_forward_serves_only_the_additive_scalar_unpacked_calls():
+  from pallas_kernels.gpu import fused
+  g_scalar, g_channel = jnp.zeros((1, 8, 2)), jnp.zeros((1, 8, 2, 4))
+  assert fused.serves(None, None, None) and fused.serves(g_scalar, None, None)
+  assert not fused.serves(g_channel, None, None)
+  assert not fused.serves(g_scalar, jnp.zeros((1, 8, 2)), None)
+  assert not fused.serves(g_scalar, None, jnp.zeros((1, 8), jnp.int32))

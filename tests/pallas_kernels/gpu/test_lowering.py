@@ -43,5 +43,18 @@ def test_exports_for_hopper(kind, D):
     fwd = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
     bwd = jax.export.export(jax.jit(jax.grad(loss, argnums=argnums)), platforms=["cuda"])(*args)
   # forward: one walk; gradient: the forward walk, the state walk of the backward, the reverse walk
-  assert fwd.count("custom_call @mosaic_gpu") == 1
+  assert fwd.count("custom_call @mosaic_gpu") == 1 and "chunk_walk_fwd" in fwd
   assert bwd.mlir_module().count("custom_call @mosaic_gpu") == 3
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kind", ["linear_attention", "simple_gla"])
+def test_fused_forward_exports_for_hopper(kind, D):
+  g = _spec(B, T, 2 * H, dtype=jnp.float32) if kind == "simple_gla" else None
+  args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, 2 * H, D), g,
+          _spec(B, 2 * H, D, D, dtype=jnp.float32))
+  fn = lambda q, k, v, g, h0: gpu.chunked_attention(q, k, v, g, initial_state=h0, fused=True)
+  with jax.sharding.use_abstract_mesh(H200):
+    mlir = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+  assert mlir.count("custom_call @mosaic_gpu") == 1
+  assert "chunk_walk_fused_fwd" in mlir and "chunk_walk_fwd" not in mlir
