@@ -1,8 +1,9 @@
 """Where the time of the Pallas GPU op goes: each stage of `pallas_kernels.gpu.chunked_attention` timed
 alone (jitted, median of `--iters` after warm-up) on the benchmark's inputs.
 
-Stages (pallas_kernels/gpu/NOTES.md): the whole op's forward, prepared and fused (`fused=True`: the
-additive family with no or scalar decay; "-" for the others), the XLA preparation forward and its vjp,
+Stages (pallas_kernels/gpu/NOTES.md): the whole op's forward and forward + backward (`jax.grad` of
+`sum(o * do)` w.r.t. q, k, v, g, beta), prepared and fused (`fused=True`: the additive family with no or
+scalar decay; "-" for the others), the XLA preparation forward and its vjp,
 the forward walk with outputs, the forward walk that stores states, the reverse walk, and the reverse
 walk plus the batched cotangent matmuls. Prints a table and writes `{workdir}/kernel_breakdown.json`. Meant for a Hopper GPU;
 elsewhere `--interpret` runs the kernels in the Mosaic GPU interpreter (tiny shapes only: a smoke run).
@@ -31,7 +32,7 @@ from experiments import common
 from pallas_kernels import gpu, prep, vjp
 from pallas_kernels.gpu import fused, walk
 
-STAGES = ("op fwd", "op fwd fused", "prep fwd", "walk o", "walk states", "reverse walk",
+STAGES = ("op fwd", "op fwd fused", "op fwd+bwd", "op fwd+bwd fused", "prep fwd", "walk o", "walk states", "reverse walk",
           "reverse + cotangents", "prep vjp")
 
 
@@ -65,11 +66,19 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
                                              interpret=interpret)[1])
   states = states_fn(t)
   cot = jax.tree.map(lambda a: jnp.full(a.shape, 1e-2, jnp.float32), prepare(*args))
-  op = lambda use_fused: jax.jit(lambda *a: gpu.chunked_attention(*a, fused=use_fused,
-                                                                  interpret=interpret)[0])
+  do_o = jnp.asarray(rng.standard_normal(x["v"].shape), jnp.float32)
+  forward = lambda use_fused: lambda *a: gpu.chunked_attention(*a, fused=use_fused,
+                                                               interpret=interpret)[0]
+  op = lambda use_fused: jax.jit(forward(use_fused))
+  argnums = tuple(i for i, a in enumerate(args) if a is not None)
+  op_grad = lambda use_fused: jax.jit(jax.grad(
+      lambda *a: jnp.sum(forward(use_fused)(*a).astype(jnp.float32) * do_o), argnums=argnums))
+  serves = fused.serves(args[3], beta, None)
   stages = {
       "op fwd": (op(False), args),
-      "op fwd fused": (op(True), args) if fused.serves(args[3], beta, None) else None,
+      "op fwd fused": (op(True), args) if serves else None,
+      "op fwd+bwd": (op_grad(False), args),
+      "op fwd+bwd fused": (op_grad(True), args) if serves else None,
       "prep fwd": (prep_fwd, args),
       "walk o": (jax.jit(lambda t: walk.forward(t, None, with_o=True, out_dtype=dtype,
                                                 interpret=interpret)[0]), (t,)),

@@ -36,12 +36,15 @@ class Walk(NamedTuple):
   fused_forward(q, k, v, g, beta, h0, segment_ids, *, options, chunk_size, compute_dtype, out_dtype)
     -> (o, final) like `chunked`, computed from the raw inputs with no prepared tensors in device
     memory; or None where the backend has no such kernel for this call (the prepared path runs).
+  fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal, *, options, chunk_size, compute_dtype)
+    -> (dq, dk, dv, dg, dh0) without the preparation's vjp; or None (the prepared path runs).
   """
 
   forward: Callable[..., Any]
   backward: Callable[..., Any]
   chunks_per_group: Callable[[int, Any], int]
   fused_forward: Callable[..., Any] | None = None
+  fused_backward: Callable[..., Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +101,15 @@ def _chunked_fwd(static, q, k, v, g, beta, h0, segment_ids):
 def _chunked_bwd(static, residuals, cotangents):
   q, k, v, g, beta, h0, segment_ids = residuals
   do, dfinal = cotangents
+  if static.walk.fused_backward is not None:
+    out = static.walk.fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal,
+                                     options=static.options, chunk_size=static.chunk_size,
+                                     compute_dtype=static.compute_dtype)
+    if out is not None:
+      dq, dk, dv, dg, dh0 = out
+      dq, dk, dv = (_sum_over_extra_axes(d, x) for d, x in ((dq, q), (dk, k), (dv, v)))
+      dg = None if g is None else _sum_over_extra_axes(dg, g)
+      return dq, dk, dv, dg, None, (None if h0 is None else dh0.astype(h0.dtype)), None
   t32, prep_vjp = jax.vjp(lambda *x: _prepare(static, *x, segment_ids), q, k, v, g, beta)
   t = _cast(t32, static.compute_dtype)
   _, states, _ = static.walk.forward(t, h0, options=static.options, with_o=False, with_states=True,

@@ -23,6 +23,8 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from pallas_kernels import prep
+from pallas_kernels.gpu import walk
 from pallas_kernels.gpu.walk import (BLOCK_V, COLS, F32, WGMMA, _initial, _program, _store_last,
                                      _vary_like, matmul, smem)
 
@@ -134,3 +136,143 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, interpret=None
       kernel_name="chunk_walk_fused_fwd")(*args)
   o, final = _vary_like((o, final), args)
   return o.reshape(B, Hv, NC, C, V), jnp.swapaxes(final, -1, -2)
+
+
+def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, interpret=None):
+  """The additive family's per-chunk gradients, every chunk in parallel (one program per chunk of one
+  value head), from the (transposed) state entering each chunk and the gradient of the state leaving it.
+
+  With `D_ij = e^(G_i - G_j)` (j <= i), `P = (q k^T) * D`, `dP = do v^T`, `kd = k e^(G_C - G)`:
+
+      dq = e^G * (do S^T) + (dP * D) k          dv = P^T do + kd dS
+      dk = (dP * D)^T q + e^(G_C - G) * (v dS^T)
+      dG_i = q_i e^(G_i) . (do S^T)_i + sum_j (dP * P)_ij - sum_j (dP * P)_ji - kd_i . (v dS^T)_i
+
+  and the last token's `dG` also takes `sum_i kd_i . (v dS^T)_i + e^(G_C) sum(S * dS)`, which the caller
+  adds (`kdv`, the per-token terms of the first sum, is returned for it).
+
+  Args: q, k `[B, T_pad, H, K]`, v `[B, T_pad, H_v, V]` (operand dtype); G `[B, H_v, T_pad]` float32;
+    states, dstates `[B, H_v, NC, V, K]` (operand dtype); do `[B, H_v, T_pad, V]` (operand dtype).
+  Returns: dq, dk `[B, T_pad, H_v, K]` (per value head), dv `[B, T_pad, H_v, V]`, float32; dG, kdv
+    `[B, H_v, T_pad]` float32.
+  """
+  B, T_pad, H, K = q.shape
+  Hv, V = v.shape[2:]
+  NC, C = states.shape[2], T_pad // states.shape[2]
+  group = Hv // H
+  scratch = dict(
+      q_s=smem((C, K), dtype), k_s=smem((C, K), dtype), v_s=smem((C, V), dtype), do_s=smem((C, V), dtype),
+      st_s=smem((V, K), dtype), dst_s=smem((V, K), dtype),
+      g_s=plgpu.SMEM((C,), F32), gc_s=plgpu.SMEM((C,), F32),
+      p_s=smem((C, C), dtype), dpd_s=smem((C, C), dtype),
+      kd_s=smem((C, K), dtype), out_s=plgpu.SMEM((C, max(K, V)), F32),
+      vec_s=plgpu.SMEM((2, C), F32), bar=plgpu.Barrier(num_arrivals=8))
+
+  def body(q_r, k_r, v_r, g_r, st_r, dst_r, do_r, dq_r, dk_r, dv_r, dg_r, kdv_r, *, q_s, k_s, v_s, do_s,
+           st_s, dst_s, g_s, gc_s, p_s, dpd_s, kd_s, out_s, vec_s, bar):
+    b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
+    hk = lax.div(h, group)
+    rows_t = pl.ds(n * C, C)
+    for src, dst in ((q_r.at[b, rows_t, hk], q_s), (k_r.at[b, rows_t, hk], k_s),
+                     (v_r.at[b, rows_t, h], v_s), (do_r.at[b, h, rows_t], do_s),
+                     (st_r.at[b, h, n], st_s), (dst_r.at[b, h, n], dst_s),
+                     (g_r.at[b, h, rows_t], g_s), (g_r.at[b, h, rows_t], gc_s)):
+      plgpu.copy_gmem_to_smem(src, dst, bar)
+    plgpu.barrier_wait(bar)
+
+    G_rows = plgpu.load(g_s, layout=ROWS)
+    G_cols = plgpu.load(gc_s, layout=COLS)
+    G_last = g_s[C - 1]
+    rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
+    sq, ck = (C, C), (C, K)
+    i = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
+    j = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
+    diff = rows(G_rows, sq) - lax.broadcast_in_dim(G_cols, sq, [1])     # G_i - G_j
+    D = jnp.exp(jnp.where(i >= j, diff, -jnp.inf))
+    P = matmul(q_s, k_s.T, sq) * D
+    dP = matmul(do_s, v_s.T, sq)
+    A = dP * P
+    # (dP P)^T from its own matmuls: the column sums of dP P are the row sums of its transpose
+    A_t = matmul(v_s, do_s.T, sq) * matmul(k_s, q_s.T, sq) * jnp.exp(jnp.where(i <= j, -diff, -jnp.inf))
+    p_s[...] = P.astype(dtype)
+    dpd_s[...] = (dP * D).astype(dtype)
+    k_decay = jnp.exp(G_last - G_rows)
+    kd_s[...] = (plgpu.load(k_s, layout=WGMMA).astype(F32) * rows(k_decay, ck)).astype(dtype)
+    plgpu.commit_smem()
+
+    def emit(x, dst):
+      """Stages the float32 tile `x` and copies it to `dst`."""
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      out_s.at[:, pl.ds(0, x.shape[1])][...] = x
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_s.at[:, pl.ds(0, x.shape[1])], dst)
+
+    # dq = e^G (do S^T) + (dP D) k; the first dG term needs (do S^T) too
+    do_st = matmul(do_s, st_s, ck)
+    gamma = rows(jnp.exp(G_rows), ck)
+    dG = jnp.sum(plgpu.load(q_s, layout=WGMMA).astype(F32) * gamma * do_st, axis=1)
+    emit(gamma * do_st + matmul(dpd_s, k_s, ck), dq_r.at[b, rows_t, h])
+    # dk = (dP D)^T q + e^(G_C - G) (v dS^T)
+    v_dst = matmul(v_s, dst_s, ck)
+    kdv = jnp.sum(plgpu.load(kd_s, layout=WGMMA).astype(F32) * v_dst, axis=1)
+    emit(matmul(dpd_s.T, q_s, ck) + rows(k_decay, ck) * v_dst, dk_r.at[b, rows_t, h])
+    # dv = P^T do + kd dS
+    emit(matmul(p_s.T, do_s, (C, V)) + matmul(kd_s, dst_s.T, (C, V)), dv_r.at[b, rows_t, h])
+    # dG = ... + rowsum(dP P) - colsum(dP P) - kd . (v dS^T)
+    dG = dG + jnp.sum(A, axis=1) - jnp.sum(A_t, axis=1) - kdv
+    vec_s.at[0][...] = dG
+    vec_s.at[1][...] = kdv
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(vec_s.at[0], dg_r.at[b, h, rows_t])
+    plgpu.copy_smem_to_gmem(vec_s.at[1], kdv_r.at[b, h, rows_t])
+    plgpu.wait_smem_to_gmem(0)
+
+  args = [q.astype(dtype), k.astype(dtype), v.astype(dtype), G, states.astype(dtype),
+          dstates.astype(dtype), do.astype(dtype)]
+  out_type = (jax.ShapeDtypeStruct((B, T_pad, Hv, K), F32), jax.ShapeDtypeStruct((B, T_pad, Hv, K), F32),
+              jax.ShapeDtypeStruct((B, T_pad, Hv, V), F32), jax.ShapeDtypeStruct((B, Hv, T_pad), F32),
+              jax.ShapeDtypeStruct((B, Hv, T_pad), F32))
+  outs = plgpu.kernel(
+      body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
+      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
+      kernel_name="chunk_grads_fused")(*args)
+  return _vary_like(outs, args)
+
+
+def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, interpret=None):
+  """`(dq, dk, dv, dg, dh0)` of `forward` (in q, k, v, g's dtypes; dh0 float32), for the cotangents
+  `do: [B, H_v, NC, C, V]` (of the unscaled o) and `dfinal: None | [B, H_v, K, V]`.
+
+  Three kernels: the forward walk storing the state entering every chunk, the reverse walk storing the
+  gradient of the state leaving every chunk (walk.py), then every chunk's gradients in parallel
+  (`backward_chunks`). XLA forms only `q e^G` and `k e^(G_C - G)` for the walks (elementwise) and adds
+  up the per-value-head dq, dk of grouped heads.
+  """
+  B, T, H, K = q.shape
+  Hv, V = v.shape[2:]
+  C = chunk_size
+  NC = -(-T // C)
+  T_pad = NC * C
+  group = Hv // H
+  pad = lambda x: jnp.pad(x.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
+  qp, kp, vp = pad(q), pad(k), pad(v)
+  G = local_cumsum(g, B, T_pad, Hv, C)
+  Gc = G.reshape(B, Hv, NC, C)
+  G_last = Gc[..., -1:]
+  heads = lambda x: prep.to_chunks(jnp.repeat(x, group, axis=2) if group > 1 else x, C, T_pad)
+  t = prep.ChunkTensors(
+      qg=(heads(qp).astype(F32) * jnp.exp(Gc)[..., None]).astype(dtype),
+      kd=(heads(kp).astype(F32) * jnp.exp(G_last - Gc)[..., None]).astype(dtype),
+      w=None, u=prep.to_chunks(vp, C, T_pad), p=None,
+      decay=jnp.broadcast_to(jnp.exp(G_last), (B, Hv, NC, K)))
+  _, states, _ = walk.forward(t, h0, with_o=False, with_states=True, out_dtype=dtype, interpret=interpret)
+  dstates, dh0 = walk.backward_states(t, do, dfinal, interpret=interpret)
+  dq, dk, dv, dG, kdv = backward_chunks(qp, kp, vp, G, states, dstates,
+                                        do.reshape(B, Hv, T_pad, V), dtype=dtype, interpret=interpret)
+  last = (jnp.sum(kdv.reshape(B, Hv, NC, C), axis=-1) + jnp.exp(G_last[..., 0])
+          * jnp.einsum("bhnvk,bhnvk->bhn", states, dstates, preferred_element_type=F32))
+  dG = dG.reshape(B, Hv, NC, C).at[..., -1].add(last)
+  dg = jnp.flip(jnp.cumsum(jnp.flip(dG, -1), -1), -1).reshape(B, Hv, T_pad)   # G = cumsum(g) per chunk
+  per_head = lambda x: x.reshape(B, T_pad, H, group, K).sum(3)[:, :T] if group > 1 else x[:, :T]
+  return (per_head(dq).astype(q.dtype), per_head(dk).astype(k.dtype), dv[:, :T].astype(v.dtype),
+          None if g is None else jnp.swapaxes(dg, 1, 2)[:, :T].astype(g.dtype), dh0)

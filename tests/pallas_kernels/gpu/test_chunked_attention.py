@@ -177,20 +177,27 @@ def test_linear_attention_normaliser_splits_off_to_the_chunk_form():
 
 @pytest.mark.parametrize("variant", ["linear_attention", "simple_gla"])
 def test_fused_forward_equals_the_prepared_path(variant):
-  # The fused kernel forms P, q e^G and k e^(G_C - G) in shared memory with the roundings of prep.py,
+  # The fused forward forms P, q e^G and k e^(G_C - G) in shared memory with the roundings of prep.py,
   # so it computes the same numbers as the prepared path (grouped heads: H=1 serves H_v=2).
   inp = make_inputs(variant, B=1, T=150, H=1, Hv=2, K=64, V=128, seed=14)
   q, k, v = (jnp.asarray(inp[n], jnp.bfloat16) for n in ("q", "k", "v"))
   g = None if inp.get("g") is None else jnp.asarray(inp["g"])
-  h0 = jnp.asarray(inp["h0"])
-  run = lambda fused: jax.vjp(lambda q, k, v, h0: gpu.chunked_attention(
-      q, k, v, g, initial_state=h0, fused=fused, interpret=PARAMS), q, k, v, h0)
-  (o, final), pull = run(True)
-  (ro, rfinal), rpull = run(False)
+  run = lambda fused: gpu.chunked_attention(q, k, v, g, initial_state=jnp.asarray(inp["h0"]),
+                                            fused=fused, interpret=PARAMS)
+  (o, final), (ro, rfinal) = run(True), run(False)
   assert rel_rms(o, ro) < 1e-6 and rel_rms(final, rfinal) < 1e-6
-  cot = (jnp.asarray(np.random.default_rng(0).normal(size=o.shape), o.dtype), jnp.ones_like(final))
-  for a, b in zip(pull(cot), rpull(cot)):
-    assert rel_rms(a, b) < 1e-6
+
+
+@pytest.mark.parametrize("variant,gates,h0", [("linear_attention", "normal", True),
+                                              ("simple_gla", "normal", True),
+                                              ("simple_gla", "strong", False)])
+def test_fused_path_matches_the_float64_loop(variant, gates, h0):
+  # Forward and backward without the XLA preparation: o, final state and every gradient (dq, dk of
+  # grouped heads summed over their value heads, dg through the per-chunk cumulative sum, dh0).
+  inp = make_inputs(variant, B=1, T=150, H=1, Hv=2, K=64, V=64, gates=gates, seed=15)
+  if not h0:
+    inp["h0"] = None
+  check(variant, inp, fused=True)
 
 
 def test_fused_forward_serves_only_the_additive_scalar_unpacked_calls():

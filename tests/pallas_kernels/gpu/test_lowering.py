@@ -49,12 +49,24 @@ def test_exports_for_hopper(kind, D):
 
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("kind", ["linear_attention", "simple_gla"])
-def test_fused_forward_exports_for_hopper(kind, D):
+def test_fused_path_exports_for_hopper(kind, D):
   g = _spec(B, T, 2 * H, dtype=jnp.float32) if kind == "simple_gla" else None
   args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, 2 * H, D), g,
           _spec(B, 2 * H, D, D, dtype=jnp.float32))
   fn = lambda q, k, v, g, h0: gpu.chunked_attention(q, k, v, g, initial_state=h0, fused=True)
+
+  def loss(*xs):
+    o, final = fn(*xs)
+    return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
+
+  argnums = tuple(i for i, a in enumerate(args) if a is not None)
   with jax.sharding.use_abstract_mesh(H200):
-    mlir = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
-  assert mlir.count("custom_call @mosaic_gpu") == 1
-  assert "chunk_walk_fused_fwd" in mlir and "chunk_walk_fwd" not in mlir
+    fwd = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+    bwd = jax.export.export(jax.jit(jax.grad(loss, argnums=argnums)), platforms=["cuda"])(*args)
+  assert fwd.count("custom_call @mosaic_gpu") == 1
+  assert "chunk_walk_fused_fwd" in fwd and "chunk_walk_fwd" not in fwd
+  # gradient: the fused forward, the states walk, the reverse walk, the per-chunk gradients
+  bwd = bwd.mlir_module()
+  assert bwd.count("custom_call @mosaic_gpu") == 4
+  for name in ("chunk_walk_fused_fwd", "chunk_walk_states", "chunk_walk_bwd", "chunk_grads_fused"):
+    assert name in bwd, name
