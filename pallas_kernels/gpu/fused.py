@@ -1,6 +1,6 @@
 """The additive family's forward in one Mosaic GPU kernel: the chunk preparation fused into the walk.
 
-For scalar or no decay and no packing, the per-chunk tensors of the additive family are cheap to form
+For scalar or no decay, packed or not, the per-chunk tensors of the additive family are cheap to form
 from the raw tiles, so the kernel reads q, k, v and the chunk-local cumulative log-decay `G` once and
 never writes `qg`, `kd` or `P` to device memory (prep.py's tensors, formed in shared memory instead):
 
@@ -8,11 +8,13 @@ never writes `qg`, `kd` or `P` to device memory (prep.py's tensors, formed in sh
     o    = (q * e^G) S + P v                              (unscaled)
     S   <- e^(G_C) S + (k * e^(G_C - G))^T v
 
-Every exponent is <= 0 (G is non-increasing). Per program (batch, value head, 64 value columns) the walk
+Every exponent is <= 0 (G is non-increasing). Packed rows (`segment_ids`) enter as per-token masks
+(`segment_vectors`), as in prep.py. Per program (batch, value head, 64 value columns) the walk
 is that of `walk.forward`; q and k are read from their `[B, T, H, K]` layout (grouped value heads read
-their q/k head), v from `[B, T, H_v, V]`. The backward is unchanged (`vjp.py`: XLA preparation and the
-reverse walk), so this speeds up the forward pass only. Opt-in (`chunked_attention(..., fused=True)`):
-it has run in the Mosaic GPU interpreter and lowered for an H200, not yet on the GPU itself.
+their q/k head), v from `[B, T, H_v, V]`. The backward (`backward`) runs the two walks of walk.py and
+`backward_chunks`, which forms every chunk's gradients in parallel, with no XLA preparation either.
+Opt-in (`chunked_attention(..., fused=True)`): it has run in the Mosaic GPU interpreter and lowered for
+an H200, not yet on the GPU itself.
 """
 
 from __future__ import annotations
@@ -32,8 +34,36 @@ ROWS = plgpu.Layout.WGMMA.reduce(1)   # one value per row of a WGMMA-layout tile
 
 
 def serves(g, beta, segment_ids) -> bool:
-  """True for the calls this kernel takes: additive family, no or scalar decay, no packing."""
-  return beta is None and segment_ids is None and (g is None or g.ndim == 3)
+  """True for the calls these kernels take: additive family, no or scalar decay (packed or not)."""
+  del segment_ids  # packed rows are served (`segment_vectors`)
+  return beta is None and (g is None or g.ndim == 3)
+
+
+SEG_ROWS = 4  # run (read as rows), run (read as columns), carry, to_last
+
+
+def segment_vectors(segment_ids, C: int, T_pad: int):
+  """`[B, 4, T_pad]` float32 per-token masks of packed rows, prep.py's: the token's run (twice: rows
+  and columns of the same-run mask), `carry` (the token reads the state carried into its chunk) and
+  `to_last` (its write survives to the chunk's end). The carried state survives a chunk iff `carry`
+  of its last token is 1."""
+  seg = prep.canonical_segments(segment_ids)
+  B, T = seg.shape
+  seg = jnp.pad(seg, [(0, 0), (0, T_pad - T)], mode="edge").reshape(B, T_pad // C, C)
+  before = jnp.concatenate([seg[:, :1, :1], seg[:, :-1, -1:]], axis=1)
+  run = seg.astype(F32)
+  vecs = (run, run, (seg == before).astype(F32), (seg == seg[..., -1:]).astype(F32))
+  return jnp.stack([x.reshape(B, T_pad) for x in vecs], axis=1)
+
+
+def _segment_masks(m_s, slot, C):
+  """(same-run `[C, C]` bool, carry `[C]`, to_last `[C]`, carry of the last token) of one chunk."""
+  at = (lambda i: m_s.at[slot, i]) if slot is not None else (lambda i: m_s.at[i])
+  run_r = plgpu.load(at(0), layout=ROWS)
+  run_c = plgpu.load(at(1), layout=COLS)
+  same = lax.broadcast_in_dim(run_r, (C, C), [0]) == lax.broadcast_in_dim(run_c, (C, C), [1])
+  carry_last = m_s[slot, 2, C - 1] if slot is not None else m_s[2, C - 1]
+  return same, plgpu.load(at(2), layout=ROWS), plgpu.load(at(3), layout=ROWS), carry_last
 
 
 def local_cumsum(g, B: int, T_pad: int, Hv: int, C: int):
@@ -44,12 +74,13 @@ def local_cumsum(g, B: int, T_pad: int, Hv: int, C: int):
   return jnp.cumsum(jnp.swapaxes(g, 1, 2).reshape(B, Hv, T_pad // C, C), axis=-1).reshape(B, Hv, T_pad)
 
 
-def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, interpret=None,
+def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=None, interpret=None,
             block_v: int = BLOCK_V):
   """`(o [B, H_v, NC, C, V] unscaled in out_dtype, final [B, H_v, K, V] float32)`.
 
-  q, k: `[B, T, H, K]`; v: `[B, T, H_v, V]`; g: None or `[B, T, H_v]`; h0: None or `[B, H_v, K, V]`.
-  Matmul operands in `dtype` (bfloat16 or float16), accumulation and state in float32.
+  q, k: `[B, T, H, K]`; v: `[B, T, H_v, V]`; g: None or `[B, T, H_v]`; h0: None or `[B, H_v, K, V]`;
+  segment_ids: None or `[B, T]`. Matmul operands in `dtype` (bfloat16 or float16), accumulation and
+  state in float32.
   """
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
@@ -62,17 +93,22 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, interpret=None
   pad = lambda x: jnp.pad(x.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
   q, k, v = pad(q), pad(k), pad(v)
   G = local_cumsum(g, B, T_pad, Hv, C)
+  has_seg = segment_ids is not None
 
   scratch = dict(
       q_s=smem((2, C, K), dtype), k_s=smem((2, C, K), dtype), v_s=smem((2, C, bv), dtype),
       g_s=plgpu.SMEM((2, C), F32), gc_s=plgpu.SMEM((2, C), F32),
       qg_s=smem((C, K), dtype), kd_s=smem((C, K), dtype), p_s=smem((C, C), dtype),
       h_s=smem((2, bv, K), dtype), o_s=smem((2, C, bv), out_dtype), state_s=plgpu.SMEM((bv, K), F32),
-      in_bar=plgpu.Barrier(num_arrivals=5, num_barriers=2), state_bar=plgpu.Barrier())
+      in_bar=plgpu.Barrier(num_arrivals=5 + SEG_ROWS * has_seg, num_barriers=2),
+      state_bar=plgpu.Barrier())
+  if has_seg:
+    scratch["m_s"] = plgpu.SMEM((2, SEG_ROWS, C), F32)
 
   def body(q_r, k_r, v_r, g_r, *refs, q_s, k_s, v_s, g_s, gc_s, qg_s, kd_s, p_s, h_s, o_s, state_s, in_bar,
-           state_bar):
+           state_bar, m_s=None):
     refs = list(refs)
+    m_r = refs.pop(0) if has_seg else None
     h0_r = refs.pop(0) if has_h0 else None
     o_r, final_r = refs
     b, h, vs = _program(bv)
@@ -86,6 +122,8 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, interpret=None
       plgpu.copy_gmem_to_smem(g_r.at[b, h, rows], g_s.at[slot], bar)
       # the same G again: Mosaic GPU's layout inference wants one layout per buffer (rows, columns)
       plgpu.copy_gmem_to_smem(g_r.at[b, h, rows], gc_s.at[slot], bar)
+      for i in range(SEG_ROWS if has_seg else 0):
+        plgpu.copy_gmem_to_smem(m_r.at[b, i, rows], m_s.at[slot, i], bar)
 
     issue(0, 0)
     s0 = _initial(h0_r.at[b, h, vs] if has_h0 else None, state_s, state_bar, bv, K)
@@ -106,13 +144,16 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, interpret=None
       sq = (C, C)
       causal = (plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
                 >= plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA))
+      q_scale, k_scale, s_decay = jnp.exp(G_rows), jnp.exp(G_last - G_rows), jnp.exp(G_last)
+      if has_seg:  # pairs of one run only; the carried state reaches its own run
+        same, carry, to_last, carry_last = _segment_masks(m_s, slot, C)
+        causal = causal & same
+        q_scale, k_scale, s_decay = q_scale * carry, k_scale * to_last, s_decay * carry_last
       expo = jnp.where(causal, rows(G_rows, sq) - lax.broadcast_in_dim(G_cols, sq, [1]), -jnp.inf)
       p_s[...] = (matmul(q_s.at[slot], k_s.at[slot].T, sq) * jnp.exp(expo)).astype(dtype)
       qk = (C, K)
-      qg_s[...] = (plgpu.load(q_s.at[slot], layout=WGMMA).astype(F32)
-                   * rows(jnp.exp(G_rows), qk)).astype(dtype)
-      kd_s[...] = (plgpu.load(k_s.at[slot], layout=WGMMA).astype(F32)
-                   * rows(jnp.exp(G_last - G_rows), qk)).astype(dtype)
+      qg_s[...] = (plgpu.load(q_s.at[slot], layout=WGMMA).astype(F32) * rows(q_scale, qk)).astype(dtype)
+      kd_s[...] = (plgpu.load(k_s.at[slot], layout=WGMMA).astype(F32) * rows(k_scale, qk)).astype(dtype)
       # The walk (walk.forward, additive): o^T = S^T Qg^T + v^T P^T, S^T <- e^(G_C) S^T + v^T Kd.
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)
       s_lo = h_s.at[slot]
@@ -124,11 +165,12 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, interpret=None
       o_s.at[slot].T[...] = o_t.astype(out_dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_s.at[slot], o_r.at[b, h, pl.ds(n * C, C), vs])
-      return matmul(v_t, kd_s, (bv, K), init=s_t * jnp.exp(G_last))
+      return matmul(v_t, kd_s, (bv, K), init=s_t * s_decay)
 
     _store_last(lax.fori_loop(0, NC, step, s0), state_s, final_r.at[b, h, vs])
 
-  args = [q, k, v, G] + ([jnp.swapaxes(h0.astype(F32), -1, -2)] if has_h0 else [])
+  args = ([q, k, v, G] + ([segment_vectors(segment_ids, C, T_pad)] if has_seg else [])
+          + ([jnp.swapaxes(h0.astype(F32), -1, -2)] if has_h0 else []))
   out_type = (jax.ShapeDtypeStruct((B, Hv, T_pad, V), out_dtype), jax.ShapeDtypeStruct((B, Hv, V, K), F32))
   o, final = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, V // bv), grid_names=("b", "h", "v"),
@@ -138,7 +180,7 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, interpret=None
   return o.reshape(B, Hv, NC, C, V), jnp.swapaxes(final, -1, -2)
 
 
-def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, interpret=None):
+def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, interpret=None):
   """The additive family's per-chunk gradients, every chunk in parallel (one program per chunk of one
   value head), from the (transposed) state entering each chunk and the gradient of the state leaving it.
 
@@ -149,7 +191,9 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, interpret=None):
       dG_i = q_i e^(G_i) . (do S^T)_i + sum_j (dP * P)_ij - sum_j (dP * P)_ji - kd_i . (v dS^T)_i
 
   and the last token's `dG` also takes `sum_i kd_i . (v dS^T)_i + e^(G_C) sum(S * dS)`, which the caller
-  adds (`kdv`, the per-token terms of the first sum, is returned for it).
+  adds (`kdv`, the per-token terms of the first sum, is returned for it). With `masks`
+  (`segment_vectors`), D keeps pairs of one run, `e^G` counts only where the token reads the carried
+  state and `kd` only where its write reaches the chunk's end.
 
   Args: q, k `[B, T_pad, H, K]`, v `[B, T_pad, H_v, V]` (operand dtype); G `[B, H_v, T_pad]` float32;
     states, dstates `[B, H_v, NC, V, K]` (operand dtype); do `[B, H_v, T_pad, V]` (operand dtype).
@@ -160,23 +204,30 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, interpret=None):
   Hv, V = v.shape[2:]
   NC, C = states.shape[2], T_pad // states.shape[2]
   group = Hv // H
+  has_seg = masks is not None
   scratch = dict(
       q_s=smem((C, K), dtype), k_s=smem((C, K), dtype), v_s=smem((C, V), dtype), do_s=smem((C, V), dtype),
       st_s=smem((V, K), dtype), dst_s=smem((V, K), dtype),
       g_s=plgpu.SMEM((C,), F32), gc_s=plgpu.SMEM((C,), F32),
       p_s=smem((C, C), dtype), dpd_s=smem((C, C), dtype),
       kd_s=smem((C, K), dtype), out_s=plgpu.SMEM((C, max(K, V)), F32),
-      vec_s=plgpu.SMEM((2, C), F32), bar=plgpu.Barrier(num_arrivals=8))
+      vec_s=plgpu.SMEM((2, C), F32), bar=plgpu.Barrier(num_arrivals=8 + SEG_ROWS * has_seg))
+  if has_seg:
+    scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
 
-  def body(q_r, k_r, v_r, g_r, st_r, dst_r, do_r, dq_r, dk_r, dv_r, dg_r, kdv_r, *, q_s, k_s, v_s, do_s,
-           st_s, dst_s, g_s, gc_s, p_s, dpd_s, kd_s, out_s, vec_s, bar):
+  def body(*refs, q_s, k_s, v_s, do_s, st_s, dst_s, g_s, gc_s, p_s, dpd_s, kd_s, out_s, vec_s, bar,
+           m_s=None):
+    q_r, k_r, v_r, g_r, st_r, dst_r, do_r = refs[:7]
+    m_r = refs[7] if has_seg else None
+    dq_r, dk_r, dv_r, dg_r, kdv_r = refs[7 + has_seg:]
     b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
     hk = lax.div(h, group)
     rows_t = pl.ds(n * C, C)
-    for src, dst in ((q_r.at[b, rows_t, hk], q_s), (k_r.at[b, rows_t, hk], k_s),
-                     (v_r.at[b, rows_t, h], v_s), (do_r.at[b, h, rows_t], do_s),
-                     (st_r.at[b, h, n], st_s), (dst_r.at[b, h, n], dst_s),
-                     (g_r.at[b, h, rows_t], g_s), (g_r.at[b, h, rows_t], gc_s)):
+    copies = [(q_r.at[b, rows_t, hk], q_s), (k_r.at[b, rows_t, hk], k_s), (v_r.at[b, rows_t, h], v_s),
+              (do_r.at[b, h, rows_t], do_s), (st_r.at[b, h, n], st_s), (dst_r.at[b, h, n], dst_s),
+              (g_r.at[b, h, rows_t], g_s), (g_r.at[b, h, rows_t], gc_s)]
+    copies += [(m_r.at[b, i, rows_t], m_s.at[i]) for i in range(SEG_ROWS if has_seg else 0)]
+    for src, dst in copies:
       plgpu.copy_gmem_to_smem(src, dst, bar)
     plgpu.barrier_wait(bar)
 
@@ -188,15 +239,20 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, interpret=None):
     i = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
     j = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
     diff = rows(G_rows, sq) - lax.broadcast_in_dim(G_cols, sq, [1])     # G_i - G_j
-    D = jnp.exp(jnp.where(i >= j, diff, -jnp.inf))
+    lower, upper = i >= j, i <= j
+    q_scale, k_decay = jnp.exp(G_rows), jnp.exp(G_last - G_rows)
+    if has_seg:
+      same, carry, to_last, _ = _segment_masks(m_s, None, C)
+      lower, upper = lower & same, upper & same
+      q_scale, k_decay = q_scale * carry, k_decay * to_last
+    D = jnp.exp(jnp.where(lower, diff, -jnp.inf))
     P = matmul(q_s, k_s.T, sq) * D
     dP = matmul(do_s, v_s.T, sq)
     A = dP * P
     # (dP P)^T from its own matmuls: the column sums of dP P are the row sums of its transpose
-    A_t = matmul(v_s, do_s.T, sq) * matmul(k_s, q_s.T, sq) * jnp.exp(jnp.where(i <= j, -diff, -jnp.inf))
+    A_t = matmul(v_s, do_s.T, sq) * matmul(k_s, q_s.T, sq) * jnp.exp(jnp.where(upper, -diff, -jnp.inf))
     p_s[...] = P.astype(dtype)
     dpd_s[...] = (dP * D).astype(dtype)
-    k_decay = jnp.exp(G_last - G_rows)
     kd_s[...] = (plgpu.load(k_s, layout=WGMMA).astype(F32) * rows(k_decay, ck)).astype(dtype)
     plgpu.commit_smem()
 
@@ -209,7 +265,7 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, interpret=None):
 
     # dq = e^G (do S^T) + (dP D) k; the first dG term needs (do S^T) too
     do_st = matmul(do_s, st_s, ck)
-    gamma = rows(jnp.exp(G_rows), ck)
+    gamma = rows(q_scale, ck)
     dG = jnp.sum(plgpu.load(q_s, layout=WGMMA).astype(F32) * gamma * do_st, axis=1)
     emit(gamma * do_st + matmul(dpd_s, k_s, ck), dq_r.at[b, rows_t, h])
     # dk = (dP D)^T q + e^(G_C - G) (v dS^T)
@@ -228,7 +284,7 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, interpret=None):
     plgpu.wait_smem_to_gmem(0)
 
   args = [q.astype(dtype), k.astype(dtype), v.astype(dtype), G, states.astype(dtype),
-          dstates.astype(dtype), do.astype(dtype)]
+          dstates.astype(dtype), do.astype(dtype)] + ([masks] if has_seg else [])
   out_type = (jax.ShapeDtypeStruct((B, T_pad, Hv, K), F32), jax.ShapeDtypeStruct((B, T_pad, Hv, K), F32),
               jax.ShapeDtypeStruct((B, T_pad, Hv, V), F32), jax.ShapeDtypeStruct((B, Hv, T_pad), F32),
               jax.ShapeDtypeStruct((B, Hv, T_pad), F32))
@@ -239,7 +295,7 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, interpret=None):
   return _vary_like(outs, args)
 
 
-def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, interpret=None):
+def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None, interpret=None):
   """`(dq, dk, dv, dg, dh0)` of `forward` (in q, k, v, g's dtypes; dh0 float32), for the cotangents
   `do: [B, H_v, NC, C, V]` (of the unscaled o) and `dfinal: None | [B, H_v, K, V]`.
 
@@ -259,17 +315,23 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, interpret=No
   G = local_cumsum(g, B, T_pad, Hv, C)
   Gc = G.reshape(B, Hv, NC, C)
   G_last = Gc[..., -1:]
+  q_scale, k_scale, s_decay = jnp.exp(Gc), jnp.exp(G_last - Gc), jnp.exp(G_last)
+  masks = None
+  if segment_ids is not None:
+    masks = segment_vectors(segment_ids, C, T_pad)
+    carry, to_last = (masks[:, None, i].reshape(B, 1, NC, C) for i in (2, 3))
+    q_scale, k_scale, s_decay = q_scale * carry, k_scale * to_last, s_decay * carry[..., -1:]
   heads = lambda x: prep.to_chunks(jnp.repeat(x, group, axis=2) if group > 1 else x, C, T_pad)
   t = prep.ChunkTensors(
-      qg=(heads(qp).astype(F32) * jnp.exp(Gc)[..., None]).astype(dtype),
-      kd=(heads(kp).astype(F32) * jnp.exp(G_last - Gc)[..., None]).astype(dtype),
+      qg=(heads(qp).astype(F32) * q_scale[..., None]).astype(dtype),
+      kd=(heads(kp).astype(F32) * k_scale[..., None]).astype(dtype),
       w=None, u=prep.to_chunks(vp, C, T_pad), p=None,
-      decay=jnp.broadcast_to(jnp.exp(G_last), (B, Hv, NC, K)))
+      decay=jnp.broadcast_to(s_decay, (B, Hv, NC, K)))
   _, states, _ = walk.forward(t, h0, with_o=False, with_states=True, out_dtype=dtype, interpret=interpret)
   dstates, dh0 = walk.backward_states(t, do, dfinal, interpret=interpret)
-  dq, dk, dv, dG, kdv = backward_chunks(qp, kp, vp, G, states, dstates,
-                                        do.reshape(B, Hv, T_pad, V), dtype=dtype, interpret=interpret)
-  last = (jnp.sum(kdv.reshape(B, Hv, NC, C), axis=-1) + jnp.exp(G_last[..., 0])
+  dq, dk, dv, dG, kdv = backward_chunks(qp, kp, vp, G, states, dstates, do.reshape(B, Hv, T_pad, V),
+                                        dtype=dtype, masks=masks, interpret=interpret)
+  last = (jnp.sum(kdv.reshape(B, Hv, NC, C), axis=-1) + s_decay[..., 0]
           * jnp.einsum("bhnvk,bhnvk->bhn", states, dstates, preferred_element_type=F32))
   dG = dG.reshape(B, Hv, NC, C).at[..., -1].add(last)
   dg = jnp.flip(jnp.cumsum(jnp.flip(dG, -1), -1), -1).reshape(B, Hv, T_pad)   # G = cumsum(g) per chunk

@@ -120,7 +120,7 @@ def _fused_forward(q, k, v, g, beta, h0, segment_ids, *, options, chunk_size, co
   if not (options.fused and fused_kernel.serves(g, beta, segment_ids)):
     return None
   return fused_kernel.forward(q, k, v, g, h0, chunk_size=chunk_size, dtype=compute_dtype,
-                              out_dtype=out_dtype, interpret=options.interpret)
+                              out_dtype=out_dtype, segment_ids=segment_ids, interpret=options.interpret)
 
 
 def _fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal, *, options, chunk_size,
@@ -128,7 +128,7 @@ def _fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal, *, options, c
   if not (options.fused and fused_kernel.serves(g, beta, segment_ids)):
     return None
   return fused_kernel.backward(q, k, v, g, h0, do, dfinal, chunk_size=chunk_size, dtype=compute_dtype,
-                               interpret=options.interpret)
+                               segment_ids=segment_ids, interpret=options.interpret)
 
 
 GPU_WALK = vjp.Walk(forward=_forward, backward=_backward, chunks_per_group=lambda NC, options: 1,
@@ -152,7 +152,7 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
       common dtype. out_dtype: o's dtype, default v's dtype. inverse_dtype: operand dtype of the
       matmuls of `(I + L)^-1` in the preparation (`prep.prepare`, delta family); float32 is exact and,
       on the H200, faster than bfloat16 there (NOTES.md). fused: the additive family with no or scalar
-      decay and no segment_ids runs with no XLA preparation (`fused.py`; opt-in until measured on a
+      decay (packed or not) runs with no XLA preparation (`fused.py`; opt-in until measured on a
       GPU): its forward is one kernel that forms the chunk tensors in shared memory, its backward the
       two walks and one kernel that forms every chunk's gradients in parallel.
     interpret: None (the `interpret_kernels` context's parameters, else compiled) or a

@@ -200,10 +200,26 @@ def test_fused_path_matches_the_float64_loop(variant, gates, h0):
   check(variant, inp, fused=True)
 
 
-def test_fused_forward_serves_only_the_additive_scalar_unpacked_calls():
+def test_fused_path_serves_only_the_additive_family_with_scalar_or_no_decay():
   from pallas_kernels.gpu import fused
-  g_scalar, g_channel = jnp.zeros((1, 8, 2)), jnp.zeros((1, 8, 2, 4))
+  g_scalar, g_channel, seg = jnp.zeros((1, 8, 2)), jnp.zeros((1, 8, 2, 4)), jnp.zeros((1, 8), jnp.int32)
   assert fused.serves(None, None, None) and fused.serves(g_scalar, None, None)
+  assert fused.serves(g_scalar, None, seg)
   assert not fused.serves(g_channel, None, None)
   assert not fused.serves(g_scalar, jnp.zeros((1, 8, 2)), None)
-  assert not fused.serves(g_scalar, None, jnp.zeros((1, 8), jnp.int32))
+
+
+def test_fused_path_with_segment_ids():
+  # Runs of 30, 1, 33, 7 and 29 tokens (changes inside chunks and on the boundary t = 64), the last
+  # reusing an earlier id: forward equal to the prepared path, gradients against the float64 loop.
+  T = 100
+  seg = np.zeros((1, T), np.int32)
+  seg[0, 30:31], seg[0, 31:64], seg[0, 64:71], seg[0, 71:] = 5, 1, 2, 0
+  inp = make_inputs("simple_gla", B=1, T=T, H=1, Hv=2, K=64, V=64, seed=16)
+  q, k, v = (jnp.asarray(inp[n], jnp.bfloat16) for n in ("q", "k", "v"))
+  run = lambda fused: gpu.chunked_attention(q, k, v, jnp.asarray(inp["g"]), segment_ids=jnp.asarray(seg),
+                                            initial_state=jnp.asarray(inp["h0"]), fused=fused,
+                                            interpret=PARAMS)
+  (o, final), (ro, rfinal) = run(True), run(False)
+  assert rel_rms(o, ro) < 1e-6 and rel_rms(final, rfinal) < 1e-6
+  check("simple_gla", inp, seg=seg, fused=True)

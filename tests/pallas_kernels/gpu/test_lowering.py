@@ -47,13 +47,16 @@ def test_exports_for_hopper(kind, D):
   assert bwd.mlir_module().count("custom_call @mosaic_gpu") == 3
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("kind", ["linear_attention", "simple_gla"])
-def test_fused_path_exports_for_hopper(kind, D):
+def test_fused_path_exports_for_hopper(kind, D, packed):
   g = _spec(B, T, 2 * H, dtype=jnp.float32) if kind == "simple_gla" else None
   args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, 2 * H, D), g,
           _spec(B, 2 * H, D, D, dtype=jnp.float32))
-  fn = lambda q, k, v, g, h0: gpu.chunked_attention(q, k, v, g, initial_state=h0, fused=True)
+  seg = jnp.zeros((B, T), jnp.int32).at[:, T // 3:].set(1) if packed else None
+  fn = lambda q, k, v, g, h0: gpu.chunked_attention(q, k, v, g, initial_state=h0, segment_ids=seg,
+                                                    fused=True)
 
   def loss(*xs):
     o, final = fn(*xs)
