@@ -28,7 +28,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels import prep
 from pallas_kernels.gpu import walk
 from pallas_kernels.gpu.walk import (BLOCK_V, COLS, F32, WGMMA, _initial, _program, _store_last,
-                                     _vary_like, matmul, smem)
+                                     _vary_like, _walk_chunks, matmul, smem)
 
 ROWS = plgpu.Layout.WGMMA.reduce(1)   # one value per row of a WGMMA-layout tile
 
@@ -125,17 +125,7 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=No
       for i in range(SEG_ROWS if has_seg else 0):
         plgpu.copy_gmem_to_smem(m_r.at[b, i, rows], m_s.at[slot, i], bar)
 
-    issue(0, 0)
-    s0 = _initial(h0_r.at[b, h, vs] if has_h0 else None, state_s, state_bar, bv, K)
-
-    def step(n, s_t):
-      slot = lax.rem(n, 2)
-      plgpu.barrier_wait(in_bar.at[slot])
-
-      @pl.when(n + 1 < NC)
-      def _prefetch():
-        issue(n + 1, 1 - slot)
-
+    def chunk(n, slot, s_t):
       # The chunk's tensors, in shared memory: P, q e^G and k e^(G_C - G).
       G_rows = plgpu.load(g_s.at[slot], layout=ROWS)
       G_cols = plgpu.load(gc_s.at[slot], layout=COLS)
@@ -167,7 +157,8 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=No
       plgpu.copy_smem_to_gmem(o_s.at[slot], o_r.at[b, h, pl.ds(n * C, C), vs])
       return matmul(v_t, kd_s, (bv, K), init=s_t * s_decay)
 
-    _store_last(lax.fori_loop(0, NC, step, s0), state_s, final_r.at[b, h, vs])
+    init = lambda: _initial(h0_r.at[b, h, vs] if has_h0 else None, state_s, state_bar, bv, K)
+    _store_last(_walk_chunks(NC, issue, in_bar, init, chunk), state_s, final_r.at[b, h, vs])
 
   args = ([q, k, v, G] + ([segment_vectors(segment_ids, C, T_pad)] if has_seg else [])
           + ([jnp.swapaxes(h0.astype(F32), -1, -2)] if has_h0 else []))

@@ -102,6 +102,29 @@ def _store_last(x, state_s, dst):
   plgpu.wait_smem_to_gmem(0)
 
 
+def _walk_chunks(NC, issue, in_bar, init, chunk, *, reverse: bool = False):
+  """`chunk(n, slot, carry) -> carry` over chunks 0 .. NC-1 (or NC-1 .. 0), double-buffered: the inputs
+  of the next chunk are fetched by `issue(n, slot)` (TMA, arriving on `in_bar.at[slot]`) into the other
+  slot while this one computes. `init()` gives the first carry; it runs after the first fetch is issued,
+  so that its own load overlaps it."""
+  first = NC - 1 if reverse else 0
+  issue(first, first % 2)
+  carry = init()
+
+  def step(i, carry):
+    n = NC - 1 - i if reverse else i
+    slot = lax.rem(n, 2)
+    plgpu.barrier_wait(in_bar.at[slot])
+
+    @pl.when(n > 0 if reverse else n + 1 < NC)
+    def _prefetch():
+      issue(n - 1 if reverse else n + 1, 1 - slot)
+
+    return chunk(n, slot, carry)
+
+  return lax.fori_loop(0, NC, step, carry)
+
+
 def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = False, out_dtype=F32,
             interpret=None, block_v: int = BLOCK_V):
   """The forward walk.
@@ -165,17 +188,7 @@ def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = Fal
         plgpu.copy_gmem_to_smem(qg_r.at[b, h, rows], qg_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(p_r.at[b, h, rows], p_s.at[slot], bar)
 
-    issue(0, 0)
-    s0 = _initial(h0_r.at[b, h, vs] if has_h0 else None, state_s, state_bar, bv, K)
-
-    def step(n, s_t):
-      slot = lax.rem(n, 2)
-      plgpu.barrier_wait(in_bar.at[slot])
-
-      @pl.when(n + 1 < NC)
-      def _prefetch():
-        issue(n + 1, 1 - slot)
-
+    def chunk(n, slot, s_t):
       # The state is the left operand of the matmuls below, from shared memory (`s_lo`); this slot's
       # staging tiles were last read by the stores issued two chunks ago.
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)
@@ -204,7 +217,8 @@ def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = Fal
       d = lax.broadcast_in_dim(plgpu.load(decay_s.at[slot], layout=COLS), (bv, K), [1])
       return matmul(u_lo, kd_s.at[slot], (bv, K), init=s_t * d)
 
-    _store_last(lax.fori_loop(0, NC, step, s0), state_s, final_r.at[b, h, vs])
+    init = lambda: _initial(h0_r.at[b, h, vs] if has_h0 else None, state_s, state_bar, bv, K)
+    _store_last(_walk_chunks(NC, issue, in_bar, init, chunk), state_s, final_r.at[b, h, vs])
 
   args = [x for x, present in ((qg, with_o), (kd, True), (w_neg, delta), (u, True), (p, with_o),
                                (decay, True), (None if h0 is None else jnp.swapaxes(h0, -1, -2), has_h0))
@@ -265,18 +279,7 @@ def backward_states(t: ChunkTensors, do, dfinal, *, interpret=None, block_v: int
         plgpu.copy_gmem_to_smem(w_r.at[b, h, rows], w_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(p_r.at[b, h, rows], p_s.at[slot], bar)
 
-    issue(NC - 1, (NC - 1) % 2)
-    ds0 = _initial(df_r.at[b, h, vs] if has_df else None, state_s, state_bar, bv, K)
-
-    def step(i, ds_t):
-      n = NC - 1 - i
-      slot = lax.rem(n, 2)
-      plgpu.barrier_wait(in_bar.at[slot])
-
-      @pl.when(n > 0)
-      def _prefetch():
-        issue(n - 1, 1 - slot)
-
+    def chunk(n, slot, ds_t):
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)
       ds_lo = h_s.at[slot]
       ds_lo[...] = ds_t.astype(dtype)
@@ -294,7 +297,8 @@ def backward_states(t: ChunkTensors, do, dfinal, *, interpret=None, block_v: int
         nxt = matmul(du_s, w_s.at[slot], (bv, K), init=nxt)
       return nxt
 
-    _store_last(lax.fori_loop(0, NC, step, ds0), state_s, dh0_r.at[b, h, vs])
+    init = lambda: _initial(df_r.at[b, h, vs] if has_df else None, state_s, state_bar, bv, K)
+    _store_last(_walk_chunks(NC, issue, in_bar, init, chunk, reverse=True), state_s, dh0_r.at[b, h, vs])
 
   args = [x for x, present in ((qg, True), (kd, delta), (w_neg, delta), (p, delta), (do, True),
                                (decay, True),
