@@ -1,4 +1,4 @@
-"""The additive family's forward in one Mosaic GPU kernel: the chunk preparation fused into the walk.
+"""The additive family in fused Mosaic GPU kernels: forward and backward with no XLA preparation.
 
 For scalar or no decay, packed or not, the per-chunk tensors of the additive family are cheap to form
 from the raw tiles, so the kernel reads q, k, v and the chunk-local cumulative log-decay `G` once and

@@ -14,10 +14,12 @@ states the forward stores and the dS the backward kernel stores: the kernels car
 need to carry.
 
 One program per (batch, head, block of `BLOCK_V` value columns); it keeps the state transposed, `S^T`
-`[BLOCK_V, K]` float32, in registers as a WGMMA accumulator, so every matmul on the sequential path takes
-its left operand from registers (the state, or `u^T`, cast to the 16-bit operand dtype) and its right
-operand from shared memory. The next chunk's inputs are fetched by TMA into the other half of a double
-buffer while the current chunk computes; outputs leave through a double-buffered staging tile by TMA.
+`[BLOCK_V, K]` float32, in registers (WGMMA layout), and once per chunk writes it in the 16-bit operand
+dtype to shared memory, where it is the left operand of the chunk's matmuls (so are `u^T` and `dO^T`, as
+transposed views of their tiles). Both wgmma operands come from shared memory because the Mosaic GPU
+interpreter that runs the CPU tests takes no register operands: the code tested is the code run. The
+next chunk's inputs are fetched by TMA into the other half of a double buffer while the current chunk
+computes (`_walk_chunks`); outputs leave through a double-buffered staging tile by TMA.
 
 Operands are bfloat16 or float16 with float32 accumulation (the state and its gradient are float32;
 what is stored per chunk is in the operand dtype, as the chunk-local tensors are). The value axis splits
@@ -51,8 +53,8 @@ def smem(shape, dtype):
 
 
 def matmul(a, b, shape, init=None):
-  """`init + a @ b` on the tensor cores, float32 result (`a`: 16-bit registers in the WGMMA layout or a
-  shared-memory ref; `b`: a shared-memory ref, possibly a transposed view).
+  """`init + a @ b` on the tensor cores, float32 result (`a`, `b`: 16-bit shared-memory refs, possibly
+  transposed views).
 
   The result passes an optimisation barrier: reading the accumulator lowers to a `wgmma.wait_group` that
   has no data dependency on the registers, so without it arithmetic on the result could be scheduled
