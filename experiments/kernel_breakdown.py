@@ -5,7 +5,9 @@ Stages (pallas_kernels/gpu/NOTES.md): the whole op's forward and forward + backw
 `sum(o * do)` w.r.t. q, k, v, g, beta), prepared and fused (`fused=True`: the additive family with no or
 scalar decay; "-" for the others), the XLA preparation forward and its vjp,
 the forward walk with outputs, the forward walk that stores states, the reverse walk, and the reverse
-walk plus the batched cotangent matmuls. Prints a table and writes `{workdir}/kernel_breakdown.json`. Meant for a Hopper GPU;
+walk plus the batched cotangent matmuls. With `--jla`, jax-linear-attention's Mosaic GPU kernels are timed
+on the same inputs in the same process (jla l2-normalises q and k of the delta variants itself). Prints a
+table and writes `{workdir}/kernel_breakdown.json`. Meant for a Hopper GPU;
 elsewhere `--interpret` runs the kernels in the Mosaic GPU interpreter (tiny shapes only: a smoke run).
 
 Example:
@@ -28,7 +30,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import numpy as np
 from absl import app, flags
 
-from experiments import common
+from experiments import benchmark, common
 from pallas_kernels import gpu, prep, vjp
 from pallas_kernels.gpu import fused, walk
 
@@ -48,7 +50,7 @@ def _time(fn, args, iters: int) -> float:
   return statistics.median(times)
 
 
-def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 0) -> dict:
+def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 0, jla_ops=None) -> dict:
   """`{stage: median ms}` for one variant at `shape = (B, T, H, D)`."""
   B, T, H, D = shape
   rng = np.random.default_rng(seed)
@@ -90,6 +92,14 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
                                (t, states, do)),
       "prep vjp": (jax.jit(lambda *a: jax.vjp(prepare, *a[:5])[1](a[5])), args + (cot,)),
   }
+  if jla_ops is not None:
+    names = tuple(n for n in ("q", "k", "v", "g", "beta") if n in x)
+    jla = lambda *a: benchmark._jla_forward(jla_ops, variant, dict(zip(names, a)), "mosaic_gpu", 64)
+    jla_args = tuple(x[n] for n in names)
+    stages["jla fwd"] = (jax.jit(jla), jla_args)
+    stages["jla fwd+bwd"] = (jax.jit(jax.grad(
+        lambda *a: jnp.sum(jla(*a).astype(jnp.float32) * do_o), argnums=tuple(range(len(names))))),
+        jla_args)
   return {name: None if stage is None else _time(stage[0], stage[1], iters)
           for name, stage in stages.items()}
 
@@ -100,6 +110,7 @@ def _define_flags():
   flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16"], "dtype of q, k, v.")
   flags.DEFINE_integer("iters", 10, "Timed rounds per stage; the median is reported.")
   flags.DEFINE_bool("interpret", False, "Run the kernels in the Mosaic GPU interpreter (any backend).")
+  flags.DEFINE_bool("jla", False, "Also time jax-linear-attention's Mosaic GPU kernels (when installed).")
   flags.DEFINE_string("workdir", "runs/kernel_breakdown", "Where kernel_breakdown.json is written.")
 
 
@@ -115,12 +126,18 @@ def main(argv):
     raise app.UsageError(f"--shape must be B,T,H,D; got {f.shape}")
   dtype = jnp.bfloat16 if f.dtype == "bfloat16" else jnp.float16
   interpret = plgpu.InterpretGPUParams() if f.interpret else None
-  rows = {v: breakdown(v, shape, dtype=dtype, iters=f.iters, interpret=interpret) for v in f.variants}
+  jla_ops = None
+  if f.jla:
+    jla_ops, status = benchmark.import_jla()
+    print(f"jla: {status}")
+  rows = {v: breakdown(v, shape, dtype=dtype, iters=f.iters, interpret=interpret, jla_ops=jla_ops)
+          for v in f.variants}
+  stages = STAGES + (("jla fwd", "jla fwd+bwd") if jla_ops is not None else ())
   print(f"{jax.devices()[0].device_kind}, shape {shape}, {f.dtype}, median ms of {f.iters}"
         + (" (Mosaic GPU interpreter)" if f.interpret else ""))
-  print(common.format_table(("variant",) + STAGES,
+  print(common.format_table(("variant",) + stages,
                             [(v,) + tuple("-" if rows[v][s] is None else f"{rows[v][s]:.3f}"
-                                          for s in STAGES) for v in rows]))
+                                          for s in stages) for v in rows]))
   path = common.write_json(f.workdir, "kernel_breakdown.json",
                            {"shape": shape, "dtype": f.dtype, "interpret": f.interpret, "ms": rows})
   print(f"wrote {path}")

@@ -82,3 +82,21 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
   assert done.returncode == 0, done.stderr[-2000:]
   assert os.path.exists(tmp_path / output)
   assert f"wrote {tmp_path / output}" in done.stdout
+
+
+def test_kernel_breakdown_times_jla_alongside_when_asked(tmp_path):
+  # A stand-in `jla` package (o = v * 2) on the path: the script passes it our inputs by name.
+  (tmp_path / "jla").mkdir()
+  (tmp_path / "jla" / "__init__.py").write_text("")
+  (tmp_path / "jla" / "ops.py").write_text(
+      "def linear_attention(kind, q, k, v, *, impl, g=None, beta=None, use_qk_l2norm=False):\n"
+      "  assert kind == 'deltanet' and impl == 'mosaic_gpu' and g is None and beta is not None\n"
+      "  return v * 2, None\n")
+  cmd = [sys.executable, os.path.join(ROOT, "experiments", "kernel_breakdown.py"), f"--workdir={tmp_path}",
+         "--variants=delta_rule", "--shape=1,64,1,64", "--iters=1", "--interpret", "--jla"]
+  done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(tmp_path)))
+  assert done.returncode == 0, done.stderr[-2000:]
+  with open(tmp_path / "kernel_breakdown.json", encoding="utf-8") as f:
+    ms = json.load(f)["ms"]["delta_rule"]
+  assert ms["jla fwd"] > 0 and ms["jla fwd+bwd"] > 0 and ms["op fwd fused"] is None
