@@ -275,15 +275,11 @@ def run_benchmark(config: Config, workdir: str) -> dict:
 
 def _plot(rows, workdir) -> str | None:
   """A horizontal bar chart of the medians (log scale) at `{workdir}/benchmark.png`."""
-  try:
-    import matplotlib
-  except ImportError:
-    print("matplotlib is not installed: no plot")
-    return None
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
   timed = [r for r in rows if r["median_ms"] is not None]
-  fig, ax = plt.subplots(figsize=(8, 0.3 * len(timed) + 1))
+  drawn = common.new_figure(figsize=(8, 0.3 * len(timed) + 1))
+  if drawn is None:
+    return None
+  fig, ax = drawn
   ax.barh([f"{r['variant']} {r['impl']} {r['mode']} {','.join(map(str, r['shape']))}" for r in timed],
           [r["median_ms"] for r in timed])
   ax.set_xscale("log")
@@ -292,7 +288,6 @@ def _plot(rows, workdir) -> str | None:
   fig.tight_layout()
   path = os.path.join(workdir, "benchmark.png")
   fig.savefig(path, dpi=120)
-  plt.close(fig)
   print(f"wrote {path}")
   return path
 

@@ -120,3 +120,16 @@ def write_json(workdir, name: str, results: dict) -> str:
   with open(path, "w", encoding="utf-8") as f:
     json.dump(results, f, indent=1)
   return path
+
+
+def new_figure(nrows: int = 1, ncols: int = 1, figsize=(8, 4)):
+  """`(figure, axes)` drawn off-screen with matplotlib's object API, or None (said once) without
+  matplotlib. No pyplot: the process's backend is left alone (a notebook keeps its inline plots) and
+  nothing needs closing; `figure.savefig(path)` writes the file."""
+  try:
+    from matplotlib.figure import Figure
+  except ImportError:
+    print("matplotlib is not installed: no plot")
+    return None
+  figure = Figure(figsize=figsize)
+  return figure, figure.subplots(nrows, ncols)

@@ -32,7 +32,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from experiments import configs, train
+from experiments import common, configs, train
 from linear_attention_jax.layers import nbytes
 from linear_attention_jax.models import LM, LMCache, LMConfig
 
@@ -160,14 +160,10 @@ def markdown_table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: str) -> str | None:
   """Cache MiB (left) and ms per token (right) against the context, log-log, a line per model."""
-  try:
-    import matplotlib
-  except ImportError:
-    print("matplotlib is not installed: no plot")
+  drawn = common.new_figure(1, 2, figsize=(11, 4))
+  if drawn is None:
     return None
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  fig, axes = drawn
   for name in dict.fromkeys(r["model"] for r in rows):
     mine = [r for r in rows if r["model"] == name]
     contexts = [r["context"] for r in mine]
@@ -182,7 +178,6 @@ def plot(rows: list[dict], path: str) -> str | None:
     ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)
   return path
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 
+from experiments import common
+
 try:
   from tensorboardX import SummaryWriter
 except ImportError:  # optional: setup.py's "experiments" extra
@@ -76,14 +78,10 @@ class MetricsWriter:
 def plot_curves(records: list[dict], path: str, title: str = "") -> str | None:
   """Loss (left) and accuracy (right) against the step: train and every eval split. Returns the path,
   or None without matplotlib."""
-  try:
-    import matplotlib
-  except ImportError:
-    print("matplotlib is not installed: no plot")
+  drawn = common.new_figure(1, 2, figsize=(11, 4))
+  if drawn is None:
     return None
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  fig, axes = drawn
   for ax, metric in zip(axes, ("loss", "accuracy")):
     names = sorted({k for r in records for k in r if k.endswith("/" + metric)},
                    key=lambda k: (not k.startswith("train"), k))
@@ -104,5 +102,4 @@ def plot_curves(records: list[dict], path: str, title: str = "") -> str | None:
     fig.suptitle(title, fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)
   return path

@@ -30,7 +30,7 @@ if __package__ in (None, ""):  # run as a file: put the repository root on the p
 from absl import app, flags
 from flax import nnx
 
-from experiments import configs, train
+from experiments import common, configs, train
 from experiments.mqar_data import split_name
 from linear_attention_jax.models import LM, count_params
 
@@ -169,15 +169,11 @@ def markdown_table(results: dict) -> str:
 
 def plot(results: dict, path: str) -> str | None:
   """Left: accuracy per test setting, a line per model. Right: mean accuracy against state size."""
-  try:
-    import matplotlib
-  except ImportError:
-    print("matplotlib is not installed: no plot")
-    return None
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
   settings = [split_name(T, kv) for T, kv in results["test_settings"]]
-  fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+  drawn = common.new_figure(1, 2, figsize=(12, 4.5))
+  if drawn is None:
+    return None
+  fig, (left, right) = drawn
   for r in results["best"]:
     left.plot(range(len(settings)), [r["accuracy"][s] for s in settings], "o-",
               label=f"{r['model']} ({r['pattern']})")
@@ -197,7 +193,6 @@ def plot(results: dict, path: str) -> str | None:
   fig.suptitle("MQAR: two-layer models, short conv + mixer", fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)
   return path
 
 
