@@ -185,3 +185,15 @@ class InterpretSwitch:
 
   def current(self):
     return self._var.get()
+
+
+def varying_axes(arrays) -> frozenset:
+  """The mesh axes over which any of `arrays` varies (under `jax.shard_map`; empty outside)."""
+  return frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in arrays))
+
+
+def vary_over(x, axes: frozenset):
+  """`x`, made to vary over every mesh axis in `axes` (`check_vma=True` wants a kernel's operands and
+  results to say so; a kernel call itself does not track it)."""
+  missing = axes - jax.typeof(x).manual_axis_type.varying
+  return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x

@@ -116,8 +116,13 @@ def _backward(t, states, do, dfinal, *, options):
   return walk.backward(t, states, do, dfinal, interpret=options.interpret)
 
 
+def _fused_serves(options, g, beta, segment_ids) -> bool:
+  """The call asked for the fused path (`fused=True`) and `fused.py` covers it."""
+  return options.fused and fused_kernel.serves(g, beta, segment_ids)
+
+
 def _fused_forward(q, k, v, g, beta, h0, segment_ids, *, options, chunk_size, compute_dtype, out_dtype):
-  if not (options.fused and fused_kernel.serves(g, beta, segment_ids)):
+  if not _fused_serves(options, g, beta, segment_ids):
     return None
   return fused_kernel.forward(q, k, v, g, h0, chunk_size=chunk_size, dtype=compute_dtype,
                               out_dtype=out_dtype, segment_ids=segment_ids, interpret=options.interpret)
@@ -125,7 +130,7 @@ def _fused_forward(q, k, v, g, beta, h0, segment_ids, *, options, chunk_size, co
 
 def _fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal, *, options, chunk_size,
                     compute_dtype):
-  if not (options.fused and fused_kernel.serves(g, beta, segment_ids)):
+  if not _fused_serves(options, g, beta, segment_ids):
     return None
   return fused_kernel.backward(q, k, v, g, h0, do, dfinal, chunk_size=chunk_size, dtype=compute_dtype,
                                segment_ids=segment_ids, interpret=options.interpret)

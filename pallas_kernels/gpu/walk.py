@@ -36,6 +36,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from pallas_kernels import vjp
 from pallas_kernels.prep import ChunkTensors
 
 F32 = jnp.float32
@@ -74,11 +75,8 @@ def _flat(x):
 def _vary_like(outs, args):
   """Under `jax.shard_map(check_vma=True)`: the kernel's outputs vary over the mesh axes its inputs vary
   over (`plgpu.kernel` itself does not track them)."""
-  axes = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in args))
-  def vary(x):
-    missing = axes - jax.typeof(x).manual_axis_type.varying
-    return lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
-  return [vary(x) for x in outs]
+  axes = vjp.varying_axes(args)
+  return [vjp.vary_over(x, axes) for x in outs]
 
 
 def _program(bv):

@@ -36,6 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import vjp
 from pallas_kernels.prep import ChunkTensors
 
 MiB = 1 << 20
@@ -232,12 +233,10 @@ def _backward_kernel(*refs, nb: int, delta: bool, has_dfinal: bool):
 def _vary_alike(args):
   """Under `jax.shard_map(check_vma=True)` a pallas_call's outputs must say over which mesh axes they
   vary: make every input vary over the union of the inputs' axes and return that for the outputs."""
-  axes = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in args))
+  axes = vjp.varying_axes(args)
   if not axes:
     return args, None
-  vary = lambda x: lax.pcast(x, tuple(sorted(axes - jax.typeof(x).manual_axis_type.varying)),
-                             to="varying") if axes - jax.typeof(x).manual_axis_type.varying else x
-  args = [vary(x) for x in args]
+  args = [vjp.vary_over(x, axes) for x in args]
   return args, jax.typeof(args[0]).manual_axis_type
 
 
