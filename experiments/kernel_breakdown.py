@@ -38,8 +38,10 @@ STAGES = ("op fwd", "op fwd fused", "op fwd+bwd", "op fwd+bwd fused", "prep fwd"
           "reverse + cotangents", "prep vjp")
 
 
-def _time(fn, args, iters: int) -> float:
+def _time(fn, args, iters: int, label: str = "") -> float:
+  start = time.perf_counter()
   jax.block_until_ready(fn(*args))  # compile
+  compile_s = time.perf_counter() - start
   for _ in range(2):
     jax.block_until_ready(fn(*args))
   times = []
@@ -47,10 +49,13 @@ def _time(fn, args, iters: int) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append((time.perf_counter() - start) * 1e3)
+  if label:
+    print(f"{label}: {statistics.median(times):.3f} ms (first call {compile_s:.1f} s)", flush=True)
   return statistics.median(times)
 
 
-def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 0, jla_ops=None) -> dict:
+def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 0, jla_ops=None,
+              only=None) -> dict:
   """`{stage: median ms}` for one variant at `shape = (B, T, H, D)`."""
   B, T, H, D = shape
   rng = np.random.default_rng(seed)
@@ -100,8 +105,27 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
     stages["jla fwd+bwd"] = (jax.jit(jax.grad(
         lambda *a: jnp.sum(jla(*a).astype(jnp.float32) * do_o), argnums=tuple(range(len(names))))),
         jla_args)
-  return {name: None if stage is None else _time(stage[0], stage[1], iters)
-          for name, stage in stages.items()}
+  out = {}
+  for name, stage in stages.items():
+    if only and name not in only:
+      continue
+    try:
+      out[name] = None if stage is None else _time(stage[0], stage[1], iters, f"{variant}, {name}")
+    except Exception as e:  # a stage that fails to compile or run is reported, not hidden
+      print(f"{variant}: stage {name!r} failed: {type(e).__name__}: {str(e)[:2000]}")
+      out[name] = float("nan")
+  if serves and (not only or "fused check" in only):  # the fused path against the prepared one on these inputs (relative RMS)
+    try:
+      for label, a, b in (("o", op(True)(*args), op(False)(*args)),
+                          ("grads", op_grad(True)(*args), op_grad(False)(*args))):
+        errs = [float(jnp.sqrt(jnp.mean((x.astype(jnp.float32) - y.astype(jnp.float32))**2)
+                               / (jnp.mean(y.astype(jnp.float32)**2) + 1e-30)))
+                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+        out[f"fused vs prepared {label} rel rms"] = max(errs)
+        print(f"{variant}: fused vs prepared {label}: relative RMS {max(errs):.2e}")
+    except Exception as e:
+      print(f"{variant}: fused check failed: {type(e).__name__}: {str(e)[:2000]}")
+  return out
 
 
 def _define_flags():
@@ -111,6 +135,8 @@ def _define_flags():
   flags.DEFINE_integer("iters", 10, "Timed rounds per stage; the median is reported.")
   flags.DEFINE_bool("interpret", False, "Run the kernels in the Mosaic GPU interpreter (any backend).")
   flags.DEFINE_bool("jla", False, "Also time jax-linear-attention's Mosaic GPU kernels (when installed).")
+  flags.DEFINE_list("stages", [], "Only these stages (names as printed; 'fused check' for the fused "
+                    "path's agreement with the prepared one); empty: all.")
   flags.DEFINE_string("workdir", "runs/kernel_breakdown", "Where kernel_breakdown.json is written.")
 
 
@@ -130,14 +156,20 @@ def main(argv):
   if f.jla:
     jla_ops, status = benchmark.import_jla()
     print(f"jla: {status}")
-  rows = {v: breakdown(v, shape, dtype=dtype, iters=f.iters, interpret=interpret, jla_ops=jla_ops)
+  rows = {v: breakdown(v, shape, dtype=dtype, iters=f.iters, interpret=interpret, jla_ops=jla_ops,
+                      only=set(f.stages))
           for v in f.variants}
   stages = STAGES + (("jla fwd", "jla fwd+bwd") if jla_ops is not None else ())
+  if f.stages:
+    stages = tuple(s for s in stages if s in f.stages)
   print(f"{jax.devices()[0].device_kind}, shape {shape}, {f.dtype}, median ms of {f.iters}"
         + (" (Mosaic GPU interpreter)" if f.interpret else ""))
   print(common.format_table(("variant",) + stages,
-                            [(v,) + tuple("-" if rows[v][s] is None else f"{rows[v][s]:.3f}"
+                            [(v,) + tuple("-" if rows[v].get(s) is None else f"{rows[v][s]:.3f}"
                                           for s in stages) for v in rows]))
+  for v in rows:
+    for key in sorted(k for k in rows[v] if k not in stages):
+      print(f"{v}: {key} {rows[v][key]:.2e}")
   path = common.write_json(f.workdir, "kernel_breakdown.json",
                            {"shape": shape, "dtype": f.dtype, "interpret": f.interpret, "ms": rows})
   print(f"wrote {path}")

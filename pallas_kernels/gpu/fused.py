@@ -11,10 +11,10 @@ never writes `qg`, `kd` or `P` to device memory (prep.py's tensors, formed in sh
 Every exponent is <= 0 (G is non-increasing). Packed rows (`segment_ids`) enter as per-token masks
 (`segment_vectors`), as in prep.py. Per program (batch, value head, 64 value columns) the walk
 is that of `walk.forward`; q and k are read from their `[B, T, H, K]` layout (grouped value heads read
-their q/k head), v from `[B, T, H_v, V]`. The backward (`backward`) runs the two walks of walk.py and
-`backward_chunks`, which forms every chunk's gradients in parallel, with no XLA preparation either.
-Opt-in (`chunked_attention(..., fused=True)`): it has run in the Mosaic GPU interpreter and lowered for
-an H200, not yet on the GPU itself.
+their q/k head), v from `[B, T, H_v, V]`. The backward (`backward`) runs the states walk
+(`forward(..., with_o=False, with_states=True)`), the reverse walk (`backward_states`) and
+`backward_chunks`, which forms every chunk's gradients in parallel: no XLA preparation either.
+`chunked_attention` takes this path for every call it covers (`fused=False` forces the prepared one).
 """
 
 from __future__ import annotations
@@ -75,12 +75,14 @@ def local_cumsum(g, B: int, T_pad: int, Hv: int, C: int):
 
 
 def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=None, interpret=None,
-            block_v: int = BLOCK_V):
-  """`(o [B, H_v, NC, C, V] unscaled in out_dtype, final [B, H_v, K, V] float32)`.
+            block_v: int = BLOCK_V, with_o: bool = True, with_states: bool = False):
+  """`(o [B, H_v, NC, C, V] unscaled in out_dtype or None, states [B, H_v, NC, V, K] in dtype or None,
+  final [B, H_v, K, V] float32)`.
 
   q, k: `[B, T, H, K]`; v: `[B, T, H_v, V]`; g: None or `[B, T, H_v]`; h0: None or `[B, H_v, K, V]`;
   segment_ids: None or `[B, T]`. Matmul operands in `dtype` (bfloat16 or float16), accumulation and
-  state in float32.
+  state in float32. with_o: compute o (else q is not read and no P is formed); with_states: store the
+  (transposed) state entering every chunk, as `walk.forward` does, for the backward.
   """
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
@@ -96,53 +98,56 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=No
   has_seg = segment_ids is not None
 
   scratch = dict(
-      q_s=smem((2, C, K), dtype), k_s=smem((2, C, K), dtype), v_s=smem((2, C, bv), dtype),
-      g_s=plgpu.SMEM((2, C), F32), gc_s=plgpu.SMEM((2, C), F32),
-      qg_s=smem((C, K), dtype), kd_s=smem((C, K), dtype), p_s=smem((C, C), dtype),
-      h_s=smem((2, bv, K), dtype), o_s=smem((2, C, bv), out_dtype), state_s=plgpu.SMEM((bv, K), F32),
-      in_bar=plgpu.Barrier(num_arrivals=5 + SEG_ROWS * has_seg, num_barriers=2),
+      k_s=smem((2, C, K), dtype), v_s=smem((2, C, bv), dtype), g_s=plgpu.SMEM((2, C), F32),
+      kd_s=smem((C, K), dtype), h_s=smem((2, bv, K), dtype), state_s=plgpu.SMEM((bv, K), F32),
+      in_bar=plgpu.Barrier(num_arrivals=3 + 2 * with_o + SEG_ROWS * has_seg, num_barriers=2),
       state_bar=plgpu.Barrier())
+  if with_o:
+    scratch.update(q_s=smem((2, C, K), dtype), gc_s=plgpu.SMEM((2, C), F32), qg_s=smem((C, K), dtype),
+                   p_s=smem((C, C), dtype), o_s=smem((2, C, bv), out_dtype))
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((2, SEG_ROWS, C), F32)
 
-  def body(q_r, k_r, v_r, g_r, *refs, q_s, k_s, v_s, g_s, gc_s, qg_s, kd_s, p_s, h_s, o_s, state_s, in_bar,
-           state_bar, m_s=None):
+  def body(*refs, k_s, v_s, g_s, kd_s, h_s, state_s, in_bar, state_bar, q_s=None, gc_s=None, qg_s=None,
+           p_s=None, o_s=None, m_s=None):
     refs = list(refs)
-    m_r = refs.pop(0) if has_seg else None
-    h0_r = refs.pop(0) if has_h0 else None
-    o_r, final_r = refs
+    take = lambda present=True: refs.pop(0) if present else None
+    q_r, k_r, v_r, g_r, m_r, h0_r = take(with_o), take(), take(), take(), take(has_seg), take(has_h0)
+    o_r, states_r, final_r = take(with_o), take(with_states), take()
     b, h, vs = _program(bv)
     hk = lax.div(h, group)
 
     def issue(n, slot):
       rows, bar = pl.ds(n * C, C), in_bar.at[slot]
-      plgpu.copy_gmem_to_smem(q_r.at[b, rows, hk], q_s.at[slot], bar)
       plgpu.copy_gmem_to_smem(k_r.at[b, rows, hk], k_s.at[slot], bar)
       plgpu.copy_gmem_to_smem(v_r.at[b, rows, h, vs], v_s.at[slot], bar)
       plgpu.copy_gmem_to_smem(g_r.at[b, h, rows], g_s.at[slot], bar)
-      # the same G again: Mosaic GPU's layout inference wants one layout per buffer (rows, columns)
-      plgpu.copy_gmem_to_smem(g_r.at[b, h, rows], gc_s.at[slot], bar)
+      if with_o:
+        plgpu.copy_gmem_to_smem(q_r.at[b, rows, hk], q_s.at[slot], bar)
+        # the same G again: Mosaic GPU's layout inference wants one layout per buffer (rows, columns)
+        plgpu.copy_gmem_to_smem(g_r.at[b, h, rows], gc_s.at[slot], bar)
       for i in range(SEG_ROWS if has_seg else 0):
         plgpu.copy_gmem_to_smem(m_r.at[b, i, rows], m_s.at[slot, i], bar)
 
     def chunk(n, slot, s_t):
       # The chunk's tensors, in shared memory: P, q e^G and k e^(G_C - G).
       G_rows = plgpu.load(g_s.at[slot], layout=ROWS)
-      G_cols = plgpu.load(gc_s.at[slot], layout=COLS)
       G_last = g_s[slot, C - 1]
       rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
-      sq = (C, C)
-      causal = (plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
-                >= plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA))
+      sq, qk = (C, C), (C, K)
       q_scale, k_scale, s_decay = jnp.exp(G_rows), jnp.exp(G_last - G_rows), jnp.exp(G_last)
       if has_seg:  # pairs of one run only; the carried state reaches its own run
         same, carry, to_last, carry_last = _segment_masks(m_s, slot, C)
-        causal = causal & same
         q_scale, k_scale, s_decay = q_scale * carry, k_scale * to_last, s_decay * carry_last
-      expo = jnp.where(causal, rows(G_rows, sq) - lax.broadcast_in_dim(G_cols, sq, [1]), -jnp.inf)
-      p_s[...] = (matmul(q_s.at[slot], k_s.at[slot].T, sq) * jnp.exp(expo)).astype(dtype)
-      qk = (C, K)
-      qg_s[...] = (plgpu.load(q_s.at[slot], layout=WGMMA).astype(F32) * rows(q_scale, qk)).astype(dtype)
+      if with_o:
+        G_cols = plgpu.load(gc_s.at[slot], layout=COLS)
+        causal = (plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
+                  >= plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA))
+        if has_seg:
+          causal = causal & same
+        expo = jnp.where(causal, rows(G_rows, sq) - lax.broadcast_in_dim(G_cols, sq, [1]), -jnp.inf)
+        p_s[...] = (matmul(q_s.at[slot], k_s.at[slot].T, sq) * jnp.exp(expo)).astype(dtype)
+        qg_s[...] = (plgpu.load(q_s.at[slot], layout=WGMMA).astype(F32) * rows(q_scale, qk)).astype(dtype)
       kd_s[...] = (plgpu.load(k_s.at[slot], layout=WGMMA).astype(F32) * rows(k_scale, qk)).astype(dtype)
       # The walk (walk.forward, additive): o^T = S^T Qg^T + v^T P^T, S^T <- e^(G_C) S^T + v^T Kd.
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)
@@ -150,28 +155,111 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=No
       s_lo[...] = s_t.astype(dtype)
       plgpu.commit_smem()
       v_t = v_s.at[slot].T
-      o_t = matmul(s_lo, qg_s.T, (bv, C))
-      o_t = matmul(v_t, p_s.T, (bv, C), init=o_t)
-      o_s.at[slot].T[...] = o_t.astype(out_dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_s.at[slot], o_r.at[b, h, pl.ds(n * C, C), vs])
+      if with_o:
+        o_t = matmul(s_lo, qg_s.T, (bv, C))
+        o_t = matmul(v_t, p_s.T, (bv, C), init=o_t)
+        o_s.at[slot].T[...] = o_t.astype(out_dtype)
+        plgpu.commit_smem()
+      if with_o or with_states:
+        if with_o:
+          plgpu.copy_smem_to_gmem(o_s.at[slot], o_r.at[b, h, pl.ds(n * C, C), vs], commit_group=False)
+        if with_states:
+          plgpu.copy_smem_to_gmem(s_lo, states_r.at[b, h, n, vs], commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
       return matmul(v_t, kd_s, (bv, K), init=s_t * s_decay)
 
     init = lambda: _initial(h0_r.at[b, h, vs] if has_h0 else None, state_s, state_bar, bv, K)
     _store_last(_walk_chunks(NC, issue, in_bar, init, chunk), state_s, final_r.at[b, h, vs])
 
-  args = ([q, k, v, G] + ([segment_vectors(segment_ids, C, T_pad)] if has_seg else [])
+  args = (([q] if with_o else []) + [k, v, G]
+          + ([segment_vectors(segment_ids, C, T_pad)] if has_seg else [])
           + ([jnp.swapaxes(h0.astype(F32), -1, -2)] if has_h0 else []))
-  out_type = (jax.ShapeDtypeStruct((B, Hv, T_pad, V), out_dtype), jax.ShapeDtypeStruct((B, Hv, V, K), F32))
-  o, final = plgpu.kernel(
+  out_type = ([jax.ShapeDtypeStruct((B, Hv, T_pad, V), out_dtype)] if with_o else []) + (
+      [jax.ShapeDtypeStruct((B, Hv, NC, V, K), dtype)] if with_states else []) + [
+      jax.ShapeDtypeStruct((B, Hv, V, K), F32)]
+  outs = plgpu.kernel(
+      body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, Hv, V // bv),
+      grid_names=("b", "h", "v"), compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret,
+      kernel_name="chunk_walk_fused_fwd" if with_o else "chunk_walk_fused_states")(*args)
+  outs = list(_vary_like(outs, args))
+  o = outs.pop(0).reshape(B, Hv, NC, C, V) if with_o else None
+  states = outs.pop(0) if with_states else None
+  return o, states, jnp.swapaxes(outs.pop(0), -1, -2)
+
+
+def backward_states(q, g, do, dfinal, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
+                    block_v: int = BLOCK_V):
+  """The reverse walk of the additive family from the raw q and gates (`walk.backward_states` without
+  the prepared `qg`): `(dstates [B, H_v, NC, V, K] in dtype, dh0 [B, H_v, K, V] float32)`, `dstates[n]`
+  the (transposed) gradient of the state leaving chunk n:  dS^T <- e^(G_C) dS^T + do^T (q e^G).
+
+  q: `[B, T, H, K]`; g: None or `[B, T, H_v]`; do: `[B, H_v, NC, C, V]`; dfinal: None or `[B, H_v, K, V]`.
+  """
+  B, T, H, K = q.shape
+  Hv, NC, C, V = do.shape[1:]
+  T_pad = NC * C
+  bv = min(block_v, V)
+  group = Hv // H
+  has_df = dfinal is not None
+  has_seg = segment_ids is not None
+  q = jnp.pad(q.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
+  G = local_cumsum(g, B, T_pad, Hv, C)
+  scratch = dict(
+      q_s=smem((2, C, K), dtype), do_s=smem((2, C, bv), dtype), g_s=plgpu.SMEM((2, C), F32),
+      qg_s=smem((C, K), dtype), h_s=smem((2, bv, K), dtype), state_s=plgpu.SMEM((bv, K), F32),
+      in_bar=plgpu.Barrier(num_arrivals=3 + SEG_ROWS * has_seg, num_barriers=2), state_bar=plgpu.Barrier())
+  if has_seg:
+    scratch["m_s"] = plgpu.SMEM((2, SEG_ROWS, C), F32)
+
+  def body(*refs, q_s, do_s, g_s, qg_s, h_s, state_s, in_bar, state_bar, m_s=None):
+    refs = list(refs)
+    take = lambda present=True: refs.pop(0) if present else None
+    q_r, do_r, g_r, m_r, df_r, ds_r, dh0_r = (take(), take(), take(), take(has_seg), take(has_df), take(),
+                                              take())
+    b, h, vs = _program(bv)
+    hk = lax.div(h, group)
+
+    def issue(n, slot):
+      rows, bar = pl.ds(n * C, C), in_bar.at[slot]
+      plgpu.copy_gmem_to_smem(q_r.at[b, rows, hk], q_s.at[slot], bar)
+      plgpu.copy_gmem_to_smem(do_r.at[b, h, rows, vs], do_s.at[slot], bar)
+      plgpu.copy_gmem_to_smem(g_r.at[b, h, rows], g_s.at[slot], bar)
+      for i in range(SEG_ROWS if has_seg else 0):
+        plgpu.copy_gmem_to_smem(m_r.at[b, i, rows], m_s.at[slot, i], bar)
+
+    def chunk(n, slot, ds_t):
+      G_rows = plgpu.load(g_s.at[slot], layout=ROWS)
+      q_scale, s_decay = jnp.exp(G_rows), jnp.exp(g_s[slot, C - 1])
+      if has_seg:
+        _, carry, _, carry_last = _segment_masks(m_s, slot, C)
+        q_scale, s_decay = q_scale * carry, s_decay * carry_last
+      qg_s[...] = (plgpu.load(q_s.at[slot], layout=WGMMA).astype(F32)
+                   * lax.broadcast_in_dim(q_scale, (C, K), [0])).astype(dtype)
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      ds_lo = h_s.at[slot]
+      ds_lo[...] = ds_t.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(ds_lo, ds_r.at[b, h, n, vs])
+      return matmul(do_s.at[slot].T, qg_s, (bv, K), init=ds_t * s_decay)
+
+    init = lambda: _initial(df_r.at[b, h, vs] if has_df else None, state_s, state_bar, bv, K)
+    _store_last(_walk_chunks(NC, issue, in_bar, init, chunk, reverse=True), state_s, dh0_r.at[b, h, vs])
+
+  args = ([q, do.reshape(B, Hv, T_pad, V).astype(dtype), G]
+          + ([segment_vectors(segment_ids, C, T_pad)] if has_seg else [])
+          + ([jnp.swapaxes(dfinal.astype(F32), -1, -2)] if has_df else []))
+  out_type = (jax.ShapeDtypeStruct((B, Hv, NC, V, K), dtype), jax.ShapeDtypeStruct((B, Hv, V, K), F32))
+  dstates, dh0 = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, V // bv), grid_names=("b", "h", "v"),
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
-      kernel_name="chunk_walk_fused_fwd")(*args)
-  o, final = _vary_like((o, final), args)
-  return o.reshape(B, Hv, NC, C, V), jnp.swapaxes(final, -1, -2)
+      kernel_name="chunk_walk_fused_bwd")(*args)
+  dstates, dh0 = _vary_like((dstates, dh0), args)
+  return dstates, jnp.swapaxes(dh0, -1, -2)
 
 
-def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, interpret=None):
+def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, interpret=None,
+                    grad_dtypes=(F32, F32, F32)):
   """The additive family's per-chunk gradients, every chunk in parallel (one program per chunk of one
   value head), from the (transposed) state entering each chunk and the gradient of the state leaving it.
 
@@ -188,8 +276,10 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
 
   Args: q, k `[B, T_pad, H, K]`, v `[B, T_pad, H_v, V]` (operand dtype); G `[B, H_v, T_pad]` float32;
     states, dstates `[B, H_v, NC, V, K]` (operand dtype); do `[B, H_v, T_pad, V]` (operand dtype).
-  Returns: dq, dk `[B, T_pad, H_v, K]` (per value head), dv `[B, T_pad, H_v, V]`, float32; dG, kdv
-    `[B, H_v, T_pad]` float32.
+    grad_dtypes: the dtypes of dq, dk, dv as written (float32 where the caller still sums over grouped
+    heads; else the inputs' dtypes, which saves a float32 round trip through device memory).
+  Returns: dq, dk `[B, T_pad, H_v, K]` (per value head), dv `[B, T_pad, H_v, V]` in `grad_dtypes`; dG,
+    kdv `[B, H_v, T_pad]` float32.
   """
   B, T_pad, H, K = q.shape
   Hv, V = v.shape[2:]
@@ -201,7 +291,8 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
       st_s=smem((V, K), dtype), dst_s=smem((V, K), dtype),
       g_s=plgpu.SMEM((C,), F32), gc_s=plgpu.SMEM((C,), F32),
       p_s=smem((C, C), dtype), dpd_s=smem((C, C), dtype),
-      kd_s=smem((C, K), dtype), out_s=plgpu.SMEM((C, max(K, V)), F32),
+      kd_s=smem((C, K), dtype),
+      out_s=[plgpu.SMEM((C, n), jnp.dtype(t)) for t, n in zip(grad_dtypes, (K, K, V))],
       vec_s=plgpu.SMEM((2, C), F32), bar=plgpu.Barrier(num_arrivals=8 + SEG_ROWS * has_seg))
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
@@ -247,24 +338,23 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
     kd_s[...] = (plgpu.load(k_s, layout=WGMMA).astype(F32) * rows(k_decay, ck)).astype(dtype)
     plgpu.commit_smem()
 
-    def emit(x, dst):
-      """Stages the float32 tile `x` and copies it to `dst`."""
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      out_s.at[:, pl.ds(0, x.shape[1])][...] = x
+    def emit(x, i, dst):
+      """Stages the float32 tile `x` in the `i`-th gradient's dtype and copies it to `dst`."""
+      out_s[i][...] = x.astype(out_s[i].dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(out_s.at[:, pl.ds(0, x.shape[1])], dst)
+      plgpu.copy_smem_to_gmem(out_s[i], dst)
 
     # dq = e^G (do S^T) + (dP D) k; the first dG term needs (do S^T) too
     do_st = matmul(do_s, st_s, ck)
     gamma = rows(q_scale, ck)
     dG = jnp.sum(plgpu.load(q_s, layout=WGMMA).astype(F32) * gamma * do_st, axis=1)
-    emit(gamma * do_st + matmul(dpd_s, k_s, ck), dq_r.at[b, rows_t, h])
+    emit(gamma * do_st + matmul(dpd_s, k_s, ck), 0, dq_r.at[b, rows_t, h])
     # dk = (dP D)^T q + e^(G_C - G) (v dS^T)
     v_dst = matmul(v_s, dst_s, ck)
     kdv = jnp.sum(plgpu.load(kd_s, layout=WGMMA).astype(F32) * v_dst, axis=1)
-    emit(matmul(dpd_s.T, q_s, ck) + rows(k_decay, ck) * v_dst, dk_r.at[b, rows_t, h])
+    emit(matmul(dpd_s.T, q_s, ck) + rows(k_decay, ck) * v_dst, 1, dk_r.at[b, rows_t, h])
     # dv = P^T do + kd dS
-    emit(matmul(p_s.T, do_s, (C, V)) + matmul(kd_s, dst_s.T, (C, V)), dv_r.at[b, rows_t, h])
+    emit(matmul(p_s.T, do_s, (C, V)) + matmul(kd_s, dst_s.T, (C, V)), 2, dv_r.at[b, rows_t, h])
     # dG = ... + rowsum(dP P) - colsum(dP P) - kd . (v dS^T)
     dG = dG + jnp.sum(A, axis=1) - jnp.sum(A_t, axis=1) - kdv
     vec_s.at[0][...] = dG
@@ -276,8 +366,9 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
 
   args = [q.astype(dtype), k.astype(dtype), v.astype(dtype), G, states.astype(dtype),
           dstates.astype(dtype), do.astype(dtype)] + ([masks] if has_seg else [])
-  out_type = (jax.ShapeDtypeStruct((B, T_pad, Hv, K), F32), jax.ShapeDtypeStruct((B, T_pad, Hv, K), F32),
-              jax.ShapeDtypeStruct((B, T_pad, Hv, V), F32), jax.ShapeDtypeStruct((B, Hv, T_pad), F32),
+  dq_t, dk_t, dv_t = grad_dtypes
+  out_type = (jax.ShapeDtypeStruct((B, T_pad, Hv, K), dq_t), jax.ShapeDtypeStruct((B, T_pad, Hv, K), dk_t),
+              jax.ShapeDtypeStruct((B, T_pad, Hv, V), dv_t), jax.ShapeDtypeStruct((B, Hv, T_pad), F32),
               jax.ShapeDtypeStruct((B, Hv, T_pad), F32))
   outs = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
@@ -290,10 +381,11 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
   """`(dq, dk, dv, dg, dh0)` of `forward` (in q, k, v, g's dtypes; dh0 float32), for the cotangents
   `do: [B, H_v, NC, C, V]` (of the unscaled o) and `dfinal: None | [B, H_v, K, V]`.
 
-  Three kernels: the forward walk storing the state entering every chunk, the reverse walk storing the
-  gradient of the state leaving every chunk (walk.py), then every chunk's gradients in parallel
-  (`backward_chunks`). XLA forms only `q e^G` and `k e^(G_C - G)` for the walks (elementwise) and adds
-  up the per-value-head dq, dk of grouped heads.
+  Three kernels, none of which reads a prepared tensor: the forward walk storing the state entering
+  every chunk (`forward(..., with_o=False, with_states=True)`), the reverse walk storing the gradient of
+  the state leaving every chunk (`backward_states`), then every chunk's gradients in parallel
+  (`backward_chunks`). XLA adds the last-token terms of dG, the per-chunk reverse cumsum and, for grouped
+  heads, the per-value-head dq, dk.
   """
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
@@ -304,25 +396,20 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
   pad = lambda x: jnp.pad(x.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
   qp, kp, vp = pad(q), pad(k), pad(v)
   G = local_cumsum(g, B, T_pad, Hv, C)
-  Gc = G.reshape(B, Hv, NC, C)
-  G_last = Gc[..., -1:]
-  q_scale, k_scale, s_decay = jnp.exp(Gc), jnp.exp(G_last - Gc), jnp.exp(G_last)
+  s_decay = jnp.exp(G.reshape(B, Hv, NC, C)[..., -1])
   masks = None
   if segment_ids is not None:
     masks = segment_vectors(segment_ids, C, T_pad)
-    carry, to_last = (masks[:, None, i].reshape(B, 1, NC, C) for i in (2, 3))
-    q_scale, k_scale, s_decay = q_scale * carry, k_scale * to_last, s_decay * carry[..., -1:]
-  heads = lambda x: prep.to_chunks(jnp.repeat(x, group, axis=2) if group > 1 else x, C, T_pad)
-  t = prep.ChunkTensors(
-      qg=(heads(qp).astype(F32) * q_scale[..., None]).astype(dtype),
-      kd=(heads(kp).astype(F32) * k_scale[..., None]).astype(dtype),
-      w=None, u=prep.to_chunks(vp, C, T_pad), p=None,
-      decay=jnp.broadcast_to(s_decay, (B, Hv, NC, K)))
-  _, states, _ = walk.forward(t, h0, with_o=False, with_states=True, out_dtype=dtype, interpret=interpret)
-  dstates, dh0 = walk.backward_states(t, do, dfinal, interpret=interpret)
+    s_decay = s_decay * masks[:, None, 2].reshape(B, 1, NC, C)[..., -1]   # carry of the last token
+  _, states, _ = forward(q, k, v, g, h0, chunk_size=C, dtype=dtype, out_dtype=dtype, segment_ids=segment_ids,
+                         interpret=interpret, with_o=False, with_states=True)
+  dstates, dh0 = backward_states(q, g, do, dfinal, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
+                                 interpret=interpret)
+  summed = lambda x: F32 if group > 1 else x.dtype   # grouped heads' dq, dk are added up in float32
   dq, dk, dv, dG, kdv = backward_chunks(qp, kp, vp, G, states, dstates, do.reshape(B, Hv, T_pad, V),
-                                        dtype=dtype, masks=masks, interpret=interpret)
-  last = (jnp.sum(kdv.reshape(B, Hv, NC, C), axis=-1) + s_decay[..., 0]
+                                        dtype=dtype, masks=masks, interpret=interpret,
+                                        grad_dtypes=(summed(q), summed(k), v.dtype))
+  last = (jnp.sum(kdv.reshape(B, Hv, NC, C), axis=-1) + s_decay
           * jnp.einsum("bhnvk,bhnvk->bhn", states, dstates, preferred_element_type=F32))
   dG = dG.reshape(B, Hv, NC, C).at[..., -1].add(last)
   dg = jnp.flip(jnp.cumsum(jnp.flip(dG, -1), -1), -1).reshape(B, Hv, T_pad)   # G = cumsum(g) per chunk

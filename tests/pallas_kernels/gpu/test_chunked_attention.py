@@ -188,13 +188,15 @@ def test_fused_forward_equals_the_prepared_path(variant):
   assert rel_rms(o, ro) < 1e-6 and rel_rms(final, rfinal) < 1e-6
 
 
-@pytest.mark.parametrize("variant,gates,h0", [("linear_attention", "normal", True),
-                                              ("simple_gla", "normal", True),
-                                              ("simple_gla", "strong", False)])
-def test_fused_path_matches_the_float64_loop(variant, gates, h0):
+@pytest.mark.parametrize("variant,gates,h0,H", [("linear_attention", "normal", True, 1),
+                                                ("simple_gla", "normal", True, 1),
+                                                ("simple_gla", "strong", False, 1),
+                                                ("simple_gla", "normal", True, 2)])
+def test_fused_path_matches_the_float64_loop(variant, gates, h0, H):
   # Forward and backward without the XLA preparation: o, final state and every gradient (dq, dk of
-  # grouped heads summed over their value heads, dg through the per-chunk cumulative sum, dh0).
-  inp = make_inputs(variant, B=1, T=150, H=1, Hv=2, K=64, V=64, gates=gates, seed=15)
+  # grouped heads summed over their value heads, dg through the per-chunk cumulative sum, dh0). With
+  # H = H_v the kernel writes dq, dk, dv in the inputs' dtype itself.
+  inp = make_inputs(variant, B=1, T=150, H=H, Hv=2, K=64, V=64, gates=gates, seed=15)
   if not h0:
     inp["h0"] = None
   check(variant, inp, fused=True)
