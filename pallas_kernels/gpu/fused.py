@@ -19,6 +19,8 @@ their q/k head), v from `[B, T, H_v, V]`. The backward (`backward`) runs the sta
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -74,8 +76,56 @@ def local_cumsum(g, B: int, T_pad: int, Hv: int, C: int):
   return jnp.cumsum(jnp.swapaxes(g, 1, 2).reshape(B, Hv, T_pad // C, C), axis=-1).reshape(B, Hv, T_pad)
 
 
+SM_COUNT = 132   # an H200's multiprocessors: walks with fewer programs split the sequence (`pieces`)
+
+
+def pieces(programs: int, NC: int, pieces_: int | None = None) -> int:
+  """How many pieces each sequence's walk is split into: the given number, or (None) the largest power
+  of two that keeps `programs * pieces` within one wave of the GPU and at least 16 chunks per piece.
+  A walk is sequential over its chunks, so at (1, 32768, 16, 128) the 32 programs of an unsplit walk
+  would leave three quarters of the multiprocessors idle."""
+  if pieces_ is not None:
+    if pieces_ < 1:
+      raise ValueError(f"sequence_pieces must be >= 1; got {pieces_}")
+    return pieces_
+  S = 1
+  while programs * S * 2 <= SM_COUNT and NC >= 2 * S * 16:
+    S *= 2
+  return S
+
+
+def _piece_decay(G, masks, NC: int, S: int):
+  """`[B, H_v, S]` float32: the factor by which the state entering each piece is scaled on its way to
+  the piece's end (`e^(G_C)` per chunk, 0 where a packed row ends inside the piece)."""
+  B, Hv = G.shape[:2]
+  C = G.shape[2] // NC
+  G_last = G.reshape(B, Hv, S, NC // S, C)[..., -1]
+  decay = jnp.exp(jnp.sum(G_last, axis=-1))
+  if masks is not None:
+    carry_last = masks[:, 2].reshape(B, 1, S, NC // S, C)[..., -1]
+    decay = decay * jnp.prod(carry_last, axis=-1)
+  return decay
+
+
+def _combine(first, summaries, decay, *, reverse: bool = False):
+  """The state entering every piece, `[B, H_v, S, V, K]`, from the state entering the first (`first`:
+  None or `[B, H_v, V, K]`; for `reverse`, the gradient leaving the last), each piece's own
+  contribution from a zero start (`summaries`) and its decay (`_piece_decay`):
+  `in[s + 1] = decay[s] * in[s] + summaries[s]` (in reverse: `out[s - 1] = decay[s] * out[s] +
+  summaries[s]`). The pieces are few (<= 8): a loop in XLA over `[B, H_v, V, K]` states."""
+  S = summaries.shape[2]
+  order = range(S - 1, -1, -1) if reverse else range(S)
+  carry = jnp.zeros_like(summaries[:, :, 0]) if first is None else first.astype(F32)
+  out = [None] * S
+  for i in order:
+    out[i] = carry
+    carry = decay[:, :, i, None, None] * carry + summaries[:, :, i]
+  return jnp.stack(out, axis=2)
+
+
 def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=None, interpret=None,
-            block_v: int = BLOCK_V, with_o: bool = True, with_states: bool = False):
+            block_v: int = BLOCK_V, with_o: bool = True, with_states: bool = False,
+            sequence_pieces: int | None = None):
   """`(o [B, H_v, NC, C, V] unscaled in out_dtype or None, states [B, H_v, NC, V, K] in dtype or None,
   final [B, H_v, K, V] float32)`.
 
@@ -83,19 +133,46 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=No
   segment_ids: None or `[B, T]`. Matmul operands in `dtype` (bfloat16 or float16), accumulation and
   state in float32. with_o: compute o (else q is not read and no P is formed); with_states: store the
   (transposed) state entering every chunk, as `walk.forward` does, for the backward.
+  sequence_pieces: split each sequence's walk into this many pieces (None: `pieces`' choice; NC is
+  padded to a multiple). With more than one, a first walk of every piece from a zero state gives its
+  end state, `_combine` the state entering each piece, and the main walk runs all pieces in parallel.
   """
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
   C = chunk_size
-  NC = -(-T // C)
-  T_pad = NC * C
   bv = min(block_v, V)
-  group = Hv // H
-  has_h0 = h0 is not None
+  S = pieces(B * Hv * (V // bv), -(-T // C), sequence_pieces)
+  NC = -(-T // (C * S)) * S
+  T_pad = NC * C
   pad = lambda x: jnp.pad(x.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
   q, k, v = pad(q), pad(k), pad(v)
   G = local_cumsum(g, B, T_pad, Hv, C)
-  has_seg = segment_ids is not None
+  masks = None if segment_ids is None else segment_vectors(segment_ids, C, T_pad)
+  h0 = None if h0 is None else jnp.swapaxes(h0.astype(F32), -1, -2)   # [B, H_v, V, K]
+  walk_ = functools.partial(_forward_walk, q, k, v, G, masks, chunk_size=C, dtype=dtype,
+                            out_dtype=out_dtype, interpret=interpret, bv=bv, S=S)
+  if S > 1:
+    _, _, ends = walk_(None, with_o=False, with_states=False)
+    h0 = _combine(h0, ends, _piece_decay(G, masks, NC, S))
+  elif h0 is not None:
+    h0 = h0[:, :, None]
+  o, states, finals = walk_(h0, with_o=with_o, with_states=with_states)
+  return o, states, jnp.swapaxes(finals[:, :, -1], -1, -2)
+
+
+def _forward_walk(q, k, v, G, masks, h0, *, chunk_size, dtype, out_dtype, interpret, bv, S, with_o,
+                  with_states):
+  """The forward kernel over `S` pieces of every sequence in parallel; `h0`: None or the transposed
+  state entering each piece `[B, H_v, S, V, K]`. Returns `(o | None, states | None, the transposed
+  state leaving each piece [B, H_v, S, V, K])`."""
+  B, T_pad, H, K = q.shape
+  Hv, V = v.shape[2:]
+  C = chunk_size
+  NC = T_pad // C
+  NCs = NC // S
+  group = Hv // H
+  has_h0 = h0 is not None
+  has_seg = masks is not None
 
   scratch = dict(
       k_s=smem((2, C, K), dtype), v_s=smem((2, C, bv), dtype), g_s=plgpu.SMEM((2, C), F32),
@@ -115,10 +192,11 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=No
     q_r, k_r, v_r, g_r, m_r, h0_r = take(with_o), take(), take(), take(), take(has_seg), take(has_h0)
     o_r, states_r, final_r = take(with_o), take(with_states), take()
     b, h, vs = _program(bv)
+    piece = lax.axis_index("s")
     hk = lax.div(h, group)
 
     def issue(n, slot):
-      rows, bar = pl.ds(n * C, C), in_bar.at[slot]
+      rows, bar = pl.ds((piece * NCs + n) * C, C), in_bar.at[slot]
       plgpu.copy_gmem_to_smem(k_r.at[b, rows, hk], k_s.at[slot], bar)
       plgpu.copy_gmem_to_smem(v_r.at[b, rows, h, vs], v_s.at[slot], bar)
       plgpu.copy_gmem_to_smem(g_r.at[b, h, rows], g_s.at[slot], bar)
@@ -130,6 +208,7 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=No
         plgpu.copy_gmem_to_smem(m_r.at[b, i, rows], m_s.at[slot, i], bar)
 
     def chunk(n, slot, s_t):
+      n = piece * NCs + n
       # The chunk's tensors, in shared memory: P, q e^G and k e^(G_C - G).
       G_rows = plgpu.load(g_s.at[slot], layout=ROWS)
       G_last = g_s[slot, C - 1]
@@ -168,43 +247,70 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=No
         plgpu.commit_smem_to_gmem_group()
       return matmul(v_t, kd_s, (bv, K), init=s_t * s_decay)
 
-    init = lambda: _initial(h0_r.at[b, h, vs] if has_h0 else None, state_s, state_bar, bv, K)
-    _store_last(_walk_chunks(NC, issue, in_bar, init, chunk), state_s, final_r.at[b, h, vs])
+    init = lambda: _initial(h0_r.at[b, h, piece, vs] if has_h0 else None, state_s, state_bar, bv, K)
+    _store_last(_walk_chunks(NCs, issue, in_bar, init, chunk), state_s, final_r.at[b, h, piece, vs])
 
-  args = (([q] if with_o else []) + [k, v, G]
-          + ([segment_vectors(segment_ids, C, T_pad)] if has_seg else [])
-          + ([jnp.swapaxes(h0.astype(F32), -1, -2)] if has_h0 else []))
+  args = (([q] if with_o else []) + [k, v, G] + ([masks] if has_seg else [])
+          + ([h0] if has_h0 else []))
   out_type = ([jax.ShapeDtypeStruct((B, Hv, T_pad, V), out_dtype)] if with_o else []) + (
       [jax.ShapeDtypeStruct((B, Hv, NC, V, K), dtype)] if with_states else []) + [
-      jax.ShapeDtypeStruct((B, Hv, V, K), F32)]
+      jax.ShapeDtypeStruct((B, Hv, S, V, K), F32)]
+  name = "chunk_walk_fused_fwd" if with_o else ("chunk_walk_fused_states" if with_states
+                                                else "chunk_walk_fused_ends")
   outs = plgpu.kernel(
-      body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, Hv, V // bv),
-      grid_names=("b", "h", "v"), compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=interpret,
-      kernel_name="chunk_walk_fused_fwd" if with_o else "chunk_walk_fused_states")(*args)
+      body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, Hv, V // bv, S),
+      grid_names=("b", "h", "v", "s"), compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret, kernel_name=name)(*args)
   outs = list(_vary_like(outs, args))
   o = outs.pop(0).reshape(B, Hv, NC, C, V) if with_o else None
   states = outs.pop(0) if with_states else None
-  return o, states, jnp.swapaxes(outs.pop(0), -1, -2)
+  return o, states, outs.pop(0)
 
 
 def backward_states(q, g, do, dfinal, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
-                    block_v: int = BLOCK_V):
+                    block_v: int = BLOCK_V, sequence_pieces: int | None = None):
   """The reverse walk of the additive family from the raw q and gates (`walk.backward_states` without
   the prepared `qg`): `(dstates [B, H_v, NC, V, K] in dtype, dh0 [B, H_v, K, V] float32)`, `dstates[n]`
   the (transposed) gradient of the state leaving chunk n:  dS^T <- e^(G_C) dS^T + do^T (q e^G).
 
-  q: `[B, T, H, K]`; g: None or `[B, T, H_v]`; do: `[B, H_v, NC, C, V]`; dfinal: None or `[B, H_v, K, V]`.
+  q: `[B, T, H, K]`; g: None or `[B, T, H_v]`; do: `[B, H_v, NC, C, V]` (NC as `forward` padded it);
+  dfinal: None or `[B, H_v, K, V]`. sequence_pieces: as in `forward` (a first reverse walk of every
+  piece from zero gives the gradient at its start, `_combine` the gradient leaving each piece).
   """
   B, T, H, K = q.shape
   Hv, NC, C, V = do.shape[1:]
   T_pad = NC * C
   bv = min(block_v, V)
-  group = Hv // H
-  has_df = dfinal is not None
-  has_seg = segment_ids is not None
+  S = pieces(B * Hv * (V // bv), -(-T // C), sequence_pieces)
+  if NC % S:
+    raise ValueError(f"do has {NC} chunks, not a multiple of the {S} sequence pieces")
   q = jnp.pad(q.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
   G = local_cumsum(g, B, T_pad, Hv, C)
+  masks = None if segment_ids is None else segment_vectors(segment_ids, C, T_pad)
+  do = do.reshape(B, Hv, T_pad, V).astype(dtype)
+  dfinal = None if dfinal is None else jnp.swapaxes(dfinal.astype(F32), -1, -2)
+  walk_ = functools.partial(_reverse_walk, q, do, G, masks, chunk_size=C, dtype=dtype, interpret=interpret,
+                            bv=bv, S=S)
+  if S > 1:
+    _, starts = walk_(None, with_dstates=False)
+    dfinal = _combine(dfinal, starts, _piece_decay(G, masks, NC, S), reverse=True)
+  elif dfinal is not None:
+    dfinal = dfinal[:, :, None]
+  dstates, starts = walk_(dfinal, with_dstates=True)
+  return dstates, jnp.swapaxes(starts[:, :, 0], -1, -2)
+
+
+def _reverse_walk(q, do, G, masks, dfinal, *, chunk_size, dtype, interpret, bv, S, with_dstates):
+  """The reverse kernel over `S` pieces in parallel; `dfinal`: None or the transposed gradient leaving
+  each piece `[B, H_v, S, V, K]`. Returns `(dstates | None, the gradient at each piece's start)`."""
+  B, T_pad, H, K = q.shape
+  Hv, V = do.shape[1], do.shape[-1]
+  C = chunk_size
+  NC = T_pad // C
+  NCs = NC // S
+  group = Hv // H
+  has_df = dfinal is not None
+  has_seg = masks is not None
   scratch = dict(
       q_s=smem((2, C, K), dtype), do_s=smem((2, C, bv), dtype), g_s=plgpu.SMEM((2, C), F32),
       qg_s=smem((C, K), dtype), h_s=smem((2, bv, K), dtype), state_s=plgpu.SMEM((bv, K), F32),
@@ -215,13 +321,14 @@ def backward_states(q, g, do, dfinal, *, chunk_size: int, dtype, segment_ids=Non
   def body(*refs, q_s, do_s, g_s, qg_s, h_s, state_s, in_bar, state_bar, m_s=None):
     refs = list(refs)
     take = lambda present=True: refs.pop(0) if present else None
-    q_r, do_r, g_r, m_r, df_r, ds_r, dh0_r = (take(), take(), take(), take(has_seg), take(has_df), take(),
-                                              take())
+    q_r, do_r, g_r, m_r, df_r = take(), take(), take(), take(has_seg), take(has_df)
+    ds_r, dh0_r = take(with_dstates), take()
     b, h, vs = _program(bv)
+    piece = lax.axis_index("s")
     hk = lax.div(h, group)
 
     def issue(n, slot):
-      rows, bar = pl.ds(n * C, C), in_bar.at[slot]
+      rows, bar = pl.ds((piece * NCs + n) * C, C), in_bar.at[slot]
       plgpu.copy_gmem_to_smem(q_r.at[b, rows, hk], q_s.at[slot], bar)
       plgpu.copy_gmem_to_smem(do_r.at[b, h, rows, vs], do_s.at[slot], bar)
       plgpu.copy_gmem_to_smem(g_r.at[b, h, rows], g_s.at[slot], bar)
@@ -236,26 +343,30 @@ def backward_states(q, g, do, dfinal, *, chunk_size: int, dtype, segment_ids=Non
         q_scale, s_decay = q_scale * carry, s_decay * carry_last
       qg_s[...] = (plgpu.load(q_s.at[slot], layout=WGMMA).astype(F32)
                    * lax.broadcast_in_dim(q_scale, (C, K), [0])).astype(dtype)
-      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-      ds_lo = h_s.at[slot]
-      ds_lo[...] = ds_t.astype(dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(ds_lo, ds_r.at[b, h, n, vs])
+      if with_dstates:
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        ds_lo = h_s.at[slot]
+        ds_lo[...] = ds_t.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(ds_lo, ds_r.at[b, h, piece * NCs + n, vs])
       return matmul(do_s.at[slot].T, qg_s, (bv, K), init=ds_t * s_decay)
 
-    init = lambda: _initial(df_r.at[b, h, vs] if has_df else None, state_s, state_bar, bv, K)
-    _store_last(_walk_chunks(NC, issue, in_bar, init, chunk, reverse=True), state_s, dh0_r.at[b, h, vs])
+    init = lambda: _initial(df_r.at[b, h, piece, vs] if has_df else None, state_s, state_bar, bv, K)
+    _store_last(_walk_chunks(NCs, issue, in_bar, init, chunk, reverse=True), state_s,
+                dh0_r.at[b, h, piece, vs])
 
-  args = ([q, do.reshape(B, Hv, T_pad, V).astype(dtype), G]
-          + ([segment_vectors(segment_ids, C, T_pad)] if has_seg else [])
-          + ([jnp.swapaxes(dfinal.astype(F32), -1, -2)] if has_df else []))
-  out_type = (jax.ShapeDtypeStruct((B, Hv, NC, V, K), dtype), jax.ShapeDtypeStruct((B, Hv, V, K), F32))
-  dstates, dh0 = plgpu.kernel(
-      body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, V // bv), grid_names=("b", "h", "v"),
-      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
-      kernel_name="chunk_walk_fused_bwd")(*args)
-  dstates, dh0 = _vary_like((dstates, dh0), args)
-  return dstates, jnp.swapaxes(dh0, -1, -2)
+  args = [q, do, G] + ([masks] if has_seg else []) + ([dfinal] if has_df else [])
+  out_type = (([jax.ShapeDtypeStruct((B, Hv, NC, V, K), dtype)] if with_dstates else [])
+              + [jax.ShapeDtypeStruct((B, Hv, S, V, K), F32)])
+  outs = plgpu.kernel(
+      body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, Hv, V // bv, S),
+      grid_names=("b", "h", "v", "s"), compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret, kernel_name="chunk_walk_fused_bwd" if with_dstates
+      else "chunk_walk_fused_bwd_starts")(*args)
+  outs = list(_vary_like(outs, args))
+  dstates = outs.pop(0) if with_dstates else None
+  return dstates, outs.pop(0)
 
 
 def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, interpret=None,
@@ -377,7 +488,8 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
   return _vary_like(outs, args)
 
 
-def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None, interpret=None):
+def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
+             sequence_pieces: int | None = None):
   """`(dq, dk, dv, dg, dh0)` of `forward` (in q, k, v, g's dtypes; dh0 float32), for the cotangents
   `do: [B, H_v, NC, C, V]` (of the unscaled o) and `dfinal: None | [B, H_v, K, V]`.
 
@@ -390,7 +502,7 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
   C = chunk_size
-  NC = -(-T // C)
+  NC = do.shape[2]   # as `forward` padded it (to whole sequence pieces)
   T_pad = NC * C
   group = Hv // H
   pad = lambda x: jnp.pad(x.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
@@ -402,9 +514,10 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
     masks = segment_vectors(segment_ids, C, T_pad)
     s_decay = s_decay * masks[:, None, 2].reshape(B, 1, NC, C)[..., -1]   # carry of the last token
   _, states, _ = forward(q, k, v, g, h0, chunk_size=C, dtype=dtype, out_dtype=dtype, segment_ids=segment_ids,
-                         interpret=interpret, with_o=False, with_states=True)
+                         interpret=interpret, with_o=False, with_states=True,
+                         sequence_pieces=sequence_pieces)
   dstates, dh0 = backward_states(q, g, do, dfinal, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
-                                 interpret=interpret)
+                                 interpret=interpret, sequence_pieces=sequence_pieces)
   summed = lambda x: F32 if group > 1 else x.dtype   # grouped heads' dq, dk are added up in float32
   dq, dk, dv, dG, kdv = backward_chunks(qp, kp, vp, G, states, dstates, do.reshape(B, Hv, T_pad, V),
                                         dtype=dtype, masks=masks, interpret=interpret,

@@ -225,3 +225,33 @@ def test_fused_path_with_segment_ids():
   (o, final), (ro, rfinal) = run(True), run(False)
   assert rel_rms(o, ro) < 1e-6 and rel_rms(final, rfinal) < 1e-6
   check("simple_gla", inp, seg=seg, fused=True)
+
+
+@pytest.mark.parametrize("pieces,packed", [(2, False), (3, True), (4, True)])
+def test_fused_path_split_into_sequence_pieces(pieces, packed):
+  # Each sequence's walks split into pieces that run in parallel, joined by the pieces' end states:
+  # 2 pieces pad 3 chunks to 4, 3 pieces take one chunk each, 4 pieces of 5 chunks. Packed rows put
+  # boundaries inside a piece and on the piece boundary t = 64 * 2 (the carried state must not cross).
+  T = 150 if pieces < 4 else 300
+  inp = make_inputs("simple_gla", B=1, T=T, H=1, Hv=2, K=64, V=64, seed=17)
+  seg = None
+  if packed:
+    seg = np.zeros((1, T), np.int32)
+    seg[0, 40:128], seg[0, 128:] = 1, 2
+  check("simple_gla", inp, seg=seg, fused=True, pieces=pieces)
+  q, k, v = (jnp.asarray(inp[n], jnp.bfloat16) for n in ("q", "k", "v"))
+  run = lambda p: gpu.chunked_attention(q, k, v, jnp.asarray(inp["g"]), initial_state=jnp.asarray(inp["h0"]),
+                                        segment_ids=None if seg is None else jnp.asarray(seg),
+                                        sequence_pieces=p, interpret=PARAMS)
+  (o, final), (ro, rfinal) = run(pieces), run(1)
+  assert rel_rms(o, ro) < 2e-3 and rel_rms(final, rfinal) < 1e-5
+
+
+def test_sequence_pieces_fill_one_wave_of_programs():
+  from pallas_kernels.gpu import fused
+  assert fused.pieces(programs=32, NC=512) == 4       # (1, 32768, 16, 128): 32 programs -> 128
+  assert fused.pieces(programs=128, NC=128) == 1      # (4, 8192, 16, 128): already one wave
+  assert fused.pieces(programs=2, NC=20) == 1         # too few chunks to split
+  assert fused.pieces(programs=2, NC=3, pieces_=3) == 3
+  with pytest.raises(ValueError, match="sequence_pieces"):
+    fused.pieces(programs=2, NC=3, pieces_=0)

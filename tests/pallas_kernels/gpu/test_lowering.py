@@ -48,16 +48,16 @@ def test_exports_for_hopper(kind, D):
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-@pytest.mark.parametrize("D,group", [(64, 2), (128, 1)])   # group 1: dq, dk, dv written in bf16
+@pytest.mark.parametrize("D,group,pieces", [(64, 2, 1), (128, 1, 2)])   # group 1: dq, dk, dv in bf16
 @pytest.mark.parametrize("kind", ["linear_attention", "simple_gla"])
-def test_fused_path_exports_for_hopper(kind, D, group, packed):
+def test_fused_path_exports_for_hopper(kind, D, group, pieces, packed):
   Hv = group * H
   g = _spec(B, T, Hv, dtype=jnp.float32) if kind == "simple_gla" else None
   args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, Hv, D), g,
           _spec(B, Hv, D, D, dtype=jnp.float32))
   seg = jnp.zeros((B, T), jnp.int32).at[:, T // 3:].set(1) if packed else None
   fn = lambda q, k, v, g, h0: gpu.chunked_attention(q, k, v, g, initial_state=h0, segment_ids=seg,
-                                                    fused=True)
+                                                    fused=True, sequence_pieces=pieces)
 
   def loss(*xs):
     o, final = fn(*xs)
@@ -67,11 +67,12 @@ def test_fused_path_exports_for_hopper(kind, D, group, packed):
   with jax.sharding.use_abstract_mesh(H200):
     fwd = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
     bwd = jax.export.export(jax.jit(jax.grad(loss, argnums=argnums)), platforms=["cuda"])(*args)
-  assert fwd.count("custom_call @mosaic_gpu") == 1
+  # pieces > 1: a walk of every piece for its end state first (forward and reverse)
+  assert fwd.count("custom_call @mosaic_gpu") == 1 + (pieces > 1)
   assert "chunk_walk_fused_fwd" in fwd and "chunk_walk_fwd" not in fwd
   # gradient: the fused forward, the states walk, the reverse walk, the per-chunk gradients
   bwd = bwd.mlir_module()
-  assert bwd.count("custom_call @mosaic_gpu") == 4
+  assert bwd.count("custom_call @mosaic_gpu") == 4 + 3 * (pieces > 1)
   for name in ("chunk_walk_fused_fwd", "chunk_walk_fused_states", "chunk_walk_fused_bwd",
                "chunk_grads_fused"):
     assert name in bwd, name
