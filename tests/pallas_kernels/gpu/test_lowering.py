@@ -31,8 +31,9 @@ def test_exports_for_hopper(kind, D):
   args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D), g,
           _spec(B, T, H, dtype=jnp.float32) if delta else None, _spec(B, H, D, D, dtype=jnp.float32),
           _spec(B, T, dtype=jnp.int32))
+  # the prepared path (XLA preparation + walks), which every kind can take (fused=False)
   fn = lambda q, k, v, g, beta, h0, seg: gpu.chunked_attention(q, k, v, g, beta, initial_state=h0,
-                                                               segment_ids=seg)
+                                                               segment_ids=seg, fused=False)
 
   def loss(*xs):
     o, final = fn(*xs)
