@@ -55,7 +55,7 @@ def _time(fn, args, iters: int, label: str = "") -> float:
 
 
 def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 0, jla_ops=None,
-              only=None) -> dict:
+              only=None, sequence_pieces=None) -> dict:
   """`{stage: median ms}` for one variant at `shape = (B, T, H, D)`."""
   B, T, H, D = shape
   rng = np.random.default_rng(seed)
@@ -75,6 +75,7 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
   cot = jax.tree.map(lambda a: jnp.full(a.shape, 1e-2, jnp.float32), prepare(*args))
   do_o = jnp.asarray(rng.standard_normal(x["v"].shape), jnp.float32)
   forward = lambda use_fused: lambda *a: gpu.chunked_attention(*a, fused=use_fused,
+                                                               sequence_pieces=sequence_pieces,
                                                                interpret=interpret)[0]
   op = lambda use_fused: jax.jit(forward(use_fused))
   argnums = tuple(i for i, a in enumerate(args) if a is not None)
@@ -137,6 +138,8 @@ def _define_flags():
   flags.DEFINE_bool("jla", False, "Also time jax-linear-attention's Mosaic GPU kernels (when installed).")
   flags.DEFINE_list("stages", [], "Only these stages (names as printed; 'fused check' for the fused "
                     "path's agreement with the prepared one); empty: all.")
+  flags.DEFINE_integer("sequence_pieces", None, "The fused path's sequence pieces (default: its own "
+                       "choice, `pallas_kernels.gpu.fused.pieces`).")
   flags.DEFINE_string("workdir", "runs/kernel_breakdown", "Where kernel_breakdown.json is written.")
 
 
@@ -157,7 +160,7 @@ def main(argv):
     jla_ops, status = benchmark.import_jla()
     print(f"jla: {status}")
   rows = {v: breakdown(v, shape, dtype=dtype, iters=f.iters, interpret=interpret, jla_ops=jla_ops,
-                      only=set(f.stages))
+                      only=set(f.stages), sequence_pieces=f.sequence_pieces)
           for v in f.variants}
   stages = STAGES + (("jla fwd", "jla fwd+bwd") if jla_ops is not None else ())
   if f.stages:

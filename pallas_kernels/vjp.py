@@ -33,11 +33,13 @@ class Walk(NamedTuple):
     `final: [B, H, K, V]` float32.
   backward(tensors, states, do, dfinal, *, options) -> (float32 ChunkTensors of cotangents, dh0).
   chunks_per_group(NC, options) -> int: T is padded to whole groups of this many chunks.
-  fused_forward(q, k, v, g, beta, h0, segment_ids, *, options, chunk_size, compute_dtype, out_dtype)
-    -> (o, final) like `chunked`, computed from the raw inputs with no prepared tensors in device
-    memory; or None where the backend has no such kernel for this call (the prepared path runs).
-  fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal, *, options, chunk_size, compute_dtype)
-    -> (dq, dk, dv, dg, dh0) without the preparation's vjp; or None (the prepared path runs).
+  fused_forward(q, k, v, g, beta, h0, segment_ids, *, options, chunk_size, compute_dtype, out_dtype,
+    scale) -> (o, final) like `chunked` (o `[B, T, H_v, V]`, scaled), computed from the raw inputs with
+    no prepared tensors in device memory; or None where the backend has no such kernel for this call
+    (the prepared path runs).
+  fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal, *, options, chunk_size, compute_dtype,
+    scale) -> (dq, dk, dv, dg, dh0) for `do: [B, T, H_v, V]` (of the scaled o) without the
+    preparation's vjp; or None (the prepared path runs).
   """
 
   forward: Callable[..., Any]
@@ -54,6 +56,7 @@ class Static:
   walk: the backend. options: the backend's own settings (block sizes, interpreter), passed through.
   chunk_size: C. compute_dtype: the matmul dtype of the per-chunk tensors. out_dtype: o's dtype.
   inverse_dtype: `prep.prepare`'s operand dtype of the matmuls of `(I + L)^-1` (None: compute_dtype).
+  scale: the read-out scale applied to o (`chunked_op` sets it).
   """
 
   walk: Walk
@@ -62,6 +65,7 @@ class Static:
   compute_dtype: Any
   out_dtype: Any
   inverse_dtype: Any = None
+  scale: float = 1.0
 
 
 def _prepare(static: Static, q, k, v, g, beta, segment_ids):
@@ -76,22 +80,28 @@ def _cast(t: prep.ChunkTensors, dtype) -> prep.ChunkTensors:
   return t._replace(qg=cast(t.qg), kd=cast(t.kd), w=cast(t.w), u=cast(t.u), p=cast(t.p))
 
 
+def _padded_length(static: Static, T: int) -> int:
+  NC = -(-T // static.chunk_size)
+  return prep.padded_length(T, static.chunk_size, static.walk.chunks_per_group(NC, static.options))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def chunked(static: Static, q, k, v, g, beta, h0, segment_ids):
-  """The op on chunks: `(o [B, H_v, NC, C, V] unscaled in static.out_dtype, final [B, H_v, K, V])`.
+  """The op: `(o [B, T, H_v, V] in static.out_dtype, scaled by static.scale, final [B, H_v, K, V])`.
 
   Shapes as in `prep.prepare`; `h0` None or `[B, H_v, K, V]` float32; `segment_ids` None or `[B, T]`.
   """
   if static.walk.fused_forward is not None:
     out = static.walk.fused_forward(q, k, v, g, beta, h0, segment_ids, options=static.options,
                                     chunk_size=static.chunk_size, compute_dtype=static.compute_dtype,
-                                    out_dtype=static.out_dtype)
+                                    out_dtype=static.out_dtype, scale=static.scale)
     if out is not None:
       return out
   t = _cast(_prepare(static, q, k, v, g, beta, segment_ids), static.compute_dtype)
   o, _, final = static.walk.forward(t, h0, options=static.options, with_o=True, with_states=False,
                                     out_dtype=static.out_dtype)
-  return o, final
+  o = prep.from_chunks(o, q.shape[1])
+  return (o.astype(jnp.float32) * static.scale).astype(static.out_dtype), final
 
 
 def _chunked_fwd(static, q, k, v, g, beta, h0, segment_ids):
@@ -104,7 +114,7 @@ def _chunked_bwd(static, residuals, cotangents):
   if static.walk.fused_backward is not None:
     out = static.walk.fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal,
                                      options=static.options, chunk_size=static.chunk_size,
-                                     compute_dtype=static.compute_dtype)
+                                     compute_dtype=static.compute_dtype, scale=static.scale)
     if out is not None:
       dq, dk, dv, dg, dh0 = out
       dq, dk, dv = (_sum_over_extra_axes(d, x) for d, x in ((dq, q), (dk, k), (dv, v)))
@@ -114,6 +124,10 @@ def _chunked_bwd(static, residuals, cotangents):
   t = _cast(t32, static.compute_dtype)
   _, states, _ = static.walk.forward(t, h0, options=static.options, with_o=False, with_states=True,
                                      out_dtype=static.out_dtype)
+  # the cotangent of the unscaled o in chunk layout, rounded to o's dtype as autodiff of the forward's
+  # last line would round it
+  do = (do.astype(jnp.float32) * static.scale).astype(static.out_dtype)
+  do = prep.to_chunks(do, static.chunk_size, _padded_length(static, q.shape[1]))
   grads, dh0 = static.walk.backward(t, states, do, dfinal, options=static.options)
   dq, dk, dv, dg, dbeta = prep_vjp(jax.tree.map(_sum_over_extra_axes, grads, t32))
   return dq, dk, dv, dg, dbeta, (None if h0 is None else dh0.astype(h0.dtype)), None
@@ -130,11 +144,9 @@ chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 def chunked_op(static: Static, q, k, v, g, beta, *, scale: float, initial_state, segment_ids):
-  """`chunked` in the library's layout: `(o [B, T, H_v, V] out_dtype, final [B, H_v, K, V] float32)`."""
+  """`chunked` with the read-out scale: `(o [B, T, H_v, V] out_dtype, final [B, H_v, K, V] float32)`."""
   h0 = None if initial_state is None else jnp.asarray(initial_state, jnp.float32)
-  o, final = chunked(static, q, k, v, g, beta, h0, segment_ids)
-  o = prep.from_chunks(o, q.shape[1])
-  return (o.astype(jnp.float32) * scale).astype(static.out_dtype), final
+  return chunked(dataclasses.replace(static, scale=float(scale)), q, k, v, g, beta, h0, segment_ids)
 
 
 def explicitly_sharded(*arrays) -> bool:

@@ -5,7 +5,7 @@ from the raw tiles, so the kernel reads q, k, v and the chunk-local cumulative l
 never writes `qg`, `kd` or `P` to device memory (prep.py's tensors, formed in shared memory instead):
 
     P    = (q k^T) * e^(G_i - G_j)   on j <= i, else 0      (exponent masked before the exponential)
-    o    = (q * e^G) S + P v                              (unscaled)
+    o    = scale ((q * e^G) S + P v)
     S   <- e^(G_C) S + (k * e^(G_C - G))^T v
 
 Every exponent is <= 0 (G is non-increasing). Packed rows (`segment_ids`) enter as per-token masks
@@ -94,6 +94,14 @@ def pieces(programs: int, NC: int, pieces_: int | None = None) -> int:
   return S
 
 
+def padded_chunks(B: int, T: int, Hv: int, V: int, chunk_size: int, sequence_pieces=None,
+                  block_v: int = BLOCK_V) -> tuple[int, int]:
+  """`(NC, S)`: the chunks a sequence is padded to (whole pieces) and the number of pieces."""
+  NC = -(-T // chunk_size)
+  S = pieces(B * Hv * (V // min(block_v, V)), NC, sequence_pieces)
+  return -(-NC // S) * S, S
+
+
 def _piece_decay(G, masks, NC: int, S: int):
   """`[B, H_v, S]` float32: the factor by which the state entering each piece is scaled on its way to
   the piece's end (`e^(G_C)` per chunk, 0 where a packed row ends inside the piece)."""
@@ -125,9 +133,9 @@ def _combine(first, summaries, decay, *, reverse: bool = False):
 
 def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=None, interpret=None,
             block_v: int = BLOCK_V, with_o: bool = True, with_states: bool = False,
-            sequence_pieces: int | None = None):
-  """`(o [B, H_v, NC, C, V] unscaled in out_dtype or None, states [B, H_v, NC, V, K] in dtype or None,
-  final [B, H_v, K, V] float32)`.
+            sequence_pieces: int | None = None, scale: float = 1.0):
+  """`(o [B, T_pad, H_v, V] in out_dtype, times `scale`, or None; states [B, H_v, NC, V, K] in dtype or
+  None; final [B, H_v, K, V] float32)`, T_pad = NC * C (the caller drops the padded rows of o).
 
   q, k: `[B, T, H, K]`; v: `[B, T, H_v, V]`; g: None or `[B, T, H_v]`; h0: None or `[B, H_v, K, V]`;
   segment_ids: None or `[B, T]`. Matmul operands in `dtype` (bfloat16 or float16), accumulation and
@@ -141,8 +149,7 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=No
   Hv, V = v.shape[2:]
   C = chunk_size
   bv = min(block_v, V)
-  S = pieces(B * Hv * (V // bv), -(-T // C), sequence_pieces)
-  NC = -(-T // (C * S)) * S
+  NC, S = padded_chunks(B, T, Hv, V, C, sequence_pieces, block_v)
   T_pad = NC * C
   pad = lambda x: jnp.pad(x.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
   q, k, v = pad(q), pad(k), pad(v)
@@ -150,7 +157,7 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=No
   masks = None if segment_ids is None else segment_vectors(segment_ids, C, T_pad)
   h0 = None if h0 is None else jnp.swapaxes(h0.astype(F32), -1, -2)   # [B, H_v, V, K]
   walk_ = functools.partial(_forward_walk, q, k, v, G, masks, chunk_size=C, dtype=dtype,
-                            out_dtype=out_dtype, interpret=interpret, bv=bv, S=S)
+                            out_dtype=out_dtype, interpret=interpret, bv=bv, S=S, scale=scale)
   if S > 1:
     _, _, ends = walk_(None, with_o=False, with_states=False)
     h0 = _combine(h0, ends, _piece_decay(G, masks, NC, S))
@@ -160,8 +167,8 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=No
   return o, states, jnp.swapaxes(finals[:, :, -1], -1, -2)
 
 
-def _forward_walk(q, k, v, G, masks, h0, *, chunk_size, dtype, out_dtype, interpret, bv, S, with_o,
-                  with_states):
+def _forward_walk(q, k, v, G, masks, h0, *, chunk_size, dtype, out_dtype, interpret, bv, S, scale,
+                  with_o, with_states):
   """The forward kernel over `S` pieces of every sequence in parallel; `h0`: None or the transposed
   state entering each piece `[B, H_v, S, V, K]`. Returns `(o | None, states | None, the transposed
   state leaving each piece [B, H_v, S, V, K])`."""
@@ -237,11 +244,11 @@ def _forward_walk(q, k, v, G, masks, h0, *, chunk_size, dtype, out_dtype, interp
       if with_o:
         o_t = matmul(s_lo, qg_s.T, (bv, C))
         o_t = matmul(v_t, p_s.T, (bv, C), init=o_t)
-        o_s.at[slot].T[...] = o_t.astype(out_dtype)
+        o_s.at[slot].T[...] = (o_t * scale).astype(out_dtype)
         plgpu.commit_smem()
       if with_o or with_states:
         if with_o:
-          plgpu.copy_smem_to_gmem(o_s.at[slot], o_r.at[b, h, pl.ds(n * C, C), vs], commit_group=False)
+          plgpu.copy_smem_to_gmem(o_s.at[slot], o_r.at[b, pl.ds(n * C, C), h, vs], commit_group=False)
         if with_states:
           plgpu.copy_smem_to_gmem(s_lo, states_r.at[b, h, n, vs], commit_group=False)
         plgpu.commit_smem_to_gmem_group()
@@ -252,7 +259,7 @@ def _forward_walk(q, k, v, G, masks, h0, *, chunk_size, dtype, out_dtype, interp
 
   args = (([q] if with_o else []) + [k, v, G] + ([masks] if has_seg else [])
           + ([h0] if has_h0 else []))
-  out_type = ([jax.ShapeDtypeStruct((B, Hv, T_pad, V), out_dtype)] if with_o else []) + (
+  out_type = ([jax.ShapeDtypeStruct((B, T_pad, Hv, V), out_dtype)] if with_o else []) + (
       [jax.ShapeDtypeStruct((B, Hv, NC, V, K), dtype)] if with_states else []) + [
       jax.ShapeDtypeStruct((B, Hv, S, V, K), F32)]
   name = "chunk_walk_fused_fwd" if with_o else ("chunk_walk_fused_states" if with_states
@@ -262,24 +269,25 @@ def _forward_walk(q, k, v, G, masks, h0, *, chunk_size, dtype, out_dtype, interp
       grid_names=("b", "h", "v", "s"), compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret, kernel_name=name)(*args)
   outs = list(_vary_like(outs, args))
-  o = outs.pop(0).reshape(B, Hv, NC, C, V) if with_o else None
+  o = outs.pop(0) if with_o else None
   states = outs.pop(0) if with_states else None
   return o, states, outs.pop(0)
 
 
 def backward_states(q, g, do, dfinal, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
-                    block_v: int = BLOCK_V, sequence_pieces: int | None = None):
+                    block_v: int = BLOCK_V, sequence_pieces: int | None = None, scale: float = 1.0):
   """The reverse walk of the additive family from the raw q and gates (`walk.backward_states` without
   the prepared `qg`): `(dstates [B, H_v, NC, V, K] in dtype, dh0 [B, H_v, K, V] float32)`, `dstates[n]`
-  the (transposed) gradient of the state leaving chunk n:  dS^T <- e^(G_C) dS^T + do^T (q e^G).
+  the (transposed) gradient of the state leaving chunk n:  dS^T <- e^(G_C) dS^T + scale do^T (q e^G).
 
-  q: `[B, T, H, K]`; g: None or `[B, T, H_v]`; do: `[B, H_v, NC, C, V]` (NC as `forward` padded it);
+  q: `[B, T, H, K]`; g: None or `[B, T, H_v]`; do: `[B, T_pad, H_v, V]` (T_pad as `forward` padded it);
   dfinal: None or `[B, H_v, K, V]`. sequence_pieces: as in `forward` (a first reverse walk of every
   piece from zero gives the gradient at its start, `_combine` the gradient leaving each piece).
   """
   B, T, H, K = q.shape
-  Hv, NC, C, V = do.shape[1:]
-  T_pad = NC * C
+  T_pad, Hv, V = do.shape[1:]
+  C = chunk_size
+  NC = T_pad // C
   bv = min(block_v, V)
   S = pieces(B * Hv * (V // bv), -(-T // C), sequence_pieces)
   if NC % S:
@@ -287,10 +295,10 @@ def backward_states(q, g, do, dfinal, *, chunk_size: int, dtype, segment_ids=Non
   q = jnp.pad(q.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
   G = local_cumsum(g, B, T_pad, Hv, C)
   masks = None if segment_ids is None else segment_vectors(segment_ids, C, T_pad)
-  do = do.reshape(B, Hv, T_pad, V).astype(dtype)
+  do = do.astype(dtype)
   dfinal = None if dfinal is None else jnp.swapaxes(dfinal.astype(F32), -1, -2)
   walk_ = functools.partial(_reverse_walk, q, do, G, masks, chunk_size=C, dtype=dtype, interpret=interpret,
-                            bv=bv, S=S)
+                            bv=bv, S=S, scale=scale)
   if S > 1:
     _, starts = walk_(None, with_dstates=False)
     dfinal = _combine(dfinal, starts, _piece_decay(G, masks, NC, S), reverse=True)
@@ -300,11 +308,11 @@ def backward_states(q, g, do, dfinal, *, chunk_size: int, dtype, segment_ids=Non
   return dstates, jnp.swapaxes(starts[:, :, 0], -1, -2)
 
 
-def _reverse_walk(q, do, G, masks, dfinal, *, chunk_size, dtype, interpret, bv, S, with_dstates):
+def _reverse_walk(q, do, G, masks, dfinal, *, chunk_size, dtype, interpret, bv, S, scale, with_dstates):
   """The reverse kernel over `S` pieces in parallel; `dfinal`: None or the transposed gradient leaving
   each piece `[B, H_v, S, V, K]`. Returns `(dstates | None, the gradient at each piece's start)`."""
   B, T_pad, H, K = q.shape
-  Hv, V = do.shape[1], do.shape[-1]
+  Hv, V = do.shape[2:]
   C = chunk_size
   NC = T_pad // C
   NCs = NC // S
@@ -330,14 +338,14 @@ def _reverse_walk(q, do, G, masks, dfinal, *, chunk_size, dtype, interpret, bv, 
     def issue(n, slot):
       rows, bar = pl.ds((piece * NCs + n) * C, C), in_bar.at[slot]
       plgpu.copy_gmem_to_smem(q_r.at[b, rows, hk], q_s.at[slot], bar)
-      plgpu.copy_gmem_to_smem(do_r.at[b, h, rows, vs], do_s.at[slot], bar)
+      plgpu.copy_gmem_to_smem(do_r.at[b, rows, h, vs], do_s.at[slot], bar)
       plgpu.copy_gmem_to_smem(g_r.at[b, h, rows], g_s.at[slot], bar)
       for i in range(SEG_ROWS if has_seg else 0):
         plgpu.copy_gmem_to_smem(m_r.at[b, i, rows], m_s.at[slot, i], bar)
 
     def chunk(n, slot, ds_t):
       G_rows = plgpu.load(g_s.at[slot], layout=ROWS)
-      q_scale, s_decay = jnp.exp(G_rows), jnp.exp(g_s[slot, C - 1])
+      q_scale, s_decay = jnp.exp(G_rows) * scale, jnp.exp(g_s[slot, C - 1])
       if has_seg:
         _, carry, _, carry_last = _segment_masks(m_s, slot, C)
         q_scale, s_decay = q_scale * carry, s_decay * carry_last
@@ -370,11 +378,12 @@ def _reverse_walk(q, do, G, masks, dfinal, *, chunk_size, dtype, interpret, bv, 
 
 
 def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, interpret=None,
-                    grad_dtypes=(F32, F32, F32)):
+                    grad_dtypes=(F32, F32, F32), scale: float = 1.0):
   """The additive family's per-chunk gradients, every chunk in parallel (one program per chunk of one
   value head), from the (transposed) state entering each chunk and the gradient of the state leaving it.
 
-  With `D_ij = e^(G_i - G_j)` (j <= i), `P = (q k^T) * D`, `dP = do v^T`, `kd = k e^(G_C - G)`:
+  With `D_ij = e^(G_i - G_j)` (j <= i), `P = (q k^T) * D`, `kd = k e^(G_C - G)` and `do` the gradient of
+  the unscaled o (`scale` times the given one), `dP = do v^T`:
 
       dq = e^G * (do S^T) + (dP * D) k          dv = P^T do + kd dS
       dk = (dP * D)^T q + e^(G_C - G) * (v dS^T)
@@ -386,7 +395,7 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
   state and `kd` only where its write reaches the chunk's end.
 
   Args: q, k `[B, T_pad, H, K]`, v `[B, T_pad, H_v, V]` (operand dtype); G `[B, H_v, T_pad]` float32;
-    states, dstates `[B, H_v, NC, V, K]` (operand dtype); do `[B, H_v, T_pad, V]` (operand dtype).
+    states, dstates `[B, H_v, NC, V, K]` (operand dtype); do `[B, T_pad, H_v, V]` (operand dtype).
     grad_dtypes: the dtypes of dq, dk, dv as written (float32 where the caller still sums over grouped
     heads; else the inputs' dtypes, which saves a float32 round trip through device memory).
   Returns: dq, dk `[B, T_pad, H_v, K]` (per value head), dv `[B, T_pad, H_v, V]` in `grad_dtypes`; dG,
@@ -403,7 +412,8 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
       g_s=plgpu.SMEM((C,), F32), gc_s=plgpu.SMEM((C,), F32),
       p_s=smem((C, C), dtype), dpd_s=smem((C, C), dtype),
       kd_s=smem((C, K), dtype),
-      out_s=[plgpu.SMEM((C, n), jnp.dtype(t)) for t, n in zip(grad_dtypes, (K, K, V))],
+      # one staging tile per dtype of the gradients, reused (shared memory is tight at K = V = 128)
+      out_s={jnp.dtype(t).name: plgpu.SMEM((C, max(K, V)), jnp.dtype(t)) for t in set(grad_dtypes)},
       vec_s=plgpu.SMEM((2, C), F32), bar=plgpu.Barrier(num_arrivals=8 + SEG_ROWS * has_seg))
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
@@ -417,7 +427,7 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
     hk = lax.div(h, group)
     rows_t = pl.ds(n * C, C)
     copies = [(q_r.at[b, rows_t, hk], q_s), (k_r.at[b, rows_t, hk], k_s), (v_r.at[b, rows_t, h], v_s),
-              (do_r.at[b, h, rows_t], do_s), (st_r.at[b, h, n], st_s), (dst_r.at[b, h, n], dst_s),
+              (do_r.at[b, rows_t, h], do_s), (st_r.at[b, h, n], st_s), (dst_r.at[b, h, n], dst_s),
               (g_r.at[b, h, rows_t], g_s), (g_r.at[b, h, rows_t], gc_s)]
     copies += [(m_r.at[b, i, rows_t], m_s.at[i]) for i in range(SEG_ROWS if has_seg else 0)]
     for src, dst in copies:
@@ -440,10 +450,11 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
       q_scale, k_decay = q_scale * carry, k_decay * to_last
     D = jnp.exp(jnp.where(lower, diff, -jnp.inf))
     P = matmul(q_s, k_s.T, sq) * D
-    dP = matmul(do_s, v_s.T, sq)
+    dP = matmul(do_s, v_s.T, sq) * scale
     A = dP * P
     # (dP P)^T from its own matmuls: the column sums of dP P are the row sums of its transpose
-    A_t = matmul(v_s, do_s.T, sq) * matmul(k_s, q_s.T, sq) * jnp.exp(jnp.where(upper, -diff, -jnp.inf))
+    A_t = (matmul(v_s, do_s.T, sq) * scale) * matmul(k_s, q_s.T, sq) * jnp.exp(
+        jnp.where(upper, -diff, -jnp.inf))
     p_s[...] = P.astype(dtype)
     dpd_s[...] = (dP * D).astype(dtype)
     kd_s[...] = (plgpu.load(k_s, layout=WGMMA).astype(F32) * rows(k_decay, ck)).astype(dtype)
@@ -451,12 +462,14 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
 
     def emit(x, i, dst):
       """Stages the float32 tile `x` in the `i`-th gradient's dtype and copies it to `dst`."""
-      out_s[i][...] = x.astype(out_s[i].dtype)
+      tile = out_s[jnp.dtype(grad_dtypes[i]).name].at[:, pl.ds(0, x.shape[1])]
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      tile[...] = x.astype(tile.dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(out_s[i], dst)
+      plgpu.copy_smem_to_gmem(tile, dst)
 
     # dq = e^G (do S^T) + (dP D) k; the first dG term needs (do S^T) too
-    do_st = matmul(do_s, st_s, ck)
+    do_st = matmul(do_s, st_s, ck) * scale
     gamma = rows(q_scale, ck)
     dG = jnp.sum(plgpu.load(q_s, layout=WGMMA).astype(F32) * gamma * do_st, axis=1)
     emit(gamma * do_st + matmul(dpd_s, k_s, ck), 0, dq_r.at[b, rows_t, h])
@@ -465,7 +478,7 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
     kdv = jnp.sum(plgpu.load(kd_s, layout=WGMMA).astype(F32) * v_dst, axis=1)
     emit(matmul(dpd_s.T, q_s, ck) + rows(k_decay, ck) * v_dst, 1, dk_r.at[b, rows_t, h])
     # dv = P^T do + kd dS
-    emit(matmul(p_s.T, do_s, (C, V)) + matmul(kd_s, dst_s.T, (C, V)), 2, dv_r.at[b, rows_t, h])
+    emit(matmul(p_s.T, do_s, (C, V)) * scale + matmul(kd_s, dst_s.T, (C, V)), 2, dv_r.at[b, rows_t, h])
     # dG = ... + rowsum(dP P) - colsum(dP P) - kd . (v dS^T)
     dG = dG + jnp.sum(A, axis=1) - jnp.sum(A_t, axis=1) - kdv
     vec_s.at[0][...] = dG
@@ -489,9 +502,9 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
 
 
 def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
-             sequence_pieces: int | None = None):
+             sequence_pieces: int | None = None, scale: float = 1.0):
   """`(dq, dk, dv, dg, dh0)` of `forward` (in q, k, v, g's dtypes; dh0 float32), for the cotangents
-  `do: [B, H_v, NC, C, V]` (of the unscaled o) and `dfinal: None | [B, H_v, K, V]`.
+  `do: [B, T, H_v, V]` (of o, which `forward` multiplied by `scale`) and `dfinal: None | [B, H_v, K, V]`.
 
   Three kernels, none of which reads a prepared tensor: the forward walk storing the state entering
   every chunk (`forward(..., with_o=False, with_states=True)`), the reverse walk storing the gradient of
@@ -502,11 +515,11 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
   C = chunk_size
-  NC = do.shape[2]   # as `forward` padded it (to whole sequence pieces)
+  NC, _ = padded_chunks(B, T, Hv, V, C, sequence_pieces)   # as `forward` padded it
   T_pad = NC * C
   group = Hv // H
   pad = lambda x: jnp.pad(x.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
-  qp, kp, vp = pad(q), pad(k), pad(v)
+  qp, kp, vp, do = pad(q), pad(k), pad(v), pad(do)
   G = local_cumsum(g, B, T_pad, Hv, C)
   s_decay = jnp.exp(G.reshape(B, Hv, NC, C)[..., -1])
   masks = None
@@ -517,11 +530,11 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
                          interpret=interpret, with_o=False, with_states=True,
                          sequence_pieces=sequence_pieces)
   dstates, dh0 = backward_states(q, g, do, dfinal, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
-                                 interpret=interpret, sequence_pieces=sequence_pieces)
+                                 interpret=interpret, sequence_pieces=sequence_pieces, scale=scale)
   summed = lambda x: F32 if group > 1 else x.dtype   # grouped heads' dq, dk are added up in float32
-  dq, dk, dv, dG, kdv = backward_chunks(qp, kp, vp, G, states, dstates, do.reshape(B, Hv, T_pad, V),
-                                        dtype=dtype, masks=masks, interpret=interpret,
-                                        grad_dtypes=(summed(q), summed(k), v.dtype))
+  dq, dk, dv, dG, kdv = backward_chunks(qp, kp, vp, G, states, dstates, do, dtype=dtype, masks=masks,
+                                        interpret=interpret, grad_dtypes=(summed(q), summed(k), v.dtype),
+                                        scale=scale)
   last = (jnp.sum(kdv.reshape(B, Hv, NC, C), axis=-1) + s_decay
           * jnp.einsum("bhnvk,bhnvk->bhn", states, dstates, preferred_element_type=F32))
   dG = dG.reshape(B, Hv, NC, C).at[..., -1].add(last)

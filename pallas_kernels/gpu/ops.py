@@ -122,23 +122,24 @@ def _fused_serves(options, g, beta, segment_ids) -> bool:
   return options.fused and fused_kernel.serves(g, beta, segment_ids)
 
 
-def _fused_forward(q, k, v, g, beta, h0, segment_ids, *, options, chunk_size, compute_dtype, out_dtype):
+def _fused_forward(q, k, v, g, beta, h0, segment_ids, *, options, chunk_size, compute_dtype, out_dtype,
+                   scale):
   if not _fused_serves(options, g, beta, segment_ids):
     return None
   o, _, final = fused_kernel.forward(q, k, v, g, h0, chunk_size=chunk_size, dtype=compute_dtype,
                                      out_dtype=out_dtype, segment_ids=segment_ids,
                                      interpret=options.interpret,
-                                     sequence_pieces=options.sequence_pieces)
-  return o, final
+                                     sequence_pieces=options.sequence_pieces, scale=scale)
+  return o[:, :q.shape[1]], final
 
 
 def _fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal, *, options, chunk_size,
-                    compute_dtype):
+                    compute_dtype, scale):
   if not _fused_serves(options, g, beta, segment_ids):
     return None
   return fused_kernel.backward(q, k, v, g, h0, do, dfinal, chunk_size=chunk_size, dtype=compute_dtype,
                                segment_ids=segment_ids, interpret=options.interpret,
-                               sequence_pieces=options.sequence_pieces)
+                               sequence_pieces=options.sequence_pieces, scale=scale)
 
 
 GPU_WALK = vjp.Walk(forward=_forward, backward=_backward, chunks_per_group=lambda NC, options: 1,
