@@ -3,7 +3,8 @@ alone (jitted, median of `--iters` after warm-up) on the benchmark's inputs.
 
 Stages (pallas_kernels/gpu/NOTES.md): the whole op's forward and forward + backward (`jax.grad` of
 `sum(o * do)` w.r.t. q, k, v, g, beta), prepared and fused (`fused=True`: the additive family with no or
-scalar decay; "-" for the others), the XLA preparation forward and its vjp,
+scalar decay without any XLA preparation; the delta family with no or scalar decay with its forward's
+tensors from the preparation kernel; "-" for the others), the XLA preparation forward and its vjp,
 the forward walk with outputs, the forward walk that stores states, the reverse walk, and the reverse
 walk plus the batched cotangent matmuls. With `--jla`, jax-linear-attention's Mosaic GPU kernels are timed
 on the same inputs in the same process (jla l2-normalises q and k of the delta variants itself). Prints a
@@ -32,7 +33,7 @@ from absl import app, flags
 
 from experiments import benchmark, common
 from pallas_kernels import gpu, prep, vjp
-from pallas_kernels.gpu import fused, walk
+from pallas_kernels.gpu import delta_prep, fused, walk
 
 STAGES = ("op fwd", "op fwd fused", "op fwd+bwd", "op fwd+bwd fused", "prep fwd", "walk o", "walk states", "reverse walk",
           "reverse + cotangents", "prep vjp")
@@ -81,7 +82,7 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
   argnums = tuple(i for i, a in enumerate(args) if a is not None)
   op_grad = lambda use_fused: jax.jit(jax.grad(
       lambda *a: jnp.sum(forward(use_fused)(*a).astype(jnp.float32) * do_o), argnums=argnums))
-  serves = fused.serves(args[3], beta, None)
+  serves = fused.serves(args[3], beta, None) or delta_prep.serves(args[3], beta, None)
   stages = {
       "op fwd": (op(False), args),
       "op fwd fused": (op(True), args) if serves else None,

@@ -37,6 +37,9 @@ class Walk(NamedTuple):
     scale) -> (o, final) like `chunked` (o `[B, T, H_v, V]`, scaled), computed from the raw inputs with
     no prepared tensors in device memory; or None where the backend has no such kernel for this call
     (the prepared path runs).
+  kernel_prepare(q, k, v, g, beta, segment_ids, *, options, chunk_size, compute_dtype) -> the forward's
+    `prep.ChunkTensors` in compute_dtype from a kernel instead of XLA (the backward still recomputes
+    them in XLA for their vjp); or None (XLA prepares).
   fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal, *, options, chunk_size, compute_dtype,
     scale) -> (dq, dk, dv, dg, dh0) for `do: [B, T, H_v, V]` (of the scaled o) without the
     preparation's vjp; or None (the prepared path runs).
@@ -47,6 +50,7 @@ class Walk(NamedTuple):
   chunks_per_group: Callable[[int, Any], int]
   fused_forward: Callable[..., Any] | None = None
   fused_backward: Callable[..., Any] | None = None
+  kernel_prepare: Callable[..., Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +101,12 @@ def chunked(static: Static, q, k, v, g, beta, h0, segment_ids):
                                     out_dtype=static.out_dtype, scale=static.scale)
     if out is not None:
       return out
-  t = _cast(_prepare(static, q, k, v, g, beta, segment_ids), static.compute_dtype)
+  t = None
+  if static.walk.kernel_prepare is not None:
+    t = static.walk.kernel_prepare(q, k, v, g, beta, segment_ids, options=static.options,
+                                   chunk_size=static.chunk_size, compute_dtype=static.compute_dtype)
+  if t is None:
+    t = _cast(_prepare(static, q, k, v, g, beta, segment_ids), static.compute_dtype)
   o, _, final = static.walk.forward(t, h0, options=static.options, with_o=True, with_states=False,
                                     out_dtype=static.out_dtype)
   o = prep.from_chunks(o, q.shape[1])

@@ -412,8 +412,10 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
       g_s=plgpu.SMEM((C,), F32), gc_s=plgpu.SMEM((C,), F32),
       p_s=smem((C, C), dtype), dpd_s=smem((C, C), dtype),
       kd_s=smem((C, K), dtype),
-      # one staging tile per dtype of the gradients, reused (shared memory is tight at K = V = 128)
-      out_s={jnp.dtype(t).name: plgpu.SMEM((C, max(K, V)), jnp.dtype(t)) for t in set(grad_dtypes)},
+      # one staging tile per dtype and width of the gradients, reused (shared memory is tight at
+      # K = V = 128; a TMA copy wants a whole, contiguous tile)
+      out_s={f"{jnp.dtype(t).name}_{n}": plgpu.SMEM((C, n), jnp.dtype(t))
+             for t, n in zip(grad_dtypes, (K, K, V))},
       vec_s=plgpu.SMEM((2, C), F32), bar=plgpu.Barrier(num_arrivals=8 + SEG_ROWS * has_seg))
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
@@ -462,7 +464,7 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
 
     def emit(x, i, dst):
       """Stages the float32 tile `x` in the `i`-th gradient's dtype and copies it to `dst`."""
-      tile = out_s[jnp.dtype(grad_dtypes[i]).name].at[:, pl.ds(0, x.shape[1])]
+      tile = out_s[f"{jnp.dtype(grad_dtypes[i]).name}_{x.shape[1]}"]
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       tile[...] = x.astype(tile.dtype)
       plgpu.commit_smem()

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import vjp
+from pallas_kernels.gpu import delta_prep
 from pallas_kernels.gpu import fused as fused_kernel
 from pallas_kernels.gpu import walk
 
@@ -142,8 +143,16 @@ def _fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal, *, options, c
                                sequence_pieces=options.sequence_pieces, scale=scale)
 
 
+def _kernel_prepare(q, k, v, g, beta, segment_ids, *, options, chunk_size, compute_dtype):
+  if not (options.fused and delta_prep.serves(g, beta, segment_ids)):
+    return None
+  return delta_prep.prepare(q, k, v, g, beta, chunk_size=chunk_size, dtype=compute_dtype,
+                            interpret=options.interpret)
+
+
 GPU_WALK = vjp.Walk(forward=_forward, backward=_backward, chunks_per_group=lambda NC, options: 1,
-                    fused_forward=_fused_forward, fused_backward=_fused_backward)
+                    fused_forward=_fused_forward, fused_backward=_fused_backward,
+                    kernel_prepare=_kernel_prepare)
 
 
 def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None, segment_ids=None,

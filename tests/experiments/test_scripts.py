@@ -99,4 +99,5 @@ def test_kernel_breakdown_times_jla_alongside_when_asked(tmp_path):
   assert done.returncode == 0, done.stderr[-2000:]
   with open(tmp_path / "kernel_breakdown.json", encoding="utf-8") as f:
     ms = json.load(f)["ms"]["delta_rule"]
-  assert ms["jla fwd"] > 0 and ms["jla fwd+bwd"] > 0 and ms["op fwd fused"] is None
+  # delta_rule's fused forward takes its tensors from the preparation kernel
+  assert ms["jla fwd"] > 0 and ms["jla fwd+bwd"] > 0 and ms["op fwd fused"] > 0

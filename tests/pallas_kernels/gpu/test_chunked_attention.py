@@ -188,15 +188,16 @@ def test_fused_forward_equals_the_prepared_path(variant):
   assert rel_rms(o, ro) < 1e-6 and rel_rms(final, rfinal) < 1e-6
 
 
-@pytest.mark.parametrize("variant,gates,h0,H", [("linear_attention", "normal", True, 1),
-                                                ("simple_gla", "normal", True, 1),
-                                                ("simple_gla", "strong", False, 1),
-                                                ("simple_gla", "normal", True, 2)])
-def test_fused_path_matches_the_float64_loop(variant, gates, h0, H):
+@pytest.mark.parametrize("variant,gates,h0,H,V", [("linear_attention", "normal", True, 1, 64),
+                                                  ("simple_gla", "normal", True, 1, 64),
+                                                  ("simple_gla", "strong", False, 1, 64),
+                                                  ("simple_gla", "normal", True, 2, 64),
+                                                  ("simple_gla", "normal", True, 2, 128)])
+def test_fused_path_matches_the_float64_loop(variant, gates, h0, H, V):
   # Forward and backward without the XLA preparation: o, final state and every gradient (dq, dk of
   # grouped heads summed over their value heads, dg through the per-chunk cumulative sum, dh0). With
   # H = H_v the kernel writes dq, dk, dv in the inputs' dtype itself.
-  inp = make_inputs(variant, B=1, T=150, H=H, Hv=2, K=64, V=64, gates=gates, seed=15)
+  inp = make_inputs(variant, B=1, T=150, H=H, Hv=2, K=64, V=V, gates=gates, seed=15)
   if not h0:
     inp["h0"] = None
   check(variant, inp, fused=True)
@@ -255,3 +256,39 @@ def test_sequence_pieces_fill_one_wave_of_programs():
   assert fused.pieces(programs=2, NC=3, pieces_=3) == 3
   with pytest.raises(ValueError, match="sequence_pieces"):
     fused.pieces(programs=2, NC=3, pieces_=0)
+
+
+@pytest.mark.parametrize("variant,gates,K,V", [("delta_rule", "normal", 64, 128),
+                                               ("gated_delta_rule", "normal", 128, 64),
+                                               ("gated_delta_rule", "strong", 64, 64)])
+def test_delta_preparation_kernel_equals_xla(variant, gates, K, V):
+  # The delta family's per-chunk tensors from one kernel (block-doubling inverse on whole tiles) against
+  # prep.py with the same float16 operands (its inverse in float32), rounded as the kernel's outputs are
+  # (grouped heads, T = 150). At strong gates k e^G itself loses digits as a float16 operand (w is then
+  # 7e-3 from the float32 preparation, in XLA as in the kernel).
+  from pallas_kernels.gpu import delta_prep
+  inp = make_inputs(variant, B=1, T=150, H=1, Hv=2, K=K, V=V, gates=gates, seed=18)
+  q, k, v = (jnp.asarray(inp[n], jnp.float16) for n in ("q", "k", "v"))
+  g = None if inp.get("g") is None else jnp.asarray(inp["g"])
+  beta = jnp.asarray(inp["beta"])
+  ref = prep.prepare(q, k, v, g, beta, None, chunk_size=64, dtype=jnp.float16, inverse_dtype=jnp.float32)
+  out = delta_prep.prepare(q, k, v, g, beta, chunk_size=64, dtype=jnp.float16, interpret=PARAMS)
+  for name in ("qg", "kd", "w", "u", "p", "decay"):
+    a, r = getattr(out, name), getattr(ref, name).astype(getattr(out, name).dtype)
+    assert a.shape == r.shape, name
+    assert rel_rms(a, r) < 1e-3, (name, rel_rms(a, r))
+
+
+@pytest.mark.parametrize("variant,gates", [("delta_rule", "normal"), ("gated_delta_rule", "strong")])
+def test_delta_family_with_the_preparation_kernel_matches_the_float64_loop(variant, gates):
+  # fused=True: the forward's tensors come from the kernel, the backward recomputes them in XLA.
+  inp = make_inputs(variant, B=1, T=150, H=1, Hv=2, K=64, V=64, gates=gates, seed=19)
+  check(variant, inp, fused=True)
+
+
+def test_delta_preparation_kernel_serves_unpacked_scalar_or_no_decay_only():
+  from pallas_kernels.gpu import delta_prep
+  beta, seg = jnp.zeros((1, 8, 2)), jnp.zeros((1, 8), jnp.int32)
+  assert delta_prep.serves(None, beta, None) and delta_prep.serves(jnp.zeros((1, 8, 2)), beta, None)
+  assert not delta_prep.serves(jnp.zeros((1, 8, 2, 4)), beta, None)
+  assert not delta_prep.serves(None, None, None) and not delta_prep.serves(None, beta, seg)

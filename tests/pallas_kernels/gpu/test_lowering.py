@@ -77,3 +77,16 @@ def test_fused_path_exports_for_hopper(kind, D, group, pieces, packed):
   for name in ("chunk_walk_fused_fwd", "chunk_walk_fused_states", "chunk_walk_fused_bwd",
                "chunk_grads_fused"):
     assert name in bwd, name
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("gated", [False, True], ids=["delta_rule", "gated_delta_rule"])
+def test_delta_preparation_kernel_exports_for_hopper(gated, D):
+  g = _spec(B, T, H, dtype=jnp.float32) if gated else None
+  args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D), g, _spec(B, T, H, dtype=jnp.float32))
+  fn = lambda q, k, v, g, beta: gpu.chunked_attention(q, k, v, g, beta)[0]
+  with jax.sharding.use_abstract_mesh(H200):
+    fwd = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+  # the preparation kernel, then the walk
+  assert fwd.count("custom_call @mosaic_gpu") == 2
+  assert "chunk_prep_delta" in fwd and "chunk_walk_fwd" in fwd

@@ -1,0 +1,136 @@
+"""The delta family's per-chunk tensors in one Mosaic GPU kernel: prep.py's preparation, every chunk in
+parallel, for no or scalar decay without packing.
+
+One program per (batch, value head, chunk) reads q, k, v, the chunk-local cumulative log-decay G and
+beta once and writes the walk's inputs in the operand dtype (`prep.ChunkTensors`; module docstring of
+prep.py for the definitions):
+
+    P     = (q k^T) * e^(G_i - G_j)                          j <= i
+    L     = Diag(beta) (k k^T) * e^(G_i - G_j)               j < i
+    X     = (I + L)^-1                                       by block doubling, below
+    w     = X (beta k e^G),  u = X (beta v),  qg = q e^G,  kd = k e^(G_C - G)
+
+Every exponent is masked before the exponential (<= 0). `X` is built as prep.unit_lower_inverse builds
+it, on whole 64 x 64 tiles so that every step is a tensor-core product: with `X_s` the block-diagonal
+matrix of the inverses of the s x s diagonal blocks and `E_s` the part of L inside the 2s x 2s
+diagonal blocks but outside the s x s ones,
+
+    X_2s = X_s - (X_s E_s) X_s                               s = 1, 2, 4, ..., C / 2
+
+(for one 2s block `[[A, 0], [E, D]]` this is `[[A^-1, 0], [-D^-1 E A^-1, D^-1]]`). X stays float32 in
+registers; the products take it, E_s and X_s E_s rounded to the operand dtype, as prep.py did with a
+16-bit `inverse_dtype`. The backward is unchanged (prep.py's vjp recomputes in XLA).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels import prep
+from pallas_kernels.gpu.fused import ROWS, local_cumsum
+from pallas_kernels.gpu.walk import COLS, F32, WGMMA, _vary_like, matmul, smem
+
+
+def serves(g, beta, segment_ids) -> bool:
+  """True for the calls this kernel prepares: delta family, no or scalar decay, no packing."""
+  return beta is not None and (g is None or g.ndim == 3) and segment_ids is None
+
+
+def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, interpret=None) -> prep.ChunkTensors:
+  """`prep.prepare(q, k, v, g, beta, None, ...)` with every matmul operand in `dtype` (16-bit), the
+  tensors in `dtype` and `decay` float32; shapes as there (`[B, H_v, NC, C, ...]`)."""
+  B, T, H, K = q.shape
+  Hv, V = v.shape[2:]
+  C = chunk_size
+  NC = -(-T // C)
+  T_pad = NC * C
+  group = Hv // H
+  pad = lambda x: jnp.pad(x.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
+  q, k, v = pad(q), pad(k), pad(v)
+  G = local_cumsum(g, B, T_pad, Hv, C)
+  b = jnp.swapaxes(jnp.pad(beta.astype(F32), [(0, 0), (0, T_pad - T), (0, 0)]), 1, 2)   # [B, H_v, T]
+  levels = []
+  s = 1
+  while s < C:
+    levels.append(s)
+    s *= 2
+
+  scratch = dict(
+      q_s=smem((C, K), dtype), k_s=smem((C, K), dtype), v_s=smem((C, V), dtype),
+      g_s=plgpu.SMEM((C,), F32), gc_s=plgpu.SMEM((C,), F32), b_s=plgpu.SMEM((C,), F32),
+      x_s=smem((C, C), dtype), e_s=smem((C, C), dtype), y_s=smem((C, C), dtype), p_s=smem((C, C), dtype),
+      out_s={n: smem((C, n), dtype) for n in {K, V}},   # staging tiles, one per width (TMA: whole tiles)
+      bar=plgpu.Barrier(num_arrivals=6))
+
+  def body(q_r, k_r, v_r, g_r, b_r, qg_r, kd_r, w_r, u_r, p_r, *, q_s, k_s, v_s, g_s, gc_s, b_s, x_s,
+           e_s, y_s, p_s, out_s, bar):
+    bi, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
+    hk = lax.div(h, group)
+    rows_t = pl.ds(n * C, C)
+    for src, dst in ((q_r.at[bi, rows_t, hk], q_s), (k_r.at[bi, rows_t, hk], k_s),
+                     (v_r.at[bi, rows_t, h], v_s), (g_r.at[bi, h, rows_t], g_s),
+                     (g_r.at[bi, h, rows_t], gc_s), (b_r.at[bi, h, rows_t], b_s)):
+      plgpu.copy_gmem_to_smem(src, dst, bar)
+    plgpu.barrier_wait(bar)
+
+    G_rows = plgpu.load(g_s, layout=ROWS)
+    G_cols = plgpu.load(gc_s, layout=COLS)
+    beta_rows = plgpu.load(b_s, layout=ROWS)
+    G_last = g_s[C - 1]
+    rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
+    sq, ck, cv = (C, C), (C, K), (C, V)
+    i = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
+    j = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
+    diff = rows(G_rows, sq) - lax.broadcast_in_dim(G_cols, sq, [1])
+    p_s[...] = (matmul(q_s, k_s.T, sq) * jnp.exp(jnp.where(i >= j, diff, -jnp.inf))).astype(dtype)
+    L = matmul(k_s, k_s.T, sq) * jnp.exp(jnp.where(i > j, diff, -jnp.inf)) * rows(beta_rows, sq)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(p_s, p_r.at[bi, h, rows_t])
+
+    def emit(x, dst):
+      """Stages the float32 tile `x` in the operand dtype and copies it to `dst`."""
+      tile = out_s[x.shape[1]]
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      tile[...] = x.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(tile, dst)
+
+    k_f = plgpu.load(k_s, layout=WGMMA).astype(F32)
+    emit(plgpu.load(q_s, layout=WGMMA).astype(F32) * rows(jnp.exp(G_rows), ck), qg_r.at[bi, h, rows_t])
+    emit(k_f * rows(jnp.exp(G_last - G_rows), ck), kd_r.at[bi, h, rows_t])
+
+    # (I + L)^-1 by block doubling on whole tiles
+    X = jnp.where(i == j, 1.0, 0.0).astype(F32)
+    for s in levels:
+      apart = i ^ j      # same 2s block: apart < 2s; different s blocks: apart >= s
+      inside = (apart < 2 * s) & (apart >= s)
+      e_s[...] = jnp.where(inside, L, 0.0).astype(dtype)
+      x_s[...] = X.astype(dtype)
+      plgpu.commit_smem()
+      y_s[...] = matmul(x_s, e_s, sq).astype(dtype)
+      plgpu.commit_smem()
+      X = X - matmul(y_s, x_s, sq)
+    x_s[...] = X.astype(dtype)
+    # beta k e^G and beta v replace k and v in shared memory (k's other uses are done)
+    k_s[...] = (k_f * rows(beta_rows * jnp.exp(G_rows), ck)).astype(dtype)
+    v_s[...] = (plgpu.load(v_s, layout=WGMMA).astype(F32) * rows(beta_rows, cv)).astype(dtype)
+    plgpu.commit_smem()
+    emit(matmul(x_s, k_s, ck), w_r.at[bi, h, rows_t])
+    emit(matmul(x_s, v_s, cv), u_r.at[bi, h, rows_t])
+    plgpu.wait_smem_to_gmem(0)
+
+  args = (q, k, v, G, b)
+  shape = lambda d: jax.ShapeDtypeStruct((B, Hv, T_pad, d), dtype)
+  outs = plgpu.kernel(
+      body, out_type=(shape(K), shape(K), shape(K), shape(V), shape(C)), scratch_types=scratch,
+      grid=(B, Hv, NC), grid_names=("b", "h", "n"),
+      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
+      kernel_name="chunk_prep_delta")(*args)
+  qg, kd, w, u, p = (x.reshape(B, Hv, NC, C, x.shape[-1]) for x in _vary_like(outs, args))
+  G_last = G.reshape(B, Hv, NC, C)[..., -1]
+  decay = jnp.broadcast_to(jnp.exp(G_last)[..., None], (B, Hv, NC, K))
+  return prep.ChunkTensors(qg=qg, kd=kd, w=w, u=u, p=p, decay=decay)
