@@ -1,5 +1,5 @@
 """The delta family's per-chunk tensors in one Mosaic GPU kernel: prep.py's preparation, every chunk in
-parallel, for no or scalar decay without packing.
+parallel, for no or scalar decay, packed or not.
 
 One program per (batch, value head, chunk) reads q, k, v, the chunk-local cumulative log-decay G and
 beta once and writes the walk's inputs in the operand dtype (`prep.ChunkTensors`; module docstring of
@@ -10,7 +10,10 @@ prep.py for the definitions):
     X     = (I + L)^-1                                       by block doubling, below
     w     = X (beta k e^G),  u = X (beta v),  qg = q e^G,  kd = k e^(G_C - G)
 
-Every exponent is masked before the exponential (<= 0). `X` is built as prep.unit_lower_inverse builds
+Every exponent is masked before the exponential (<= 0). Packed rows (`segment_ids`) enter as prep.py's
+masks (`fused.segment_vectors`): pairs of one run only in P and L, `e^G` only where a token reads the
+carried state, `kd` only where its write reaches the chunk's end, `decay` 0 where the chunk's last
+token left the carried run. `X` is built as prep.unit_lower_inverse builds
 it, on whole 64 x 64 tiles so that every step is a tensor-core product: with `X_s` the block-diagonal
 matrix of the inverses of the s x s diagonal blocks and `E_s` the part of L inside the 2s x 2s
 diagonal blocks but outside the s x s ones,
@@ -31,18 +34,20 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import prep
-from pallas_kernels.gpu.fused import ROWS, local_cumsum
+from pallas_kernels.gpu.fused import ROWS, SEG_ROWS, _segment_masks, local_cumsum, segment_vectors
 from pallas_kernels.gpu.walk import COLS, F32, WGMMA, _vary_like, matmul, smem
 
 
 def serves(g, beta, segment_ids) -> bool:
-  """True for the calls this kernel prepares: delta family, no or scalar decay, no packing."""
-  return beta is not None and (g is None or g.ndim == 3) and segment_ids is None
+  """True for the calls this kernel prepares: delta family, no or scalar decay (packed or not)."""
+  del segment_ids  # packed rows are served (`fused.segment_vectors`)
+  return beta is not None and (g is None or g.ndim == 3)
 
 
-def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, interpret=None) -> prep.ChunkTensors:
-  """`prep.prepare(q, k, v, g, beta, None, ...)` with every matmul operand in `dtype` (16-bit), the
-  tensors in `dtype` and `decay` float32; shapes as there (`[B, H_v, NC, C, ...]`)."""
+def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None,
+            interpret=None) -> prep.ChunkTensors:
+  """`prep.prepare(q, k, v, g, beta, segment_ids, ...)` with every matmul operand in `dtype` (16-bit),
+  the tensors in `dtype` and `decay` float32; shapes as there (`[B, H_v, NC, C, ...]`)."""
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
   C = chunk_size
@@ -53,6 +58,8 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, interpret=None) -> prep
   q, k, v = pad(q), pad(k), pad(v)
   G = local_cumsum(g, B, T_pad, Hv, C)
   b = jnp.swapaxes(jnp.pad(beta.astype(F32), [(0, 0), (0, T_pad - T), (0, 0)]), 1, 2)   # [B, H_v, T]
+  has_seg = segment_ids is not None
+  masks = segment_vectors(segment_ids, C, T_pad) if has_seg else None
   levels = []
   s = 1
   while s < C:
@@ -64,16 +71,21 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, interpret=None) -> prep
       g_s=plgpu.SMEM((C,), F32), gc_s=plgpu.SMEM((C,), F32), b_s=plgpu.SMEM((C,), F32),
       x_s=smem((C, C), dtype), e_s=smem((C, C), dtype), y_s=smem((C, C), dtype), p_s=smem((C, C), dtype),
       out_s={n: smem((C, n), dtype) for n in {K, V}},   # staging tiles, one per width (TMA: whole tiles)
-      bar=plgpu.Barrier(num_arrivals=6))
+      bar=plgpu.Barrier(num_arrivals=6 + SEG_ROWS * has_seg))
+  if has_seg:
+    scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
 
-  def body(q_r, k_r, v_r, g_r, b_r, qg_r, kd_r, w_r, u_r, p_r, *, q_s, k_s, v_s, g_s, gc_s, b_s, x_s,
-           e_s, y_s, p_s, out_s, bar):
+  def body(*refs, q_s, k_s, v_s, g_s, gc_s, b_s, x_s, e_s, y_s, p_s, out_s, bar, m_s=None):
+    q_r, k_r, v_r, g_r, b_r = refs[:5]
+    m_r = refs[5] if has_seg else None
+    qg_r, kd_r, w_r, u_r, p_r = refs[5 + has_seg:]
     bi, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
     hk = lax.div(h, group)
     rows_t = pl.ds(n * C, C)
     for src, dst in ((q_r.at[bi, rows_t, hk], q_s), (k_r.at[bi, rows_t, hk], k_s),
                      (v_r.at[bi, rows_t, h], v_s), (g_r.at[bi, h, rows_t], g_s),
-                     (g_r.at[bi, h, rows_t], gc_s), (b_r.at[bi, h, rows_t], b_s)):
+                     (g_r.at[bi, h, rows_t], gc_s), (b_r.at[bi, h, rows_t], b_s)) + tuple(
+                         (m_r.at[bi, r, rows_t], m_s.at[r]) for r in range(SEG_ROWS if has_seg else 0)):
       plgpu.copy_gmem_to_smem(src, dst, bar)
     plgpu.barrier_wait(bar)
 
@@ -86,8 +98,14 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, interpret=None) -> prep
     i = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
     j = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
     diff = rows(G_rows, sq) - lax.broadcast_in_dim(G_cols, sq, [1])
-    p_s[...] = (matmul(q_s, k_s.T, sq) * jnp.exp(jnp.where(i >= j, diff, -jnp.inf))).astype(dtype)
-    L = matmul(k_s, k_s.T, sq) * jnp.exp(jnp.where(i > j, diff, -jnp.inf)) * rows(beta_rows, sq)
+    incl, excl = i >= j, i > j
+    q_scale, k_scale = jnp.exp(G_rows), jnp.exp(G_last - G_rows)
+    if has_seg:  # pairs of one run only; the carried state reaches its own run
+      same, carry, to_last, _ = _segment_masks(m_s, None, C)
+      incl, excl = incl & same, excl & same
+      q_scale, k_scale = q_scale * carry, k_scale * to_last
+    p_s[...] = (matmul(q_s, k_s.T, sq) * jnp.exp(jnp.where(incl, diff, -jnp.inf))).astype(dtype)
+    L = matmul(k_s, k_s.T, sq) * jnp.exp(jnp.where(excl, diff, -jnp.inf)) * rows(beta_rows, sq)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(p_s, p_r.at[bi, h, rows_t])
 
@@ -100,8 +118,8 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, interpret=None) -> prep
       plgpu.copy_smem_to_gmem(tile, dst)
 
     k_f = plgpu.load(k_s, layout=WGMMA).astype(F32)
-    emit(plgpu.load(q_s, layout=WGMMA).astype(F32) * rows(jnp.exp(G_rows), ck), qg_r.at[bi, h, rows_t])
-    emit(k_f * rows(jnp.exp(G_last - G_rows), ck), kd_r.at[bi, h, rows_t])
+    emit(plgpu.load(q_s, layout=WGMMA).astype(F32) * rows(q_scale, ck), qg_r.at[bi, h, rows_t])
+    emit(k_f * rows(k_scale, ck), kd_r.at[bi, h, rows_t])
 
     # (I + L)^-1 by block doubling on whole tiles
     X = jnp.where(i == j, 1.0, 0.0).astype(F32)
@@ -116,14 +134,14 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, interpret=None) -> prep
       X = X - matmul(y_s, x_s, sq)
     x_s[...] = X.astype(dtype)
     # beta k e^G and beta v replace k and v in shared memory (k's other uses are done)
-    k_s[...] = (k_f * rows(beta_rows * jnp.exp(G_rows), ck)).astype(dtype)
+    k_s[...] = (k_f * rows(beta_rows * q_scale, ck)).astype(dtype)
     v_s[...] = (plgpu.load(v_s, layout=WGMMA).astype(F32) * rows(beta_rows, cv)).astype(dtype)
     plgpu.commit_smem()
     emit(matmul(x_s, k_s, ck), w_r.at[bi, h, rows_t])
     emit(matmul(x_s, v_s, cv), u_r.at[bi, h, rows_t])
     plgpu.wait_smem_to_gmem(0)
 
-  args = (q, k, v, G, b)
+  args = (q, k, v, G, b) + ((masks,) if has_seg else ())
   shape = lambda d: jax.ShapeDtypeStruct((B, Hv, T_pad, d), dtype)
   outs = plgpu.kernel(
       body, out_type=(shape(K), shape(K), shape(K), shape(V), shape(C)), scratch_types=scratch,
@@ -132,5 +150,8 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, interpret=None) -> prep
       kernel_name="chunk_prep_delta")(*args)
   qg, kd, w, u, p = (x.reshape(B, Hv, NC, C, x.shape[-1]) for x in _vary_like(outs, args))
   G_last = G.reshape(B, Hv, NC, C)[..., -1]
-  decay = jnp.broadcast_to(jnp.exp(G_last)[..., None], (B, Hv, NC, K))
+  decay = jnp.exp(G_last)
+  if has_seg:
+    decay = decay * masks[:, None, 2].reshape(B, 1, NC, C)[..., -1]   # carry of the last token
+  decay = jnp.broadcast_to(decay[..., None], (B, Hv, NC, K))
   return prep.ChunkTensors(qg=qg, kd=kd, w=w, u=u, p=p, decay=decay)

@@ -147,7 +147,7 @@ def _kernel_prepare(q, k, v, g, beta, segment_ids, *, options, chunk_size, compu
   if not (options.fused and delta_prep.serves(g, beta, segment_ids)):
     return None
   return delta_prep.prepare(q, k, v, g, beta, chunk_size=chunk_size, dtype=compute_dtype,
-                            interpret=options.interpret)
+                            segment_ids=segment_ids, interpret=options.interpret)
 
 
 GPU_WALK = vjp.Walk(forward=_forward, backward=_backward, chunks_per_group=lambda NC, options: 1,

@@ -258,10 +258,11 @@ def test_sequence_pieces_fill_one_wave_of_programs():
     fused.pieces(programs=2, NC=3, pieces_=0)
 
 
-@pytest.mark.parametrize("variant,gates,K,V", [("delta_rule", "normal", 64, 128),
-                                               ("gated_delta_rule", "normal", 128, 64),
-                                               ("gated_delta_rule", "strong", 64, 64)])
-def test_delta_preparation_kernel_equals_xla(variant, gates, K, V):
+@pytest.mark.parametrize("variant,gates,K,V,packed", [("delta_rule", "normal", 64, 128, False),
+                                                      ("gated_delta_rule", "normal", 128, 64, False),
+                                                      ("gated_delta_rule", "strong", 64, 64, False),
+                                                      ("gated_delta_rule", "normal", 64, 64, True)])
+def test_delta_preparation_kernel_equals_xla(variant, gates, K, V, packed):
   # The delta family's per-chunk tensors from one kernel (block-doubling inverse on whole tiles) against
   # prep.py with the same float16 operands (its inverse in float32), rounded as the kernel's outputs are
   # (grouped heads, T = 150). At strong gates k e^G itself loses digits as a float16 operand (w is then
@@ -271,24 +272,36 @@ def test_delta_preparation_kernel_equals_xla(variant, gates, K, V):
   q, k, v = (jnp.asarray(inp[n], jnp.float16) for n in ("q", "k", "v"))
   g = None if inp.get("g") is None else jnp.asarray(inp["g"])
   beta = jnp.asarray(inp["beta"])
-  ref = prep.prepare(q, k, v, g, beta, None, chunk_size=64, dtype=jnp.float16, inverse_dtype=jnp.float32)
-  out = delta_prep.prepare(q, k, v, g, beta, chunk_size=64, dtype=jnp.float16, interpret=PARAMS)
+  seg = None
+  if packed:  # runs change inside a chunk, on the boundary t = 64 and again inside the last chunk
+    seg = np.zeros((1, 150), np.int32)
+    seg[0, 20:64], seg[0, 64:130], seg[0, 130:] = 1, 2, 3
+    seg = jnp.asarray(seg)
+  ref = prep.prepare(q, k, v, g, beta, seg, chunk_size=64, dtype=jnp.float16, inverse_dtype=jnp.float32)
+  out = delta_prep.prepare(q, k, v, g, beta, chunk_size=64, dtype=jnp.float16, segment_ids=seg,
+                           interpret=PARAMS)
   for name in ("qg", "kd", "w", "u", "p", "decay"):
     a, r = getattr(out, name), getattr(ref, name).astype(getattr(out, name).dtype)
     assert a.shape == r.shape, name
     assert rel_rms(a, r) < 1e-3, (name, rel_rms(a, r))
 
 
-@pytest.mark.parametrize("variant,gates", [("delta_rule", "normal"), ("gated_delta_rule", "strong")])
-def test_delta_family_with_the_preparation_kernel_matches_the_float64_loop(variant, gates):
+@pytest.mark.parametrize("variant,gates,packed", [("delta_rule", "normal", False),
+                                                  ("gated_delta_rule", "strong", False),
+                                                  ("gated_delta_rule", "normal", True)])
+def test_delta_family_with_the_preparation_kernel_matches_the_float64_loop(variant, gates, packed):
   # fused=True: the forward's tensors come from the kernel, the backward recomputes them in XLA.
   inp = make_inputs(variant, B=1, T=150, H=1, Hv=2, K=64, V=64, gates=gates, seed=19)
-  check(variant, inp, fused=True)
+  seg = None
+  if packed:
+    seg = np.zeros((1, 150), np.int32)
+    seg[0, 33:64], seg[0, 64:100], seg[0, 100:] = 4, 1, 7
+  check(variant, inp, seg=seg, fused=True)
 
 
-def test_delta_preparation_kernel_serves_unpacked_scalar_or_no_decay_only():
+def test_delta_preparation_kernel_serves_scalar_or_no_decay_only():
   from pallas_kernels.gpu import delta_prep
   beta, seg = jnp.zeros((1, 8, 2)), jnp.zeros((1, 8), jnp.int32)
-  assert delta_prep.serves(None, beta, None) and delta_prep.serves(jnp.zeros((1, 8, 2)), beta, None)
+  assert delta_prep.serves(None, beta, None) and delta_prep.serves(jnp.zeros((1, 8, 2)), beta, seg)
   assert not delta_prep.serves(jnp.zeros((1, 8, 2, 4)), beta, None)
-  assert not delta_prep.serves(None, None, None) and not delta_prep.serves(None, beta, seg)
+  assert not delta_prep.serves(None, None, None)

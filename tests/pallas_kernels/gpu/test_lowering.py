@@ -79,12 +79,13 @@ def test_fused_path_exports_for_hopper(kind, D, group, pieces, packed):
     assert name in bwd, name
 
 
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D,packed", [(64, False), (128, True)])
 @pytest.mark.parametrize("gated", [False, True], ids=["delta_rule", "gated_delta_rule"])
-def test_delta_preparation_kernel_exports_for_hopper(gated, D):
+def test_delta_preparation_kernel_exports_for_hopper(gated, D, packed):
   g = _spec(B, T, H, dtype=jnp.float32) if gated else None
   args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D), g, _spec(B, T, H, dtype=jnp.float32))
-  fn = lambda q, k, v, g, beta: gpu.chunked_attention(q, k, v, g, beta)[0]
+  seg = jnp.zeros((B, T), jnp.int32).at[:, T // 3:].set(1) if packed else None
+  fn = lambda q, k, v, g, beta: gpu.chunked_attention(q, k, v, g, beta, segment_ids=seg)[0]
   with jax.sharding.use_abstract_mesh(H200):
     fwd = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
   # the preparation kernel, then the walk
