@@ -3,7 +3,9 @@
 `chunked_attention` is the op; `supports` says whether it serves a call (and why not);
 `interpret_kernels` runs the kernels in the Mosaic GPU interpreter; `sharded_chunked_attention` wraps the
 op in `jax.shard_map`. `walk`: the chunk walks over prepared tensors (every variant); `fused`: the
-additive family with no or scalar decay, with no XLA preparation (the default where it applies). NOTES.md holds the cost model and each
+additive family with no or scalar decay, with no XLA preparation; `delta_prep`: the delta family's
+forward preparation (no or scalar decay) as one kernel. Both are the default where they apply.
+NOTES.md holds the cost model and each
 measured version.
 """
 
