@@ -101,3 +101,19 @@ def test_kernel_breakdown_times_jla_alongside_when_asked(tmp_path):
     ms = json.load(f)["ms"]["delta_rule"]
   # delta_rule's fused forward takes its tensors from the preparation kernel
   assert ms["jla fwd"] > 0 and ms["jla fwd+bwd"] > 0 and ms["op fwd fused"] > 0
+
+
+def test_fla_benchmark_says_why_nothing_is_timed_without_fla(tmp_path):
+  # No torch/CUDA/fla here: every requested row carries the reason, the JSON is still written.
+  cmd = [sys.executable, os.path.join(ROOT, "experiments", "fla_benchmark.py"), f"--workdir={tmp_path}",
+         "--kinds=gla,kda", "--shapes=1,64,1,64", "--modes=fwd"]
+  done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert done.returncode == 0, done.stderr[-2000:]
+  with open(tmp_path / "fla_benchmark.json", encoding="utf-8") as f:
+    rows = json.load(f)["rows"]
+  assert [(r["kind"], r["mode"]) for r in rows] == [("gla", "fwd"), ("kda", "fwd")]
+  assert all(r["median_ms"] is None and r["status"] != "ok" for r in rows), rows
+  bad = subprocess.run(cmd + ["--kinds=retnet"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert bad.returncode != 0 and "--kinds must be from" in bad.stderr
