@@ -4,7 +4,8 @@ alone (jitted, median of `--iters` after warm-up) on the benchmark's inputs.
 Stages (pallas_kernels/gpu/NOTES.md): the whole op's forward and forward + backward (`jax.grad` of
 `sum(o * do)` w.r.t. q, k, v, g, beta), prepared and fused (`fused=True`: the additive family with no or
 scalar decay without any XLA preparation; the delta family with no or scalar decay with its forward's
-tensors from the preparation kernel; "-" for the others), the XLA preparation forward and its vjp,
+tensors from the preparation kernel; "-" for the others), the delta family's fwd+bwd with its gradients
+from kernels (`delta_backward=True`), the XLA preparation forward and its vjp,
 the forward walk with outputs, the forward walk that stores states, the reverse walk, and the reverse
 walk plus the batched cotangent matmuls. With `--jla`, jax-linear-attention's Mosaic GPU kernels are timed
 on the same inputs in the same process (jla l2-normalises q and k of the delta variants itself). Prints a
@@ -35,8 +36,8 @@ from experiments import benchmark, common
 from pallas_kernels import gpu, prep, vjp
 from pallas_kernels.gpu import delta_prep, fused, walk
 
-STAGES = ("op fwd", "op fwd fused", "op fwd+bwd", "op fwd+bwd fused", "prep fwd", "walk o", "walk states", "reverse walk",
-          "reverse + cotangents", "prep vjp")
+STAGES = ("op fwd", "op fwd fused", "op fwd+bwd", "op fwd+bwd fused", "op fwd+bwd delta_backward", "prep fwd",
+          "walk o", "walk states", "reverse walk", "reverse + cotangents", "prep vjp")
 
 
 def _time(fn, args, iters: int, label: str = "") -> float:
@@ -75,19 +76,22 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
   states = states_fn(t)
   cot = jax.tree.map(lambda a: jnp.full(a.shape, 1e-2, jnp.float32), prepare(*args))
   do_o = jnp.asarray(rng.standard_normal(x["v"].shape), jnp.float32)
-  forward = lambda use_fused: lambda *a: gpu.chunked_attention(*a, fused=use_fused,
-                                                               sequence_pieces=sequence_pieces,
-                                                               interpret=interpret)[0]
+  forward = lambda use_fused, delta_backward=False: lambda *a: gpu.chunked_attention(
+      *a, fused=use_fused, sequence_pieces=sequence_pieces, delta_backward=delta_backward,
+      interpret=interpret)[0]
   op = lambda use_fused: jax.jit(forward(use_fused))
   argnums = tuple(i for i, a in enumerate(args) if a is not None)
-  op_grad = lambda use_fused: jax.jit(jax.grad(
-      lambda *a: jnp.sum(forward(use_fused)(*a).astype(jnp.float32) * do_o), argnums=argnums))
+  op_grad = lambda use_fused, delta_backward=False: jax.jit(jax.grad(
+      lambda *a: jnp.sum(forward(use_fused, delta_backward)(*a).astype(jnp.float32) * do_o),
+      argnums=argnums))
   serves = fused.serves(args[3], beta, None) or delta_prep.serves(args[3], beta, None)
   stages = {
       "op fwd": (op(False), args),
       "op fwd fused": (op(True), args) if serves else None,
       "op fwd+bwd": (op_grad(False), args),
       "op fwd+bwd fused": (op_grad(True), args) if serves else None,
+      "op fwd+bwd delta_backward": ((op_grad(True, True), args) if beta is not None
+                                    and delta_prep.serves(args[3], beta, None) else None),
       "prep fwd": (prep_fwd, args),
       "walk o": (jax.jit(lambda t: walk.forward(t, None, with_o=True, out_dtype=dtype,
                                                 interpret=interpret)[0]), (t,)),

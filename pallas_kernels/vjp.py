@@ -41,8 +41,8 @@ class Walk(NamedTuple):
     `prep.ChunkTensors` in compute_dtype from a kernel instead of XLA (the backward still recomputes
     them in XLA for their vjp); or None (XLA prepares).
   fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal, *, options, chunk_size, compute_dtype,
-    scale) -> (dq, dk, dv, dg, dh0) for `do: [B, T, H_v, V]` (of the scaled o) without the
-    preparation's vjp; or None (the prepared path runs).
+    scale) -> (dq, dk, dv, dg, dbeta, dh0) for `do: [B, T, H_v, V]` (of the scaled o) without the
+    preparation's vjp (dbeta None for the additive family); or None (the prepared path runs).
   """
 
   forward: Callable[..., Any]
@@ -125,10 +125,11 @@ def _chunked_bwd(static, residuals, cotangents):
                                      options=static.options, chunk_size=static.chunk_size,
                                      compute_dtype=static.compute_dtype, scale=static.scale)
     if out is not None:
-      dq, dk, dv, dg, dh0 = out
+      dq, dk, dv, dg, dbeta, dh0 = out
       dq, dk, dv = (_sum_over_extra_axes(d, x) for d, x in ((dq, q), (dk, k), (dv, v)))
       dg = None if g is None else _sum_over_extra_axes(dg, g)
-      return dq, dk, dv, dg, None, (None if h0 is None else dh0.astype(h0.dtype)), None
+      dbeta = None if beta is None else _sum_over_extra_axes(dbeta, beta)
+      return dq, dk, dv, dg, dbeta, (None if h0 is None else dh0.astype(h0.dtype)), None
   t32, prep_vjp = jax.vjp(lambda *x: _prepare(static, *x, segment_ids), q, k, v, g, beta)
   t = _cast(t32, static.compute_dtype)
   _, states, _ = static.walk.forward(t, h0, options=static.options, with_o=False, with_states=True,

@@ -44,10 +44,12 @@ def serves(g, beta, segment_ids) -> bool:
   return beta is not None and (g is None or g.ndim == 3)
 
 
-def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None,
-            interpret=None) -> prep.ChunkTensors:
+def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
+            with_inverse: bool = False):
   """`prep.prepare(q, k, v, g, beta, segment_ids, ...)` with every matmul operand in `dtype` (16-bit),
-  the tensors in `dtype` and `decay` float32; shapes as there (`[B, H_v, NC, C, ...]`)."""
+  the tensors in `dtype` and `decay` float32; shapes as there (`[B, H_v, NC, C, ...]`). With
+  `with_inverse`, `(tensors, X)`: also `X = (I + L)^-1` `[B, H_v, NC, C, C]` in `dtype` (for
+  `delta_grads`)."""
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
   C = chunk_size
@@ -78,7 +80,8 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None,
   def body(*refs, q_s, k_s, v_s, g_s, gc_s, b_s, x_s, e_s, y_s, p_s, out_s, bar, m_s=None):
     q_r, k_r, v_r, g_r, b_r = refs[:5]
     m_r = refs[5] if has_seg else None
-    qg_r, kd_r, w_r, u_r, p_r = refs[5 + has_seg:]
+    qg_r, kd_r, w_r, u_r, p_r = refs[5 + has_seg:10 + has_seg]
+    x_r = refs[10 + has_seg] if with_inverse else None
     bi, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
     hk = lax.div(h, group)
     rows_t = pl.ds(n * C, C)
@@ -133,6 +136,9 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None,
       plgpu.commit_smem()
       X = X - matmul(y_s, x_s, sq)
     x_s[...] = X.astype(dtype)
+    if with_inverse:
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(x_s, x_r.at[bi, h, rows_t])
     # beta k e^G and beta v replace k and v in shared memory (k's other uses are done)
     k_s[...] = (k_f * rows(beta_rows * q_scale, ck)).astype(dtype)
     v_s[...] = (plgpu.load(v_s, layout=WGMMA).astype(F32) * rows(beta_rows, cv)).astype(dtype)
@@ -144,14 +150,16 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None,
   args = (q, k, v, G, b) + ((masks,) if has_seg else ())
   shape = lambda d: jax.ShapeDtypeStruct((B, Hv, T_pad, d), dtype)
   outs = plgpu.kernel(
-      body, out_type=(shape(K), shape(K), shape(K), shape(V), shape(C)), scratch_types=scratch,
+      body, out_type=(shape(K), shape(K), shape(K), shape(V), shape(C)) + ((shape(C),) if with_inverse else ()),
+      scratch_types=scratch,
       grid=(B, Hv, NC), grid_names=("b", "h", "n"),
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
       kernel_name="chunk_prep_delta")(*args)
-  qg, kd, w, u, p = (x.reshape(B, Hv, NC, C, x.shape[-1]) for x in _vary_like(outs, args))
+  qg, kd, w, u, p, *inverse = (x.reshape(B, Hv, NC, C, x.shape[-1]) for x in _vary_like(outs, args))
   G_last = G.reshape(B, Hv, NC, C)[..., -1]
   decay = jnp.exp(G_last)
   if has_seg:
     decay = decay * masks[:, None, 2].reshape(B, 1, NC, C)[..., -1]   # carry of the last token
   decay = jnp.broadcast_to(decay[..., None], (B, Hv, NC, K))
-  return prep.ChunkTensors(qg=qg, kd=kd, w=w, u=u, p=p, decay=decay)
+  t = prep.ChunkTensors(qg=qg, kd=kd, w=w, u=u, p=p, decay=decay)
+  return (t, inverse[0]) if with_inverse else t

@@ -505,7 +505,8 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
 
 def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
              sequence_pieces: int | None = None, scale: float = 1.0):
-  """`(dq, dk, dv, dg, dh0)` of `forward` (in q, k, v, g's dtypes; dh0 float32), for the cotangents
+  """`(dq, dk, dv, dg, None, dh0)` of `forward` (in q, k, v, g's dtypes; dh0 float32; no dbeta in this
+  family), for the cotangents
   `do: [B, T, H_v, V]` (of o, which `forward` multiplied by `scale`) and `dfinal: None | [B, H_v, K, V]`.
 
   Three kernels, none of which reads a prepared tensor: the forward walk storing the state entering
@@ -543,4 +544,4 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
   dg = jnp.flip(jnp.cumsum(jnp.flip(dG, -1), -1), -1).reshape(B, Hv, T_pad)   # G = cumsum(g) per chunk
   per_head = lambda x: x.reshape(B, T_pad, H, group, K).sum(3)[:, :T] if group > 1 else x[:, :T]
   return (per_head(dq).astype(q.dtype), per_head(dk).astype(k.dtype), dv[:, :T].astype(v.dtype),
-          None if g is None else jnp.swapaxes(dg, 1, 2)[:, :T].astype(g.dtype), dh0)
+          None if g is None else jnp.swapaxes(dg, 1, 2)[:, :T].astype(g.dtype), None, dh0)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import vjp
-from pallas_kernels.gpu import delta_prep
+from pallas_kernels.gpu import delta_grads, delta_prep
 from pallas_kernels.gpu import fused as fused_kernel
 from pallas_kernels.gpu import walk
 
@@ -107,6 +107,7 @@ class _Options:
   interpret: Any  # None or plgpu.InterpretGPUParams
   fused: bool = False
   sequence_pieces: int | None = None
+  delta_backward: bool = False
 
 
 def _forward(t, h0, *, options, with_o, with_states, out_dtype):
@@ -136,6 +137,10 @@ def _fused_forward(q, k, v, g, beta, h0, segment_ids, *, options, chunk_size, co
 
 def _fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal, *, options, chunk_size,
                     compute_dtype, scale):
+  if options.fused and options.delta_backward and delta_prep.serves(g, beta, segment_ids):
+    return delta_grads.backward(q, k, v, g, beta, h0, do, dfinal, chunk_size=chunk_size,
+                                dtype=compute_dtype, segment_ids=segment_ids, interpret=options.interpret,
+                                scale=scale)
   if not _fused_serves(options, g, beta, segment_ids):
     return None
   return fused_kernel.backward(q, k, v, g, h0, do, dfinal, chunk_size=chunk_size, dtype=compute_dtype,
@@ -157,7 +162,8 @@ GPU_WALK = vjp.Walk(forward=_forward, backward=_backward, chunks_per_group=lambd
 
 def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None, segment_ids=None,
                       chunk_size: int = 64, compute_dtype=None, out_dtype=None, inverse_dtype=jnp.float32,
-                      fused: bool = True, sequence_pieces: int | None = None, interpret=None):
+                      fused: bool = True, sequence_pieces: int | None = None, delta_backward: bool = False,
+                      interpret=None):
   """Either family in chunked form, with the chunk walk as Mosaic GPU kernels; differentiable in
   q, k, v, g, beta and initial_state.
 
@@ -179,6 +185,9 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
       path (the delta family and per-channel gates always do).
     sequence_pieces: on the fused path, split each sequence's walks into this many pieces that run in
       parallel (None: as many as keep one wave of programs on the GPU, `fused.pieces`).
+    delta_backward: the delta family with no or scalar decay (packed or not) computes its gradients in
+      kernels (`delta_grads.py`: every chunk's gradients in parallel, no XLA vjp of the preparation);
+      opt-in until it is timed on a GPU.
     interpret: None (the `interpret_kernels` context's parameters, else compiled) or a
       `plgpu.InterpretGPUParams`.
 
@@ -198,7 +207,8 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
     raise ValueError(reason)
   out_dtype = v.dtype if out_dtype is None else out_dtype
   static = vjp.Static(walk=GPU_WALK, options=_Options(interpret=interpret or None, fused=fused,
-                                                      sequence_pieces=sequence_pieces),
+                                                      sequence_pieces=sequence_pieces,
+                                                      delta_backward=delta_backward),
                       chunk_size=chunk_size, compute_dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype),
                       inverse_dtype=None if inverse_dtype is None else jnp.dtype(inverse_dtype))
   return vjp.chunked_op(static, q, k, v, g, beta, scale=K ** -0.5 if scale is None else scale,

@@ -305,3 +305,21 @@ def test_delta_preparation_kernel_serves_scalar_or_no_decay_only():
   assert delta_prep.serves(None, beta, None) and delta_prep.serves(jnp.zeros((1, 8, 2)), beta, seg)
   assert not delta_prep.serves(jnp.zeros((1, 8, 2, 4)), beta, None)
   assert not delta_prep.serves(None, None, None)
+
+
+@pytest.mark.parametrize("variant,gates,H,K,V,packed,h0", [
+    ("delta_rule", "normal", 1, 64, 64, False, True),
+    ("gated_delta_rule", "normal", 1, 64, 128, False, True),    # two value blocks: partial sums
+    ("gated_delta_rule", "strong", 2, 64, 64, False, False),
+    ("gated_delta_rule", "normal", 1, 128, 64, True, True)])
+def test_delta_backward_kernel_matches_the_float64_loop(variant, gates, H, K, V, packed, h0):
+  # delta_backward=True: every chunk's gradients in one kernel (dq, dk, dv, dbeta, dg, dh0), from the
+  # preparation kernel's X and the two walks, with no XLA vjp of the preparation.
+  inp = make_inputs(variant, B=1, T=150, H=H, Hv=2, K=K, V=V, gates=gates, seed=22)
+  if not h0:
+    inp["h0"] = None
+  seg = None
+  if packed:
+    seg = np.zeros((1, 150), np.int32)
+    seg[0, 10:64], seg[0, 64:90], seg[0, 90:] = 3, 1, 2
+  check(variant, inp, seg=seg, fused=True, delta_backward=True)

@@ -91,3 +91,24 @@ def test_delta_preparation_kernel_exports_for_hopper(gated, D, packed):
   # the preparation kernel, then the walk
   assert fwd.count("custom_call @mosaic_gpu") == 2
   assert "chunk_prep_delta" in fwd and "chunk_walk_fwd" in fwd
+
+
+@pytest.mark.parametrize("D,packed", [(64, True), (128, False)])
+def test_delta_backward_kernel_exports_for_hopper(D, packed):
+  args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, dtype=jnp.float32),
+          _spec(B, T, H, dtype=jnp.float32), _spec(B, H, D, D, dtype=jnp.float32))
+  seg = jnp.zeros((B, T), jnp.int32).at[:, T // 3:].set(1) if packed else None
+
+  def loss(q, k, v, g, beta, h0):
+    o, final = gpu.chunked_attention(q, k, v, g, beta, initial_state=h0, segment_ids=seg,
+                                     delta_backward=True)
+    return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
+
+  with jax.sharding.use_abstract_mesh(H200):
+    bwd = jax.export.export(jax.jit(jax.grad(loss, argnums=range(6))), platforms=["cuda"])(*args)
+  bwd = bwd.mlir_module()
+  # forward: preparation + walk; backward: preparation (with X), states walk, reverse walk, gradients
+  assert bwd.count("custom_call @mosaic_gpu") == 6
+  for name in ("chunk_prep_delta", "chunk_walk_fwd", "chunk_walk_states", "chunk_walk_bwd",
+               "chunk_grads_delta"):
+    assert name in bwd, name

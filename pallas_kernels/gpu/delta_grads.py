@@ -1,0 +1,224 @@
+"""The delta family's gradients, every chunk in parallel: the backward without XLA's preparation vjp, for
+no or scalar decay, packed or not (opt-in: `chunked_attention(..., delta_backward=True)`).
+
+Per chunk (prep.py's notation; `S` the state entering the chunk, `dS` the gradient of the state leaving
+it, both from the two walks; `X = (I + L)^-1` from `delta_prep`; `B_k = beta k e^G`, `B_v = beta v`,
+`W = X B_k`, `U = X B_v`, `u = U - W S`, `P = (q k^T) * D_incl`, `M = (k k^T) * D_excl` so `L = beta M`):
+
+    do S^T = dqg            dP = do u^T             du = P^T do + kd dS        dkd = u dS^T
+    dW = -du S^T            dX = du B_v^T + dW B_k^T                           dL = -X^T dX X^T
+    dB_v = X^T du           dB_k = X^T dW           dM = beta * dL
+    dq = e^G dqg + (dP D) k
+    dk = (dP D)^T q + e^(G_C - G) dkd + beta e^G dB_k + (dM D) k + (dM D)^T k
+    dv = beta dB_v          dbeta = rowsum(dB_v v) + rowsum(dB_k k e^G) + rowsum(dL M)
+    dG = rowsum(dqg q e^G) + rowsum(A) - colsum(A) + beta rowsum(dB_k k e^G) - rowsum(dkd kd),
+         A = dP * P + dM * M
+
+and the last token's dG also takes `sum(dkd kd) + e^(G_C) sum(S dS)` (the caller adds it; `kdv` holds
+the per-token terms of the first sum). Every product is a wgmma on 16-bit shared-memory operands; column
+sums come from the transposed products' own matmuls (`(dP)^T = u do^T`, `dL^T = -X dX^T X`; `k k^T` is
+symmetric). The programs split V into blocks of 64 columns: everything above is linear in (do, dS), so
+each block's dq, dk, dbeta and dG are partial sums (float32) that the caller adds up.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels import prep
+from pallas_kernels.gpu import delta_prep, walk
+from pallas_kernels.gpu.fused import ROWS, SEG_ROWS, _segment_masks, local_cumsum, segment_vectors
+from pallas_kernels.gpu.walk import BLOCK_V, COLS, F32, WGMMA, _vary_like, matmul, smem
+
+
+def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, interpret=None,
+                block_v: int = BLOCK_V, dv_dtype=F32):
+  """Per-chunk gradients (module docstring). q, k `[B, T_pad, H, K]`, v `[B, T_pad, H_v, V]` (operand
+  dtype); G, b `[B, H_v, T_pad]` float32 (chunk-local cumulative log-decay, beta); X `[B, H_v, T_pad, C]`,
+  states, dstates `[B, H_v, NC, V, K]`, do `[B, H_v, T_pad, V]` (gradient of the unscaled o, chunk
+  order); masks: None or `segment_vectors`. Returns `(dq, dk [NVB, B, T_pad, H_v, K], dv [B, T_pad, H_v,
+  V] in dv_dtype, dG, dbeta, kdv [NVB, B, H_v, T_pad])`, float32 but dv, NVB = V / block_v partial sums
+  (each block owns its columns of dv)."""
+  B, T_pad, H, K = q.shape
+  Hv, V = v.shape[2:]
+  NC = states.shape[2]
+  C = T_pad // NC
+  bv = min(block_v, V)
+  NVB = V // bv
+  group = Hv // H
+  has_seg = masks is not None
+  scratch = dict(
+      q_s=smem((C, K), dtype), k_s=smem((C, K), dtype), v_s=smem((C, bv), dtype), do_s=smem((C, bv), dtype),
+      st_s=smem((bv, K), dtype), dst_s=smem((bv, K), dtype), x_s=smem((C, C), dtype),
+      bk_s=smem((C, K), dtype), t1_s=smem((C, K), dtype), un_s=smem((C, bv), dtype),
+      du_s=smem((C, bv), dtype), p_s=smem((C, C), dtype), a_s=smem((C, C), dtype), dx_s=smem((C, C), dtype),
+      out_k=plgpu.SMEM((C, K), F32), out_v=plgpu.SMEM((C, bv), jnp.dtype(dv_dtype)),
+      vec_s=plgpu.SMEM((3, C), F32),
+      g_s=plgpu.SMEM((C,), F32), gc_s=plgpu.SMEM((C,), F32), b_s=plgpu.SMEM((C,), F32),
+      bc_s=plgpu.SMEM((C,), F32), bar=plgpu.Barrier(num_arrivals=11 + SEG_ROWS * has_seg),
+      v_bar=plgpu.Barrier())
+  if has_seg:
+    scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
+
+  def body(*refs, q_s, k_s, v_s, do_s, st_s, dst_s, x_s, bk_s, t1_s, un_s, du_s, p_s, a_s, dx_s, out_k,
+           out_v, vec_s, g_s, gc_s, b_s, bc_s, bar, v_bar, m_s=None):
+    q_r, k_r, v_r, g_r, b_r, x_r, st_r, dst_r, do_r = refs[:9]
+    m_r = refs[9] if has_seg else None
+    dq_r, dk_r, dv_r, dg_r, db_r, kdv_r = refs[9 + has_seg:]
+    bi, h, n, vb = (lax.axis_index(a) for a in ("b", "h", "n", "v"))
+    hk = lax.div(h, group)
+    rows_t, vs = pl.ds(n * C, C), pl.ds(vb * bv, bv)
+    copies = [(q_r.at[bi, rows_t, hk], q_s), (k_r.at[bi, rows_t, hk], k_s), (v_r.at[bi, rows_t, h, vs], v_s),
+              (do_r.at[bi, h, rows_t, vs], do_s), (st_r.at[bi, h, n, vs], st_s),
+              (dst_r.at[bi, h, n, vs], dst_s), (x_r.at[bi, h, rows_t], x_s), (g_r.at[bi, h, rows_t], g_s),
+              (g_r.at[bi, h, rows_t], gc_s), (b_r.at[bi, h, rows_t], b_s), (b_r.at[bi, h, rows_t], bc_s)]
+    copies += [(m_r.at[bi, r, rows_t], m_s.at[r]) for r in range(SEG_ROWS if has_seg else 0)]
+    for src, dst in copies:
+      plgpu.copy_gmem_to_smem(src, dst, bar)
+    plgpu.barrier_wait(bar)
+
+    rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
+    cols = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])
+    sq, ck, cv = (C, C), (C, K), (C, bv)
+    G_rows, G_cols = plgpu.load(g_s, layout=ROWS), plgpu.load(gc_s, layout=COLS)
+    beta, beta_cols = plgpu.load(b_s, layout=ROWS), plgpu.load(bc_s, layout=COLS)
+    G_last = g_s[C - 1]
+    i = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
+    j = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
+    diff = rows(G_rows, sq) - cols(G_cols, sq)
+    incl, excl, incl_t, excl_t = i >= j, i > j, i <= j, i < j
+    e_q, e_k = jnp.exp(G_rows), jnp.exp(G_last - G_rows)
+    if has_seg:
+      same, carry, to_last, _ = _segment_masks(m_s, None, C)
+      incl, excl, incl_t, excl_t = incl & same, excl & same, incl_t & same, excl_t & same
+      e_q, e_k = e_q * carry, e_k * to_last
+    decay_mask = lambda mask, x: jnp.exp(jnp.where(mask, x, -jnp.inf))
+    D_incl, D_excl = decay_mask(incl, diff), decay_mask(excl, diff)
+
+    def emit(x, tile, dst):
+      """Stages the float32 tile `x` in `tile` and copies it to `dst`."""
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      tile[...] = x.astype(tile.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(tile, dst)
+
+    # B_k = beta k e^G; B_v = beta v (in place of v; v is fetched again for dbeta)
+    k_f = plgpu.load(k_s, layout=WGMMA).astype(F32)
+    bk_s[...] = (k_f * rows(beta * e_q, ck)).astype(dtype)
+    v_s[...] = (plgpu.load(v_s, layout=WGMMA).astype(F32) * rows(beta, cv)).astype(dtype)
+    plgpu.commit_smem()
+    # u = X B_v - (X B_k) S
+    t1_s[...] = matmul(x_s, bk_s, ck).astype(dtype)
+    plgpu.commit_smem()
+    un_s[...] = (matmul(x_s, v_s, cv) - matmul(t1_s, st_s.T, cv)).astype(dtype)
+    plgpu.commit_smem()
+    # P, dP; dq; the dq-side terms of dG and dk
+    P = matmul(q_s, k_s.T, sq) * D_incl
+    p_s[...] = P.astype(dtype)
+    dP = matmul(do_s, un_s.T, sq)
+    a_s[...] = (dP * D_incl).astype(dtype)
+    plgpu.commit_smem()
+    dqg = matmul(do_s, st_s, ck)
+    dG = jnp.sum(plgpu.load(q_s, layout=WGMMA).astype(F32) * rows(e_q, ck) * dqg, axis=1)
+    emit(dqg * rows(e_q, ck) + matmul(a_s, k_s, ck), out_k, dq_r.at[vb, bi, rows_t, h])
+    dk = matmul(a_s.T, q_s, ck)
+    # du = P^T do + kd dS; dkd = u dS^T
+    du_s[...] = (matmul(p_s.T, do_s, cv) + rows(e_k, cv) * matmul(k_s, dst_s.T, cv)).astype(dtype)
+    plgpu.commit_smem()
+    dkd = matmul(un_s, dst_s, ck)
+    kdv = jnp.sum(dkd * k_f * rows(e_k, ck), axis=1)
+    dk = dk + dkd * rows(e_k, ck)
+    dG = dG - kdv
+    # dW = -du S^T (in place of W); dX; dB_v -> dv; dB_k
+    t1_s[...] = (-matmul(du_s, st_s, ck)).astype(dtype)
+    plgpu.commit_smem()
+    dx_s[...] = (matmul(du_s, v_s.T, sq) + matmul(t1_s, bk_s.T, sq)).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_gmem_to_smem(v_r.at[bi, rows_t, h, vs], v_s, v_bar)   # v again, for dbeta
+    dBv = matmul(x_s.T, du_s, cv)
+    emit(dBv * rows(beta, cv), out_v, dv_r.at[bi, rows_t, h, vs])
+    dBk = matmul(x_s.T, t1_s, ck)
+    r = jnp.sum(dBk * k_f * rows(e_q, ck), axis=1)
+    dk = dk + dBk * rows(beta * e_q, ck)
+    dG = dG + beta * r
+    plgpu.barrier_wait(v_bar)
+    dbeta = jnp.sum(dBv * plgpu.load(v_s, layout=WGMMA).astype(F32), axis=1) + r
+    # dL = -X^T dX X^T; M = (k k^T) D_excl; dM = beta dL (p_s is free again: it holds X^T dX)
+    p_s[...] = matmul(x_s.T, dx_s, sq).astype(dtype)
+    plgpu.commit_smem()
+    dL = -matmul(p_s, x_s.T, sq)
+    KK = matmul(k_s, k_s.T, sq)
+    M = KK * D_excl
+    dbeta = dbeta + jnp.sum(dL * M, axis=1)
+    dM = dL * rows(beta, sq)
+    A = dP * P + dM * M
+    a_s[...] = (dM * D_excl).astype(dtype)
+    plgpu.commit_smem()
+    dk = dk + matmul(a_s, k_s, ck) + matmul(a_s.T, k_s, ck)
+    emit(dk, out_k, dk_r.at[vb, bi, rows_t, h])
+    # column sums of A from the transposed products: A^T = (u do^T) (k q^T) D^T + beta_j dL^T M^T
+    At = matmul(un_s, do_s.T, sq) * matmul(k_s, q_s.T, sq) * decay_mask(incl_t, -diff)
+    p_s[...] = matmul(x_s, dx_s.T, sq).astype(dtype)
+    plgpu.commit_smem()
+    dLt = -matmul(p_s, x_s, sq)
+    At = At + dLt * cols(beta_cols, sq) * KK * decay_mask(excl_t, -diff)
+    dG = dG + jnp.sum(A, axis=1) - jnp.sum(At, axis=1)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    vec_s.at[0][...] = dG
+    vec_s.at[1][...] = dbeta
+    vec_s.at[2][...] = kdv
+    plgpu.commit_smem()
+    for idx, dst in enumerate((dg_r, db_r, kdv_r)):
+      plgpu.copy_smem_to_gmem(vec_s.at[idx], dst.at[vb, bi, h, rows_t])
+    plgpu.wait_smem_to_gmem(0)
+
+  args = [q, k, v, G, b, X, states, dstates, do] + ([masks] if has_seg else [])
+  vec = jax.ShapeDtypeStruct((NVB, B, Hv, T_pad), F32)
+  out_type = (jax.ShapeDtypeStruct((NVB, B, T_pad, Hv, K), F32), jax.ShapeDtypeStruct((NVB, B, T_pad, Hv, K), F32),
+              jax.ShapeDtypeStruct((B, T_pad, Hv, V), dv_dtype), vec, vec, vec)
+  outs = plgpu.kernel(
+      body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC, NVB), grid_names=("b", "h", "n", "v"),
+      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
+      kernel_name="chunk_grads_delta")(*args)
+  return _vary_like(outs, args)
+
+
+def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
+             scale: float = 1.0):
+  """`(dq, dk, dv, dg, dbeta, dh0)` of the delta family's op (no or scalar decay) for `do: [B, T, H_v, V]`
+  (of o scaled by `scale`) and `dfinal: None | [B, H_v, K, V]`: the preparation kernel (with X), the
+  two walks of walk.py, then `chunk_grads`; XLA adds the partial sums, the last-token terms of dG and
+  the per-chunk reverse cumsum."""
+  B, T, H, K = q.shape
+  Hv, V = v.shape[2:]
+  C = chunk_size
+  NC = -(-T // C)
+  T_pad = NC * C
+  group = Hv // H
+  t, X = delta_prep.prepare(q, k, v, g, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
+                            interpret=interpret, with_inverse=True)
+  _, states, _ = walk.forward(t, h0, with_o=False, with_states=True, out_dtype=dtype, interpret=interpret)
+  do_c = prep.to_chunks((do.astype(F32) * scale).astype(dtype), C, T_pad)
+  dstates, dh0 = walk.backward_states(t, do_c, dfinal, interpret=interpret)
+  pad = lambda x: jnp.pad(x.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
+  G = local_cumsum(g, B, T_pad, Hv, C)
+  b = jnp.swapaxes(jnp.pad(beta.astype(F32), [(0, 0), (0, T_pad - T), (0, 0)]), 1, 2)
+  masks = None if segment_ids is None else segment_vectors(segment_ids, C, T_pad)
+  flat = lambda x: x.reshape(x.shape[:2] + (T_pad, x.shape[-1]))
+  dq, dk, dv, dG, dbeta, kdv = chunk_grads(pad(q), pad(k), pad(v), G, b, flat(X), states, dstates,
+                                           flat(do_c), dtype=dtype, masks=masks, interpret=interpret,
+                                           dv_dtype=v.dtype)
+  dq, dk, dG, dbeta, kdv = (x.sum(0) for x in (dq, dk, dG, dbeta, kdv))
+  s_decay = t.decay[..., 0]      # e^(G_C), 0 where the chunk's last token left the carried run
+  last = (jnp.sum(kdv.reshape(B, Hv, NC, C), axis=-1)
+          + s_decay * jnp.einsum("bhnvk,bhnvk->bhn", states, dstates, preferred_element_type=F32))
+  dG = dG.reshape(B, Hv, NC, C).at[..., -1].add(last)
+  dg = jnp.flip(jnp.cumsum(jnp.flip(dG, -1), -1), -1).reshape(B, Hv, T_pad)   # G = cumsum(g) per chunk
+  per_head = lambda x: x.reshape(B, T_pad, H, group, K).sum(3)[:, :T] if group > 1 else x[:, :T]
+  return (per_head(dq).astype(q.dtype), per_head(dk).astype(k.dtype), dv[:, :T].astype(v.dtype),
+          None if g is None else jnp.swapaxes(dg, 1, 2)[:, :T].astype(g.dtype),
+          jnp.swapaxes(dbeta, 1, 2)[:, :T].astype(beta.dtype), dh0)
