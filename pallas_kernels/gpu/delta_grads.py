@@ -188,7 +188,7 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
 
 
 def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
-             scale: float = 1.0):
+             scale: float = 1.0, sequence_pieces: int | None = None):
   """`(dq, dk, dv, dg, dbeta, dh0)` of the delta family's op (no or scalar decay) for `do: [B, T, H_v, V]`
   (of o scaled by `scale`) and `dfinal: None | [B, H_v, K, V]`: the preparation kernel (with X), the
   two walks of walk.py, then `chunk_grads`; XLA adds the partial sums, the last-token terms of dG and
@@ -196,14 +196,18 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
   C = chunk_size
-  NC = -(-T // C)
-  T_pad = NC * C
+  multiple = sequence_pieces or 1      # explicit pieces: whole pieces of chunks, as the forward padded
+  T_pad = prep.padded_length(T, C, multiple)
+  NC = T_pad // C
   group = Hv // H
   t, X = delta_prep.prepare(q, k, v, g, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
-                            interpret=interpret, with_inverse=True)
-  _, states, _ = walk.forward(t, h0, with_o=False, with_states=True, out_dtype=dtype, interpret=interpret)
+                            interpret=interpret, with_inverse=True, chunk_multiple=multiple)
+  _, states, _, transitions = walk.forward(t, h0, with_o=False, with_states=True, out_dtype=dtype,
+                                           interpret=interpret, sequence_pieces=sequence_pieces,
+                                           return_transitions=True)
   do_c = prep.to_chunks((do.astype(F32) * scale).astype(dtype), C, T_pad)
-  dstates, dh0 = walk.backward_states(t, do_c, dfinal, interpret=interpret)
+  dstates, dh0 = walk.backward_states(t, do_c, dfinal, interpret=interpret, sequence_pieces=sequence_pieces,
+                                      transitions=transitions)
   pad = lambda x: jnp.pad(x.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
   G = local_cumsum(g, B, T_pad, Hv, C)
   b = jnp.swapaxes(jnp.pad(beta.astype(F32), [(0, 0), (0, T_pad - T), (0, 0)]), 1, 2)

@@ -45,16 +45,16 @@ def serves(g, beta, segment_ids) -> bool:
 
 
 def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
-            with_inverse: bool = False):
+            with_inverse: bool = False, chunk_multiple: int = 1):
   """`prep.prepare(q, k, v, g, beta, segment_ids, ...)` with every matmul operand in `dtype` (16-bit),
   the tensors in `dtype` and `decay` float32; shapes as there (`[B, H_v, NC, C, ...]`). With
   `with_inverse`, `(tensors, X)`: also `X = (I + L)^-1` `[B, H_v, NC, C, C]` in `dtype` (for
-  `delta_grads`)."""
+  `delta_grads`). chunk_multiple: T is padded to whole groups of this many chunks (as in prep.py)."""
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
   C = chunk_size
-  NC = -(-T // C)
-  T_pad = NC * C
+  T_pad = prep.padded_length(T, C, chunk_multiple)
+  NC = T_pad // C
   group = Hv // H
   pad = lambda x: jnp.pad(x.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
   q, k, v = pad(q), pad(k), pad(v)

@@ -29,7 +29,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import prep
 from pallas_kernels.gpu import walk
-from pallas_kernels.gpu.walk import (BLOCK_V, COLS, F32, WGMMA, _initial, _program, _store_last,
+from pallas_kernels.gpu.walk import (BLOCK_V, COLS, F32, WGMMA, _initial, _program, _store_last, pieces,
                                      _vary_like, _walk_chunks, matmul, smem)
 
 ROWS = plgpu.Layout.WGMMA.reduce(1)   # one value per row of a WGMMA-layout tile
@@ -74,24 +74,6 @@ def local_cumsum(g, B: int, T_pad: int, Hv: int, C: int):
     return jnp.zeros((B, Hv, T_pad), F32)
   g = jnp.pad(g.astype(F32), [(0, 0), (0, T_pad - g.shape[1]), (0, 0)])
   return jnp.cumsum(jnp.swapaxes(g, 1, 2).reshape(B, Hv, T_pad // C, C), axis=-1).reshape(B, Hv, T_pad)
-
-
-SM_COUNT = 132   # an H200's multiprocessors: walks with fewer programs split the sequence (`pieces`)
-
-
-def pieces(programs: int, NC: int, pieces_: int | None = None) -> int:
-  """How many pieces each sequence's walk is split into: the given number, or (None) the largest power
-  of two that keeps `programs * pieces` within one wave of the GPU and at least 16 chunks per piece.
-  A walk is sequential over its chunks, so at (1, 32768, 16, 128) the 32 programs of an unsplit walk
-  would leave three quarters of the multiprocessors idle."""
-  if pieces_ is not None:
-    if pieces_ < 1:
-      raise ValueError(f"sequence_pieces must be >= 1; got {pieces_}")
-    return pieces_
-  S = 1
-  while programs * S * 2 <= SM_COUNT and NC >= 2 * S * 16:
-    S *= 2
-  return S
 
 
 def padded_chunks(B: int, T: int, Hv: int, V: int, chunk_size: int, sequence_pieces=None,

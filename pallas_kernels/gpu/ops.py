@@ -111,12 +111,17 @@ class _Options:
 
 
 def _forward(t, h0, *, options, with_o, with_states, out_dtype):
-  return walk.forward(t, h0, with_o=with_o, with_states=with_states, out_dtype=out_dtype,
-                      interpret=options.interpret)
+  o, states, final, transitions = walk.forward(
+      t, h0, with_o=with_o, with_states=with_states, out_dtype=out_dtype, interpret=options.interpret,
+      sequence_pieces=options.sequence_pieces, return_transitions=True)
+  # the backward reuses the sequence pieces' transition matrices (opaque to vjp.py)
+  return o, (states, transitions) if with_states else None, final
 
 
 def _backward(t, states, do, dfinal, *, options):
-  return walk.backward(t, states, do, dfinal, interpret=options.interpret)
+  states, transitions = states
+  return walk.backward(t, states, do, dfinal, interpret=options.interpret,
+                       sequence_pieces=options.sequence_pieces, transitions=transitions)
 
 
 def _fused_serves(options, g, beta, segment_ids) -> bool:
@@ -140,7 +145,7 @@ def _fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal, *, options, c
   if options.fused and options.delta_backward and delta_prep.serves(g, beta, segment_ids):
     return delta_grads.backward(q, k, v, g, beta, h0, do, dfinal, chunk_size=chunk_size,
                                 dtype=compute_dtype, segment_ids=segment_ids, interpret=options.interpret,
-                                scale=scale)
+                                scale=scale, sequence_pieces=options.sequence_pieces)
   if not _fused_serves(options, g, beta, segment_ids):
     return None
   return fused_kernel.backward(q, k, v, g, h0, do, dfinal, chunk_size=chunk_size, dtype=compute_dtype,
@@ -152,10 +157,17 @@ def _kernel_prepare(q, k, v, g, beta, segment_ids, *, options, chunk_size, compu
   if not (options.fused and delta_prep.serves(g, beta, segment_ids)):
     return None
   return delta_prep.prepare(q, k, v, g, beta, chunk_size=chunk_size, dtype=compute_dtype,
-                            segment_ids=segment_ids, interpret=options.interpret)
+                            segment_ids=segment_ids, interpret=options.interpret,
+                            chunk_multiple=_chunks_per_group(0, options))
 
 
-GPU_WALK = vjp.Walk(forward=_forward, backward=_backward, chunks_per_group=lambda NC, options: 1,
+def _chunks_per_group(NC, options):
+  """Explicit sequence pieces: T padded to whole pieces of chunks (the automatic choice divides NC)."""
+  del NC
+  return options.sequence_pieces or 1
+
+
+GPU_WALK = vjp.Walk(forward=_forward, backward=_backward, chunks_per_group=_chunks_per_group,
                     fused_forward=_fused_forward, fused_backward=_fused_backward,
                     kernel_prepare=_kernel_prepare)
 
@@ -183,8 +195,9 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
       that forms every chunk's gradients in parallel. On the H200 that is 1.9x faster forward and 1.4x
       faster forward + backward than the prepared path (NOTES.md, v4-v6). `False` runs the prepared
       path (the delta family and per-channel gates always do).
-    sequence_pieces: on the fused path, split each sequence's walks into this many pieces that run in
-      parallel (None: as many as keep one wave of programs on the GPU, `fused.pieces`).
+    sequence_pieces: split each sequence's walks into this many pieces that run in parallel, joined by
+      the pieces' end states (None: as many as keep one wave of programs on the GPU, `walk.pieces`;
+      an explicit number pads T to whole pieces of chunks).
     delta_backward: the delta family with no or scalar decay (packed or not) computes its gradients in
       kernels (`delta_grads.py`: every chunk's gradients in parallel, no XLA vjp of the preparation);
       opt-in until it is timed on a GPU.

@@ -45,6 +45,24 @@ WGMMA = plgpu.Layout.WGMMA
 COLS = plgpu.Layout.WGMMA.reduce(0)   # one value per column of a WGMMA-layout tile
 
 
+SM_COUNT = 132   # an H200's multiprocessors: walks with fewer programs split the sequence (`pieces`)
+
+
+def pieces(programs: int, NC: int, pieces_: int | None = None) -> int:
+  """How many pieces each sequence's walk is split into: the given number, or (None) the largest power
+  of two that divides NC, keeps `programs * pieces` within one wave of the GPU and leaves at least 16
+  chunks per piece. A walk is sequential over its chunks, so at (1, 32768, 16, 128) the 32 programs of
+  an unsplit walk would leave three quarters of the multiprocessors idle."""
+  if pieces_ is not None:
+    if pieces_ < 1:
+      raise ValueError(f"sequence_pieces must be >= 1; got {pieces_}")
+    return pieces_
+  S = 1
+  while programs * S * 2 <= SM_COUNT and NC >= 2 * S * 16 and NC % (2 * S) == 0:
+    S *= 2
+  return S
+
+
 def smem(shape, dtype):
   """A shared-memory buffer tiled and swizzled for TMA and WGMMA along its last dim."""
   dtype = jnp.dtype(dtype)
@@ -126,21 +144,79 @@ def _walk_chunks(NC, issue, in_bar, init, chunk, *, reverse: bool = False):
 
 
 def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = False, out_dtype=F32,
-            interpret=None, block_v: int = BLOCK_V):
+            interpret=None, block_v: int = BLOCK_V, sequence_pieces: int | None = None,
+            return_transitions: bool = False):
   """The forward walk.
 
   Args:
     t: per-chunk tensors in one 16-bit dtype (`decay` float32), shapes as in `prep.ChunkTensors`.
     h0: None or `[B, H, K, V]` float32.
     with_o: compute `o`; with_states: store the (transposed) state entering every chunk.
+    sequence_pieces: split each sequence into this many pieces that walk in parallel (None: `pieces`'
+      choice; NC must be a multiple). With more than one, a first walk gives every piece's affine map
+      `S_end = A S_start + F` (`piece_maps`), XLA chains them for the state entering each piece, and the
+      main walk runs all pieces at once.
+    return_transitions: also return the pieces' `A` (`[B, H, S, K, K]`, None for one piece), which
+      `backward_states` can reuse.
 
   Returns:
-    `(o [B, H, NC, C, V] out_dtype or None, states [B, H, NC, V, K] or None, final [B, H, K, V] f32)`.
+    `(o [B, H, NC, C, V] out_dtype or None, states [B, H, NC, V, K] or None, final [B, H, K, V] f32)`
+    (and the transitions with `return_transitions`).
   """
   B, H, NC, C, K = t.qg.shape
   V = t.u.shape[-1]
-  dtype = t.qg.dtype
   bv = min(block_v, V)
+  S = pieces(B * H * (V // bv), NC, sequence_pieces)
+  if NC % S:
+    raise ValueError(f"sequence_pieces={S} must divide the number of chunks, {NC}")
+  A = None
+  h_in = None if h0 is None else h0.astype(F32)[:, :, None]         # [B, H, S, K, V]
+  if S > 1:
+    A, F = piece_maps(t, S, interpret=interpret, block_v=block_v)
+    h_in = _chain(h0, A, F)
+  h_in = None if h_in is None else jnp.swapaxes(h_in, -1, -2)
+  o, states, finals = _forward_kernel(t, h_in, S=S, with_o=with_o, with_states=with_states,
+                                      out_dtype=out_dtype, interpret=interpret, bv=bv)
+  out = (o, states, jnp.swapaxes(finals[:, :, -1], -1, -2))
+  return out + (A,) if return_transitions else out
+
+
+def piece_maps(t: ChunkTensors, S: int, *, interpret=None, block_v: int = BLOCK_V, with_offsets=True):
+  """Every piece's affine map of the state, `S_end = A S_start + F`: `(A [B, H, S, K, K], F [B, H, S, K,
+  V])` float32 (F None without `with_offsets`). One walk of `[K, V + K]` states: `F` from a zero start
+  with the chunks' `u`, `A` from the identity with `u = 0` (then `S <- (Diag(decay) - Kd^T W) S`)."""
+  B, H, NC, C, K = t.qg.shape
+  V = t.u.shape[-1] if with_offsets else 0
+  zeros_u = jnp.zeros(t.u.shape[:4] + (K,), t.u.dtype)
+  u = jnp.concatenate([t.u, zeros_u], axis=-1) if with_offsets else zeros_u
+  start = jnp.concatenate([jnp.zeros((K, V), F32), jnp.eye(K, dtype=F32)], axis=-1)
+  start = jnp.broadcast_to(start.T, (B, H, S, V + K, K))
+  _, _, ends = _forward_kernel(t._replace(u=u), start, S=S, with_o=False, with_states=False,
+                               out_dtype=F32, interpret=interpret, bv=min(block_v, V + K))
+  ends = jnp.swapaxes(ends, -1, -2)                                  # [B, H, S, K, V + K]
+  return ends[..., V:], (ends[..., :V] if with_offsets else None)
+
+
+def _chain(first, A, F):
+  """`[B, H, S, K, V]`: the state entering each piece, `in[p + 1] = A[p] in[p] + F[p]`, in[0] = `first`
+  (None: zeros). The pieces are few: a loop in XLA over `[K, V]` states."""
+  mm = functools.partial(jnp.einsum, "bhkj,bhjv->bhkv", precision=lax.Precision.HIGHEST)
+  carry = jnp.zeros_like(F[:, :, 0]) if first is None else first.astype(F32)
+  out = []
+  for p in range(F.shape[2]):
+    out.append(carry)
+    carry = mm(A[:, :, p], carry) + F[:, :, p]
+  return jnp.stack(out, axis=2)
+
+
+def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, interpret, bv):
+  """The forward walk of `S` pieces of every sequence in parallel; `h0`: None or the transposed state
+  entering each piece `[B, H, S, V, K]`. Returns `(o | None, states | None, the transposed state
+  leaving each piece [B, H, S, V, K])`."""
+  B, H, NC, C, K = t.qg.shape
+  V = t.u.shape[-1]
+  dtype = t.qg.dtype
+  NCs = NC // S
   delta = t.w is not None
   has_h0 = h0 is not None
   qg, kd, u, p = _flat(t.qg), _flat(t.kd), _flat(t.u), _flat(t.p)
@@ -152,7 +228,7 @@ def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = Fal
     out_type.append(jax.ShapeDtypeStruct((B, H, NC * C, V), out_dtype))
   if with_states:
     out_type.append(jax.ShapeDtypeStruct((B, H, NC, V, K), dtype))
-  out_type.append(jax.ShapeDtypeStruct((B, H, V, K), F32))
+  out_type.append(jax.ShapeDtypeStruct((B, H, S, V, K), F32))
 
   n_in = 3 + delta + 2 * with_o  # kd, u, decay, [w], [qg, p]
   scratch = dict(
@@ -176,8 +252,10 @@ def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = Fal
         take(with_o), take(), take(delta), take(), take(with_o), take(), take(has_h0))
     o_r, states_r, final_r = take(with_o), take(with_states), take()
     b, h, vs = _program(bv)
+    piece = lax.axis_index("s")
 
     def issue(n, slot):
+      n = piece * NCs + n
       rows, bar = pl.ds(n * C, C), in_bar.at[slot]
       plgpu.copy_gmem_to_smem(kd_r.at[b, h, rows], kd_s.at[slot], bar)
       plgpu.copy_gmem_to_smem(u_r.at[b, h, rows, vs], u_s.at[slot], bar)
@@ -189,6 +267,7 @@ def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = Fal
         plgpu.copy_gmem_to_smem(p_r.at[b, h, rows], p_s.at[slot], bar)
 
     def chunk(n, slot, s_t):
+      n = piece * NCs + n
       # The state is the left operand of the matmuls below, from shared memory (`s_lo`); this slot's
       # staging tiles were last read by the stores issued two chunks ago.
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)
@@ -217,40 +296,72 @@ def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = Fal
       d = lax.broadcast_in_dim(plgpu.load(decay_s.at[slot], layout=COLS), (bv, K), [1])
       return matmul(u_lo, kd_s.at[slot], (bv, K), init=s_t * d)
 
-    init = lambda: _initial(h0_r.at[b, h, vs] if has_h0 else None, state_s, state_bar, bv, K)
-    _store_last(_walk_chunks(NC, issue, in_bar, init, chunk), state_s, final_r.at[b, h, vs])
+    init = lambda: _initial(h0_r.at[b, h, piece, vs] if has_h0 else None, state_s, state_bar, bv, K)
+    _store_last(_walk_chunks(NCs, issue, in_bar, init, chunk), state_s, final_r.at[b, h, piece, vs])
 
   args = [x for x, present in ((qg, with_o), (kd, True), (w_neg, delta), (u, True), (p, with_o),
-                               (decay, True), (None if h0 is None else jnp.swapaxes(h0, -1, -2), has_h0))
+                               (decay, True), (h0, has_h0))
           if present]
   outs = list(plgpu.kernel(
-      body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H, V // bv),
-      grid_names=("b", "h", "v"), compiler_params=plgpu.CompilerParams(approx_math=True),
+      body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H, V // bv, S),
+      grid_names=("b", "h", "v", "s"), compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret, kernel_name="chunk_walk_fwd" if with_o else "chunk_walk_states")(*args))
   outs = _vary_like(outs, args)
   o = outs.pop(0).reshape(B, H, NC, C, V) if with_o else None
   states = outs.pop(0) if with_states else None
-  return o, states, jnp.swapaxes(outs.pop(0), -1, -2)
+  return o, states, outs.pop(0)
 
 
-def backward_states(t: ChunkTensors, do, dfinal, *, interpret=None, block_v: int = BLOCK_V):
+def backward_states(t: ChunkTensors, do, dfinal, *, interpret=None, block_v: int = BLOCK_V,
+                    sequence_pieces: int | None = None, transitions=None):
   """The reverse walk: `(dstates [B, H, NC, V, K] in the operand dtype, dh0 [B, H, K, V] float32)`,
   `dstates[n]` the (transposed) gradient of the state leaving chunk n.
 
   `do: [B, H, NC, C, V]` (any float dtype; cast to the operand dtype), `dfinal` None or `[B, H, K, V]`.
+  sequence_pieces: as in `forward` (a first reverse walk of every piece from zero gives the gradient at
+  its start, `D`; then `dS_start = A^T dS_end + D` chains the pieces backwards). transitions: the
+  pieces' `A` if `forward` returned them (else they are computed here).
   """
   B, H, NC, C, K = t.qg.shape
   V = t.u.shape[-1]
-  dtype = t.qg.dtype
   bv = min(block_v, V)
+  S = pieces(B * H * (V // bv), NC, sequence_pieces)
+  if NC % S:
+    raise ValueError(f"sequence_pieces={S} must divide the number of chunks, {NC}")
+  do = _flat(do.astype(t.qg.dtype))
+  df = None if dfinal is None else jnp.swapaxes(dfinal.astype(F32), -1, -2)[:, :, None]
+  if S > 1:
+    A = transitions if transitions is not None else piece_maps(t, S, interpret=interpret,
+                                                               block_v=block_v, with_offsets=False)[0]
+    _, starts = _reverse_kernel(t, do, None, S=S, with_dstates=False, interpret=interpret, bv=bv)
+    # transposed: dS_end^T[p] = dS_end^T[p + 1] A[p + 1] + D^T[p + 1]
+    mm = functools.partial(jnp.einsum, "bhvk,bhkj->bhvj", precision=lax.Precision.HIGHEST)
+    carry = jnp.zeros_like(starts[:, :, 0]) if df is None else df[:, :, 0]
+    ends = [None] * S
+    for piece in range(S - 1, -1, -1):
+      ends[piece] = carry
+      carry = mm(carry, A[:, :, piece]) + starts[:, :, piece]
+    df = jnp.stack(ends, axis=2)
+  dstates, starts = _reverse_kernel(t, do, df, S=S, with_dstates=True, interpret=interpret, bv=bv)
+  return dstates, jnp.swapaxes(starts[:, :, 0], -1, -2)
+
+
+def _reverse_kernel(t: ChunkTensors, do, df, *, S, with_dstates, interpret, bv):
+  """The reverse walk of `S` pieces in parallel; `do` flat `[B, H, NC * C, V]` in the operand dtype,
+  `df` None or the transposed gradient leaving each piece `[B, H, S, V, K]`. Returns `(dstates | None,
+  the transposed gradient at each piece's start [B, H, S, V, K])`."""
+  B, H, NC, C, K = t.qg.shape
+  V = t.u.shape[-1]
+  dtype = t.qg.dtype
+  NCs = NC // S
   delta = t.w is not None
-  has_df = dfinal is not None
+  has_df = df is not None
   qg, kd, p = _flat(t.qg), _flat(t.kd), _flat(t.p)
   w_neg = None if not delta else _flat(-t.w)
-  do = _flat(do.astype(dtype))
   decay = t.decay.astype(F32)
 
-  out_type = (jax.ShapeDtypeStruct((B, H, NC, V, K), dtype), jax.ShapeDtypeStruct((B, H, V, K), F32))
+  out_type = (([jax.ShapeDtypeStruct((B, H, NC, V, K), dtype)] if with_dstates else [])
+              + [jax.ShapeDtypeStruct((B, H, S, V, K), F32)])
   n_in = 3 + 3 * delta  # qg, do, decay, [kd, w, p]
   scratch = dict(
       qg_s=smem((2, C, K), dtype), do_s=smem((2, C, bv), dtype), decay_s=plgpu.SMEM((2, K), F32),
@@ -266,10 +377,12 @@ def backward_states(t: ChunkTensors, do, dfinal, *, interpret=None, block_v: int
     take = lambda present=True: refs.pop(0) if present else None
     qg_r, kd_r, w_r, p_r, do_r, decay_r, df_r = (
         take(), take(delta), take(delta), take(delta), take(), take(), take(has_df))
-    ds_r, dh0_r = take(), take()
+    ds_r, dh0_r = take(with_dstates), take()
     b, h, vs = _program(bv)
+    piece = lax.axis_index("s")
 
     def issue(n, slot):
+      n = piece * NCs + n
       rows, bar = pl.ds(n * C, C), in_bar.at[slot]
       plgpu.copy_gmem_to_smem(qg_r.at[b, h, rows], qg_s.at[slot], bar)
       plgpu.copy_gmem_to_smem(do_r.at[b, h, rows, vs], do_s.at[slot], bar)
@@ -280,11 +393,13 @@ def backward_states(t: ChunkTensors, do, dfinal, *, interpret=None, block_v: int
         plgpu.copy_gmem_to_smem(p_r.at[b, h, rows], p_s.at[slot], bar)
 
     def chunk(n, slot, ds_t):
+      n = piece * NCs + n
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)
       ds_lo = h_s.at[slot]
       ds_lo[...] = ds_t.astype(dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(ds_lo, ds_r.at[b, h, n, vs])
+      if with_dstates:
+        plgpu.copy_smem_to_gmem(ds_lo, ds_r.at[b, h, n, vs])
       do_t = do_s.at[slot].T
       # dS^T <- dS^T Diag(decay) + dO^T Qg - du^T W,   du^T = dO^T P + dS^T Kd^T
       d = lax.broadcast_in_dim(plgpu.load(decay_s.at[slot], layout=COLS), (bv, K), [1])
@@ -297,26 +412,28 @@ def backward_states(t: ChunkTensors, do, dfinal, *, interpret=None, block_v: int
         nxt = matmul(du_s, w_s.at[slot], (bv, K), init=nxt)
       return nxt
 
-    init = lambda: _initial(df_r.at[b, h, vs] if has_df else None, state_s, state_bar, bv, K)
-    _store_last(_walk_chunks(NC, issue, in_bar, init, chunk, reverse=True), state_s, dh0_r.at[b, h, vs])
+    init = lambda: _initial(df_r.at[b, h, piece, vs] if has_df else None, state_s, state_bar, bv, K)
+    _store_last(_walk_chunks(NCs, issue, in_bar, init, chunk, reverse=True), state_s,
+                dh0_r.at[b, h, piece, vs])
 
   args = [x for x, present in ((qg, True), (kd, delta), (w_neg, delta), (p, delta), (do, True),
-                               (decay, True),
-                               (None if dfinal is None else jnp.swapaxes(dfinal.astype(F32), -1, -2),
-                                has_df))
+                               (decay, True), (df, has_df))
           if present]
-  dstates, dh0 = plgpu.kernel(
-      body, out_type=out_type, scratch_types=scratch, grid=(B, H, V // bv),
-      grid_names=("b", "h", "v"), compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=interpret, kernel_name="chunk_walk_bwd")(*args)
-  dstates, dh0 = _vary_like((dstates, dh0), args)
-  return dstates, jnp.swapaxes(dh0, -1, -2)
+  outs = list(plgpu.kernel(
+      body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H, V // bv, S),
+      grid_names=("b", "h", "v", "s"), compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret, kernel_name="chunk_walk_bwd" if with_dstates else "chunk_walk_bwd_starts")(*args))
+  outs = _vary_like(outs, args)
+  dstates = outs.pop(0) if with_dstates else None
+  return dstates, outs.pop(0)
 
 
-def backward(t: ChunkTensors, states, do, dfinal, *, interpret=None, block_v: int = BLOCK_V):
+def backward(t: ChunkTensors, states, do, dfinal, *, interpret=None, block_v: int = BLOCK_V,
+             sequence_pieces: int | None = None, transitions=None):
   """Cotangents of the per-chunk tensors (float32 `ChunkTensors`) and dh0, from the reverse walk's
   per-chunk dS and the forward's per-chunk states, by batched matmuls over all chunks (XLA)."""
-  dstates, dh0 = backward_states(t, do, dfinal, interpret=interpret, block_v=block_v)
+  dstates, dh0 = backward_states(t, do, dfinal, interpret=interpret, block_v=block_v,
+                                 sequence_pieces=sequence_pieces, transitions=transitions)
   ein = functools.partial(jnp.einsum, preferred_element_type=F32)
   S, dS = states, dstates                                   # [B, H, NC, V, K], transposed
   do = do.astype(t.u.dtype)

@@ -249,13 +249,14 @@ def test_fused_path_split_into_sequence_pieces(pieces, packed):
 
 
 def test_sequence_pieces_fill_one_wave_of_programs():
-  from pallas_kernels.gpu import fused
-  assert fused.pieces(programs=32, NC=512) == 4       # (1, 32768, 16, 128): 32 programs -> 128
-  assert fused.pieces(programs=128, NC=128) == 1      # (4, 8192, 16, 128): already one wave
-  assert fused.pieces(programs=2, NC=20) == 1         # too few chunks to split
-  assert fused.pieces(programs=2, NC=3, pieces_=3) == 3
+  assert walk.pieces(programs=32, NC=512) == 4       # (1, 32768, 16, 128): 32 programs -> 128
+  assert walk.pieces(programs=128, NC=128) == 1      # (4, 8192, 16, 128): already one wave
+  assert walk.pieces(programs=2, NC=20) == 1         # too few chunks to split
+  assert walk.pieces(programs=2, NC=33) == 1         # the pieces must divide the chunks
+  assert walk.pieces(programs=2, NC=66) == 2
+  assert walk.pieces(programs=2, NC=3, pieces_=3) == 3
   with pytest.raises(ValueError, match="sequence_pieces"):
-    fused.pieces(programs=2, NC=3, pieces_=0)
+    walk.pieces(programs=2, NC=3, pieces_=0)
 
 
 @pytest.mark.parametrize("variant,gates,K,V,packed", [("delta_rule", "normal", 64, 128, False),
@@ -323,3 +324,24 @@ def test_delta_backward_kernel_matches_the_float64_loop(variant, gates, H, K, V,
     seg = np.zeros((1, 150), np.int32)
     seg[0, 10:64], seg[0, 64:90], seg[0, 90:] = 3, 1, 2
   check(variant, inp, seg=seg, fused=True, delta_backward=True)
+
+
+@pytest.mark.parametrize("variant,pieces,packed,fused", [
+    ("delta_rule", 2, False, False),           # 3 chunks padded to 4
+    ("gated_delta_rule", 3, True, True),       # preparation kernel; a run ends on a piece boundary
+    ("gla", 3, False, False),                  # per-channel decay: diagonal transitions
+    ("simple_gla", 2, True, False)])
+def test_prepared_walks_split_into_sequence_pieces(variant, pieces, packed, fused):
+  # The walks of walk.py in pieces: a first walk gives every piece's affine map S_end = A S_start + F
+  # (A from the identity with u = 0), XLA chains them; the reverse walk chains A^T backwards.
+  inp = make_inputs(variant, B=1, T=150, H=1, Hv=2, K=64, V=64, seed=23)
+  seg = None
+  if packed:
+    seg = np.zeros((1, 150), np.int32)
+    seg[0, 30:64], seg[0, 64:] = 1, 2
+  check(variant, inp, seg=seg, fused=fused, pieces=pieces)
+
+
+def test_delta_backward_kernel_with_sequence_pieces():
+  inp = make_inputs("gated_delta_rule", B=1, T=150, H=1, Hv=2, K=64, V=64, seed=24)
+  check("gated_delta_rule", inp, fused=True, delta_backward=True, pieces=3)

@@ -112,3 +112,21 @@ def test_delta_backward_kernel_exports_for_hopper(D, packed):
   for name in ("chunk_prep_delta", "chunk_walk_fwd", "chunk_walk_states", "chunk_walk_bwd",
                "chunk_grads_delta"):
     assert name in bwd, name
+
+
+def test_delta_walks_in_sequence_pieces_export_for_hopper():
+  # 2 pieces: per direction one more walk (the pieces' maps: [K, V + K] states; the reverse's starts)
+  D = 128
+  args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, dtype=jnp.float32),
+          _spec(B, T, H, dtype=jnp.float32))
+
+  def loss(q, k, v, g, beta):
+    o, final = gpu.chunked_attention(q, k, v, g, beta, sequence_pieces=2)
+    return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
+
+  with jax.sharding.use_abstract_mesh(H200):
+    bwd = jax.export.export(jax.jit(jax.grad(loss, argnums=range(5))), platforms=["cuda"])(*args)
+  bwd = bwd.mlir_module()
+  # forward: preparation, maps, walk; backward: maps, states walk, reverse starts, reverse walk
+  assert bwd.count("custom_call @mosaic_gpu") == 7
+  assert "chunk_walk_bwd_starts" in bwd
