@@ -143,8 +143,8 @@ def _define_flags():
   flags.DEFINE_bool("jla", False, "Also time jax-linear-attention's Mosaic GPU kernels (when installed).")
   flags.DEFINE_list("stages", [], "Only these stages (names as printed; 'fused check' for the fused "
                     "path's agreement with the prepared one); empty: all.")
-  flags.DEFINE_integer("sequence_pieces", None, "The fused path's sequence pieces (default: its own "
-                       "choice, `pallas_kernels.gpu.fused.pieces`).")
+  flags.DEFINE_integer("sequence_pieces", None, "The walks' sequence pieces (default: their own "
+                       "choice, `pallas_kernels.gpu.walk.pieces`).")
   flags.DEFINE_string("workdir", "runs/kernel_breakdown", "Where kernel_breakdown.json is written.")
 
 
