@@ -15,45 +15,17 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels import gpu
 
 
-@pytest.mark.parametrize("axes", [{"batch_axis": "data", "head_axis": "model"},
-                                  {"batch_axis": "data", "value_axis": "model"}],
-                         ids=["batch+heads", "batch+values"])
-def test_sharded_exports_for_two_by_two_h200s(axes):
+AXES = pytest.mark.parametrize("axes", [{"batch_axis": "data", "head_axis": "model"},
+                                         {"batch_axis": "data", "value_axis": "model"}],
+                                ids=["batch+heads", "batch+values"])
+
+
+def _export_grad(axes, T, delta):
+  """`jax.export` of the gradient of the sharded op (B=4, H=8, K=V=128, bf16) for a 2 x 2 H200 mesh."""
   mesh = AbstractMesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2,
                       abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
                                                      platform="gpu"))
-  B, T, H, D = 4, 1024, 8, 128
-  spec = lambda shape, dtype, p: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, p))
-  rows = P("data", None, "model") if "head_axis" in axes else P("data")
-  values = P("data", None, "model") if "head_axis" in axes else P("data", None, None, "model")
-  args = (spec((B, T, H, D), jnp.bfloat16, rows), spec((B, T, H, D), jnp.bfloat16, rows),
-          spec((B, T, H, D), jnp.bfloat16, values), spec((B, T, H), jnp.float32, rows),
-          spec((B, T, H), jnp.float32, rows))
-  fn = gpu.sharded_chunked_attention(mesh, **axes)
-
-  def loss(*xs):
-    o, final = fn(*xs)
-    return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final)
-
-  with jax.sharding.use_abstract_mesh(mesh):
-    exported = jax.export.export(jax.jit(jax.grad(loss, argnums=range(5))), platforms=["cuda"])(*args)
-  assert exported.nr_devices == 4
-  # the forward's preparation kernel and walk, the backward's states walk and reverse walk
-  module = exported.mlir_module()
-  assert module.count("custom_call @mosaic_gpu") == 4 and "chunk_prep_delta" in module
-
-
-@pytest.mark.parametrize("delta", [False, True], ids=["simple_gla", "gated_delta_rule"])
-@pytest.mark.parametrize("axes", [{"batch_axis": "data", "head_axis": "model"},
-                                  {"batch_axis": "data", "value_axis": "model"}],
-                         ids=["batch+heads", "batch+values"])
-def test_sharded_walks_in_sequence_pieces_export(axes, delta):
-  # T = 4096 per shard with 16 programs: the walks split into 4 pieces inside each shard (the pieces'
-  # maps and starts are per shard; their constants must vary over the mesh axes like the data).
-  mesh = AbstractMesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2,
-                      abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
-                                                     platform="gpu"))
-  B, T, H, D = 4, 4096, 8, 128
+  B, H, D = 4, 8, 128
   spec = lambda shape, dtype, p: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, p))
   rows = P("data", None, "model") if "head_axis" in axes else P("data")
   values = P("data", None, "model") if "head_axis" in axes else P("data", None, None, "model")
@@ -68,8 +40,24 @@ def test_sharded_walks_in_sequence_pieces_export(axes, delta):
     return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final)
 
   with jax.sharding.use_abstract_mesh(mesh):
-    module = jax.export.export(jax.jit(jax.grad(loss, argnums=range(len(args)))),
-                               platforms=["cuda"])(*args).mlir_module()
+    return jax.export.export(jax.jit(jax.grad(loss, argnums=range(len(args)))), platforms=["cuda"])(*args)
+
+
+@AXES
+def test_sharded_exports_for_two_by_two_h200s(axes):
+  exported = _export_grad(axes, T=1024, delta=True)
+  assert exported.nr_devices == 4
+  # the forward's preparation kernel and walk, the backward's states walk and reverse walk
+  module = exported.mlir_module()
+  assert module.count("custom_call @mosaic_gpu") == 4 and "chunk_prep_delta" in module
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["simple_gla", "gated_delta_rule"])
+@AXES
+def test_sharded_walks_in_sequence_pieces_export(axes, delta):
+  # T = 4096 per shard with 16 programs: the walks split into 4 pieces inside each shard (the pieces'
+  # maps and starts are per shard; their constants must vary over the mesh axes like the data).
+  module = _export_grad(axes, T=4096, delta=delta).mlir_module()
   # each direction's walks gain a first pass for the pieces (delta: + the preparation kernel)
   assert module.count("custom_call @mosaic_gpu") == 7
   assert ("chunk_walk_bwd_starts" if delta else "chunk_walk_fused_bwd_starts") in module
