@@ -187,7 +187,8 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
     initial_state: None or `[B, H_v, K, V]`, used as float32.
     segment_ids: None or `[B, T]` int: the state restarts from zero wherever the id changes.
     chunk_size: C (64). compute_dtype: matmul operand dtype (bfloat16 or float16); default: q, k, v's
-      common dtype. out_dtype: o's dtype, default v's dtype. inverse_dtype: operand dtype of the
+      common dtype. out_dtype: o's dtype, bfloat16 or float16 (o leaves the kernels through a 16-bit
+      tile), default v's dtype when that is one of them, else compute_dtype. inverse_dtype: operand dtype of the
       matmuls of `(I + L)^-1` in the preparation (`prep.prepare`, delta family); float32 is exact and,
       on the H200, faster than bfloat16 there (NOTES.md). fused: the additive family with no or scalar
       decay (packed or not) runs with no XLA preparation (`fused.py`): its forward is one kernel that
@@ -218,7 +219,12 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
                     sharded=vjp.explicitly_sharded(q, k, v, g, beta, initial_state, segment_ids))
   if reason is not None:
     raise ValueError(reason)
-  out_dtype = v.dtype if out_dtype is None else out_dtype
+  sixteen_bit = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  if out_dtype is None:
+    out_dtype = v.dtype if jnp.dtype(v.dtype) in sixteen_bit else dtype
+  if jnp.dtype(out_dtype) not in sixteen_bit:
+    raise ValueError(f"out_dtype must be bfloat16 or float16 (o leaves the kernels through a 16-bit "
+                     f"tile; cast it afterwards); got {jnp.dtype(out_dtype).name}")
   static = vjp.Static(walk=GPU_WALK, options=_Options(interpret=interpret or None, fused=fused,
                                                       sequence_pieces=sequence_pieces,
                                                       delta_backward=delta_backward),

@@ -110,6 +110,12 @@ def test_rejects_what_it_cannot_serve():
     gpu.chunked_attention(q, k, v, inp["g"], inp["beta"], initial_state=np.zeros((2, 4, 64, 13)))
   with pytest.raises(ValueError, match=r"bfloat16 or float16 operands .* not float32"):
     gpu.chunked_attention(q.astype(jnp.float32), k, v, interpret=PARAMS)
+  with pytest.raises(ValueError, match=r"out_dtype must be bfloat16 or float16 .* got float32"):
+    gpu.chunked_attention(q, k, v, out_dtype=jnp.float32, interpret=PARAMS)
+  # float32 inputs with a 16-bit compute dtype: o comes back in the compute dtype by default
+  o, _ = gpu.chunked_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                               compute_dtype=jnp.bfloat16, interpret=PARAMS)
+  assert o.dtype == jnp.bfloat16
   assert "cu_seqlens" in gpu.supports(K=64, V=64, chunk_size=64, packing="cu_seqlens", backend="hopper")
   assert "K and V in (64, 128)" in gpu.supports(K=32, V=64, chunk_size=64, backend="hopper")
   assert "backend is 'cpu'" in gpu.supports(K=64, V=64, chunk_size=64)

@@ -130,3 +130,23 @@ def test_delta_walks_in_sequence_pieces_export_for_hopper():
   # forward: preparation, maps, walk; backward: maps, states walk, reverse starts, reverse walk
   assert bwd.count("custom_call @mosaic_gpu") == 7
   assert "chunk_walk_bwd_starts" in bwd
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["simple_gla", "gated_delta_rule"])
+def test_float32_inputs_fit_shared_memory(delta):
+  # linear_attention_jax.ops hands the kernels float32 q, k, v (cast to bfloat16 inside): staging tiles
+  # sized by the inputs' dtype double. Lowering checks each kernel against the 227 KB of an H200.
+  D = 128
+  args = (_spec(B, T, H, D, dtype=jnp.float32), _spec(B, T, H, D, dtype=jnp.float32),
+          _spec(B, T, H, D, dtype=jnp.float32), _spec(B, T, H, dtype=jnp.float32),
+          _spec(B, T, H, dtype=jnp.float32) if delta else None)
+
+  def loss(q, k, v, g, beta):
+    o, final = gpu.chunked_attention(q, k, v, g, beta, compute_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16,
+                                     delta_backward=delta)
+    return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
+
+  argnums = tuple(i for i, a in enumerate(args) if a is not None)
+  with jax.sharding.use_abstract_mesh(H200):
+    module = jax.export.export(jax.jit(jax.grad(loss, argnums=argnums)), platforms=["cuda"])(*args)
+  assert ("chunk_grads_delta" if delta else "chunk_grads_fused") in module.mlir_module()
