@@ -128,9 +128,14 @@ def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_sta
                               packing=packing)
   elif form == "pallas" and _kernel_backend() == "gpu":
     # bfloat16 / float16 operands and output (the state and every sum stay float32); the normaliser
-    # columns (v_extra) walk in the chunked form: every value column walks independently
+    # columns (v_extra) walk in the chunked form: every value column walks independently. With no or
+    # scalar gates the kernels read q, k, v themselves (rounding them to the matmul dtype first), so
+    # they enter in that dtype and the gradients come back in it with no float32 round trip; per-channel
+    # gates go through the XLA preparation, which keeps them float32 until its matmuls.
+    sixteen = (lambda x: x) if per_channel else (lambda x: x.astype(compute_dtype))
     o, final = gpu_kernels.chunked_attention(
-        q32, k32, v32[..., :V], g32, b32, scale=scale, initial_state=None if h0 is None else h0[..., :V],
+        sixteen(q32), sixteen(k32), sixteen(v32[..., :V]), g32, b32, scale=scale,
+        initial_state=None if h0 is None else h0[..., :V],
         segment_ids=segment_ids, chunk_size=chunk_size, compute_dtype=compute_dtype,
         out_dtype=compute_dtype)
     o = o.astype(jnp.float32)

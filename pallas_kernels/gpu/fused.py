@@ -396,7 +396,9 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
       kd_s=smem((C, K), dtype),
       # one staging tile per dtype and width of the gradients, reused (shared memory is tight at
       # K = V = 128; a TMA copy wants a whole, contiguous tile)
-      out_s={f"{jnp.dtype(t).name}_{n}": plgpu.SMEM((C, n), jnp.dtype(t))
+      # (16-bit tiles swizzled for TMA, as the preparation kernel's; float32 ones plain)
+      out_s={f"{jnp.dtype(t).name}_{n}": (plgpu.SMEM((C, n), F32) if jnp.dtype(t) == F32
+                                          else smem((C, n), t))
              for t, n in zip(grad_dtypes, (K, K, V))},
       vec_s=plgpu.SMEM((2, C), F32), bar=plgpu.Barrier(num_arrivals=8 + SEG_ROWS * has_seg))
   if has_seg:

@@ -351,3 +351,27 @@ def test_prepared_walks_split_into_sequence_pieces(variant, pieces, packed, fuse
 def test_delta_backward_kernel_with_sequence_pieces():
   inp = make_inputs("gated_delta_rule", B=1, T=150, H=1, Hv=2, K=64, V=64, seed=24)
   check("gated_delta_rule", inp, fused=True, delta_backward=True, pieces=3)
+
+
+@pytest.mark.parametrize("variant", ["linear_attention", "simple_gla", "gated_delta_rule", "gla"])
+def test_public_api_gradients_through_the_kernels(variant):
+  # linear_attention_jax.ops with impl="pallas" in the interpreter against impl="recurrent", float16 in
+  # and out, grouped value heads: o and every gradient (the kernels receive q, k, v in the matmul dtype
+  # for no or scalar gates, float32 for per-channel ones).
+  from linear_attention_jax import ops
+  inp = make_inputs(variant, B=1, T=100, H=1, Hv=2, K=64, V=64, seed=25)
+  names = [n for n in ("q", "k", "v", "g", "beta") if inp.get(n) is not None]
+  args = [jnp.asarray(inp[n], jnp.float16 if n in ("q", "k", "v") else jnp.float32) for n in names]
+  fn = getattr(ops, variant)
+  do = jnp.asarray(np.random.default_rng(3).normal(size=inp["v"].shape), jnp.float16)
+
+  def run(impl):
+    o, vjp = jax.vjp(lambda *a: fn(*a, impl=impl)[0], *args)
+    return o, vjp(do)
+
+  with gpu.interpret_kernels():
+    o, grads = run("pallas")
+  ro, rgrads = run("recurrent")
+  assert o.dtype == jnp.float16 and rel_rms(o, ro) < 4e-3
+  for name, a, b in zip(names, grads, rgrads):
+    assert a.dtype == b.dtype and rel_rms(a, b) < 6e-3, (name, rel_rms(a, b))
