@@ -28,7 +28,6 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import prep
-from pallas_kernels.gpu import walk
 from pallas_kernels.gpu.walk import (BLOCK_V, COLS, F32, WGMMA, _initial, _program, _store_last, pieces,
                                      _vary_like, _walk_chunks, matmul, smem)
 
