@@ -120,7 +120,8 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
     except Exception as e:  # a stage that fails to compile or run is reported, not hidden
       print(f"{variant}: stage {name!r} failed: {type(e).__name__}: {str(e)[:2000]}")
       out[name] = float("nan")
-  if serves and (not only or "fused check" in only):  # the fused path against the prepared one on these inputs (relative RMS)
+  # the fused path against the prepared one on these inputs (relative RMS)
+  if serves and (not only or "fused check" in only):
     try:
       for label, a, b in (("o", op(True)(*args), op(False)(*args)),
                           ("grads", op_grad(True)(*args), op_grad(False)(*args))):

@@ -178,7 +178,8 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
 
   args = [q, k, v, G, b, X, states, dstates, do] + ([masks] if has_seg else [])
   vec = jax.ShapeDtypeStruct((NVB, B, Hv, T_pad), F32)
-  out_type = (jax.ShapeDtypeStruct((NVB, B, T_pad, Hv, K), F32), jax.ShapeDtypeStruct((NVB, B, T_pad, Hv, K), F32),
+  partial_k = jax.ShapeDtypeStruct((NVB, B, T_pad, Hv, K), F32)
+  out_type = (partial_k, partial_k,
               jax.ShapeDtypeStruct((B, T_pad, Hv, V), dv_dtype), vec, vec, vec)
   outs = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC, NVB), grid_names=("b", "h", "n", "v"),

@@ -150,7 +150,8 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
   args = (q, k, v, G, b) + ((masks,) if has_seg else ())
   shape = lambda d: jax.ShapeDtypeStruct((B, Hv, T_pad, d), dtype)
   outs = plgpu.kernel(
-      body, out_type=(shape(K), shape(K), shape(K), shape(V), shape(C)) + ((shape(C),) if with_inverse else ()),
+      body,
+      out_type=(shape(K), shape(K), shape(K), shape(V), shape(C)) + ((shape(C),) if with_inverse else ()),
       scratch_types=scratch,
       grid=(B, Hv, NC), grid_names=("b", "h", "n"),
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,

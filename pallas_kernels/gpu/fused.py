@@ -28,8 +28,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import prep
-from pallas_kernels.gpu.walk import (BLOCK_V, COLS, F32, WGMMA, _initial, _program, _store_last, pieces,
-                                     _vary_like, _walk_chunks, matmul, smem)
+from pallas_kernels.gpu.walk import (BLOCK_V, COLS, F32, WGMMA, _initial, _program, _store_last,
+                                     _vary_like, _walk_chunks, chain_pieces, matmul, pieces, smem)
 
 ROWS = plgpu.Layout.WGMMA.reduce(1)   # one value per row of a WGMMA-layout tile
 
@@ -96,22 +96,6 @@ def _piece_decay(G, masks, NC: int, S: int):
   return decay
 
 
-def _combine(first, summaries, decay, *, reverse: bool = False):
-  """The state entering every piece, `[B, H_v, S, V, K]`, from the state entering the first (`first`:
-  None or `[B, H_v, V, K]`; for `reverse`, the gradient leaving the last), each piece's own
-  contribution from a zero start (`summaries`) and its decay (`_piece_decay`):
-  `in[s + 1] = decay[s] * in[s] + summaries[s]` (in reverse: `out[s - 1] = decay[s] * out[s] +
-  summaries[s]`). The pieces are few (<= 8): a loop in XLA over `[B, H_v, V, K]` states."""
-  S = summaries.shape[2]
-  order = range(S - 1, -1, -1) if reverse else range(S)
-  carry = jnp.zeros_like(summaries[:, :, 0]) if first is None else first.astype(F32)
-  out = [None] * S
-  for i in order:
-    out[i] = carry
-    carry = decay[:, :, i, None, None] * carry + summaries[:, :, i]
-  return jnp.stack(out, axis=2)
-
-
 def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=None, interpret=None,
             block_v: int = BLOCK_V, with_o: bool = True, with_states: bool = False,
             sequence_pieces: int | None = None, scale: float = 1.0):
@@ -124,7 +108,8 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=No
   (transposed) state entering every chunk, as `walk.forward` does, for the backward.
   sequence_pieces: split each sequence's walk into this many pieces (None: `pieces`' choice; NC is
   padded to a multiple). With more than one, a first walk of every piece from a zero state gives its
-  end state, `_combine` the state entering each piece, and the main walk runs all pieces in parallel.
+  end state, `walk.chain_pieces` the state entering each piece, and the main walk runs all pieces in
+  parallel.
   """
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
@@ -141,7 +126,8 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=No
                             out_dtype=out_dtype, interpret=interpret, bv=bv, S=S, scale=scale)
   if S > 1:
     _, _, ends = walk_(None, with_o=False, with_states=False)
-    h0 = _combine(h0, ends, _piece_decay(G, masks, NC, S))
+    decay = _piece_decay(G, masks, NC, S)
+    h0 = chain_pieces(h0, ends, lambda x, p: decay[:, :, p, None, None] * x)
   elif h0 is not None:
     h0 = h0[:, :, None]
   o, states, finals = walk_(h0, with_o=with_o, with_states=with_states)
@@ -263,7 +249,7 @@ def backward_states(q, g, do, dfinal, *, chunk_size: int, dtype, segment_ids=Non
 
   q: `[B, T, H, K]`; g: None or `[B, T, H_v]`; do: `[B, T_pad, H_v, V]` (T_pad as `forward` padded it);
   dfinal: None or `[B, H_v, K, V]`. sequence_pieces: as in `forward` (a first reverse walk of every
-  piece from zero gives the gradient at its start, `_combine` the gradient leaving each piece).
+  piece from zero gives the gradient at its start, `walk.chain_pieces` the gradient leaving each piece).
   """
   B, T, H, K = q.shape
   T_pad, Hv, V = do.shape[1:]
@@ -282,7 +268,8 @@ def backward_states(q, g, do, dfinal, *, chunk_size: int, dtype, segment_ids=Non
                             bv=bv, S=S, scale=scale)
   if S > 1:
     _, starts = walk_(None, with_dstates=False)
-    dfinal = _combine(dfinal, starts, _piece_decay(G, masks, NC, S), reverse=True)
+    decay = _piece_decay(G, masks, NC, S)
+    dfinal = chain_pieces(dfinal, starts, lambda x, p: decay[:, :, p, None, None] * x, reverse=True)
   elif dfinal is not None:
     dfinal = dfinal[:, :, None]
   dstates, starts = walk_(dfinal, with_dstates=True)

@@ -188,8 +188,8 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
     segment_ids: None or `[B, T]` int: the state restarts from zero wherever the id changes.
     chunk_size: C (64). compute_dtype: matmul operand dtype (bfloat16 or float16); default: q, k, v's
       common dtype. out_dtype: o's dtype, bfloat16 or float16 (o leaves the kernels through a 16-bit
-      tile), default v's dtype when that is one of them, else compute_dtype. inverse_dtype: operand dtype of the
-      matmuls of `(I + L)^-1` in the preparation (`prep.prepare`, delta family); float32 is exact and,
+      tile), default v's dtype when that is one of them, else compute_dtype. inverse_dtype: operand dtype
+      of the matmuls of `(I + L)^-1` in the preparation (`prep.prepare`, delta family); float32 is exact and,
       on the H200, faster than bfloat16 there (NOTES.md). fused: the additive family with no or scalar
       decay (packed or not) runs with no XLA preparation (`fused.py`): its forward is one kernel that
       forms the chunk tensors in shared memory, its backward two walks that do the same and one kernel

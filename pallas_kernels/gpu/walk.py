@@ -173,7 +173,8 @@ def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = Fal
   h_in = None if h0 is None else h0.astype(F32)[:, :, None]         # [B, H, S, K, V]
   if S > 1:
     A, F = piece_maps(t, S, interpret=interpret, block_v=block_v)
-    h_in = _chain(h0, A, F)
+    mm = functools.partial(jnp.einsum, "bhkj,bhjv->bhkv", precision=lax.Precision.HIGHEST)
+    h_in = chain_pieces(h0, F, lambda x, p: mm(A[:, :, p], x))
   h_in = None if h_in is None else jnp.swapaxes(h_in, -1, -2)
   o, states, finals = _forward_kernel(t, h_in, S=S, with_o=with_o, with_states=with_states,
                                       out_dtype=out_dtype, interpret=interpret, bv=bv)
@@ -197,15 +198,18 @@ def piece_maps(t: ChunkTensors, S: int, *, interpret=None, block_v: int = BLOCK_
   return ends[..., V:], (ends[..., :V] if with_offsets else None)
 
 
-def _chain(first, A, F):
-  """`[B, H, S, K, V]`: the state entering each piece, `in[p + 1] = A[p] in[p] + F[p]`, in[0] = `first`
-  (None: zeros). The pieces are few: a loop in XLA over `[K, V]` states."""
-  mm = functools.partial(jnp.einsum, "bhkj,bhjv->bhkv", precision=lax.Precision.HIGHEST)
-  carry = jnp.zeros_like(F[:, :, 0]) if first is None else first.astype(F32)
-  out = []
-  for p in range(F.shape[2]):
-    out.append(carry)
-    carry = mm(A[:, :, p], carry) + F[:, :, p]
+def chain_pieces(first, offsets, apply, *, reverse: bool = False):
+  """`[B, H, S, ...]`: the state entering every piece (`reverse`: the gradient leaving it) from the one
+  entering the first (leaving the last), `first` None (zeros) or `[B, H, ...]`; each piece's linear map
+  `apply(x, p)` and its own contribution from a zero start `offsets[:, :, p]`:
+  `in[p + 1] = apply(in[p], p) + offsets[p]` (reverse: `out[p - 1] = apply(out[p], p) + offsets[p]`).
+  The pieces are few: a loop in XLA over single states."""
+  S = offsets.shape[2]
+  carry = jnp.zeros_like(offsets[:, :, 0]) if first is None else first.astype(F32)
+  out = [None] * S
+  for p in (range(S - 1, -1, -1) if reverse else range(S)):
+    out[p] = carry
+    carry = apply(carry, p) + offsets[:, :, p]
   return jnp.stack(out, axis=2)
 
 
@@ -334,14 +338,10 @@ def backward_states(t: ChunkTensors, do, dfinal, *, interpret=None, block_v: int
     A = transitions if transitions is not None else piece_maps(t, S, interpret=interpret,
                                                                block_v=block_v, with_offsets=False)[0]
     _, starts = _reverse_kernel(t, do, None, S=S, with_dstates=False, interpret=interpret, bv=bv)
-    # transposed: dS_end^T[p] = dS_end^T[p + 1] A[p + 1] + D^T[p + 1]
+    # transposed: dS_end^T[p - 1] = dS_end^T[p] A[p] + D^T[p]
     mm = functools.partial(jnp.einsum, "bhvk,bhkj->bhvj", precision=lax.Precision.HIGHEST)
-    carry = jnp.zeros_like(starts[:, :, 0]) if df is None else df[:, :, 0]
-    ends = [None] * S
-    for piece in range(S - 1, -1, -1):
-      ends[piece] = carry
-      carry = mm(carry, A[:, :, piece]) + starts[:, :, piece]
-    df = jnp.stack(ends, axis=2)
+    df = chain_pieces(None if df is None else df[:, :, 0], starts, lambda x, p: mm(x, A[:, :, p]),
+                      reverse=True)
   dstates, starts = _reverse_kernel(t, do, df, S=S, with_dstates=True, interpret=interpret, bv=bv)
   return dstates, jnp.swapaxes(starts[:, :, 0], -1, -2)
 
