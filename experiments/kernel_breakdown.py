@@ -123,13 +123,16 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
   # the fused path against the prepared one on these inputs (relative RMS)
   if serves and (not only or "fused check" in only):
     try:
-      for label, a, b in (("o", op(True)(*args), op(False)(*args)),
-                          ("grads", op_grad(True)(*args), op_grad(False)(*args))):
+      pairs = [("o", op(True)(*args), op(False)(*args)),
+               ("grads", op_grad(True)(*args), op_grad(False)(*args))]
+      if stages["op fwd+bwd delta_backward"] is not None:  # the gradient kernel against XLA's vjp
+        pairs.append(("delta_backward grads", op_grad(True, True)(*args), op_grad(True)(*args)))
+      for label, a, b in pairs:
         errs = [float(jnp.sqrt(jnp.mean((x.astype(jnp.float32) - y.astype(jnp.float32))**2)
                                / (jnp.mean(y.astype(jnp.float32)**2) + 1e-30)))
                 for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
-        out[f"fused vs prepared {label} rel rms"] = max(errs)
-        print(f"{variant}: fused vs prepared {label}: relative RMS {max(errs):.2e}")
+        out[f"check {label} rel rms"] = max(errs)
+        print(f"{variant}: check {label} (fast path vs reference path): relative RMS {max(errs):.2e}")
     except Exception as e:
       print(f"{variant}: fused check failed: {type(e).__name__}: {str(e)[:2000]}")
   return out

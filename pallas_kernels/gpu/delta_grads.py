@@ -84,20 +84,36 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
     rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
     cols = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])
     sq, ck, cv = (C, C), (C, K), (C, bv)
-    G_rows, G_cols = plgpu.load(g_s, layout=ROWS), plgpu.load(gc_s, layout=COLS)
-    beta, beta_cols = plgpu.load(b_s, layout=ROWS), plgpu.load(bc_s, layout=COLS)
+    # Register budget: one warpgroup holds 255 registers a thread; a float32 [64, 128] tile takes 64 of
+    # them. Only dk and a few [C] vectors live across the body; the decay masks, k and the products
+    # are re-formed where they are used (`fresh` hides the re-formed values from CSE, which would
+    # otherwise merge them back into one long-lived value and spill it).
+    fresh = lax.optimization_barrier
     G_last = g_s[C - 1]
-    i = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
-    j = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
-    diff = rows(G_rows, sq) - cols(G_cols, sq)
-    incl, excl, incl_t, excl_t = i >= j, i > j, i <= j, i < j
-    e_q, e_k = jnp.exp(G_rows), jnp.exp(G_last - G_rows)
-    if has_seg:
-      same, carry, to_last, _ = _segment_masks(m_s, None, C)
-      incl, excl, incl_t, excl_t = incl & same, excl & same, incl_t & same, excl_t & same
-      e_q, e_k = e_q * carry, e_k * to_last
-    decay_mask = lambda mask, x: jnp.exp(jnp.where(mask, x, -jnp.inf))
-    D_incl, D_excl = decay_mask(incl, diff), decay_mask(excl, diff)
+
+    def vectors():
+      G_rows, beta = fresh((plgpu.load(g_s, layout=ROWS), plgpu.load(b_s, layout=ROWS)))
+      e_q, e_k = jnp.exp(G_rows), jnp.exp(G_last - G_rows)
+      if has_seg:
+        _, carry, to_last, _ = _segment_masks(m_s, None, C)
+        e_q, e_k = e_q * carry, e_k * to_last
+      return beta, e_q, e_k
+
+    def decay(lower: bool, strict: bool):
+      """`exp(G_i - G_j)` on the (strictly) lower triangle, or its transpose on the upper one."""
+      G_rows, G_cols = fresh((plgpu.load(g_s, layout=ROWS), plgpu.load(gc_s, layout=COLS)))
+      i = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
+      j = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
+      diff = rows(G_rows, sq) - cols(G_cols, sq)
+      if lower:
+        mask = (i > j) if strict else (i >= j)
+      else:
+        mask, diff = ((i < j) if strict else (i <= j)), -diff
+      if has_seg:
+        mask = mask & _segment_masks(m_s, None, C)[0]
+      return jnp.exp(jnp.where(mask, diff, -jnp.inf))
+
+    load_k = lambda: plgpu.load(k_s, layout=WGMMA).astype(F32)
 
     def emit(x, tile, dst):
       """Stages the float32 tile `x` in `tile` and copies it to `dst`."""
@@ -107,8 +123,8 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
       plgpu.copy_smem_to_gmem(tile, dst)
 
     # B_k = beta k e^G; B_v = beta v (in place of v; v is fetched again for dbeta)
-    k_f = plgpu.load(k_s, layout=WGMMA).astype(F32)
-    bk_s[...] = (k_f * rows(beta * e_q, ck)).astype(dtype)
+    beta, e_q, _ = vectors()
+    bk_s[...] = (load_k() * rows(beta * e_q, ck)).astype(dtype)
     v_s[...] = (plgpu.load(v_s, layout=WGMMA).astype(F32) * rows(beta, cv)).astype(dtype)
     plgpu.commit_smem()
     # u = X B_v - (X B_k) S
@@ -116,57 +132,70 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
     plgpu.commit_smem()
     un_s[...] = (matmul(x_s, v_s, cv) - matmul(t1_s, st_s.T, cv)).astype(dtype)
     plgpu.commit_smem()
-    # P, dP; dq; the dq-side terms of dG and dk
-    P = matmul(q_s, k_s.T, sq) * D_incl
+    # P, dP: rowsum(dP P) now, so neither lives on
+    D = decay(True, False)
+    P = matmul(q_s, k_s.T, sq) * D
     p_s[...] = P.astype(dtype)
     dP = matmul(do_s, un_s.T, sq)
-    a_s[...] = (dP * D_incl).astype(dtype)
+    a_s[...] = (dP * D).astype(dtype)
     plgpu.commit_smem()
+    dG = jnp.sum(dP * P, axis=1)
+    # dq = e^G (do S^T) + (dP D) k; its dG term
+    _, e_q, _ = vectors()
     dqg = matmul(do_s, st_s, ck)
-    dG = jnp.sum(plgpu.load(q_s, layout=WGMMA).astype(F32) * rows(e_q, ck) * dqg, axis=1)
+    dG = dG + e_q * jnp.sum(plgpu.load(q_s, layout=WGMMA).astype(F32) * dqg, axis=1)
     emit(dqg * rows(e_q, ck) + matmul(a_s, k_s, ck), out_k, dq_r.at[vb, bi, rows_t, h])
-    dk = matmul(a_s.T, q_s, ck)
-    # du = P^T do + kd dS; dkd = u dS^T
+    # du = P^T do + kd dS
+    _, _, e_k = vectors()
     du_s[...] = (matmul(p_s.T, do_s, cv) + rows(e_k, cv) * matmul(k_s, dst_s.T, cv)).astype(dtype)
     plgpu.commit_smem()
+    # dk, first terms: (dP D)^T q + e^(G_C - G) dkd, dkd = u dS^T
     dkd = matmul(un_s, dst_s, ck)
-    kdv = jnp.sum(dkd * k_f * rows(e_k, ck), axis=1)
-    dk = dk + dkd * rows(e_k, ck)
+    _, _, e_k = vectors()
+    kdv = e_k * jnp.sum(dkd * load_k(), axis=1)
+    dk = matmul(a_s.T, q_s, ck, init=dkd * rows(e_k, ck))
     dG = dG - kdv
-    # dW = -du S^T (in place of W); dX; dB_v -> dv; dB_k
+    # dW = -du S^T (in place of W); dX; dB_v -> dv
     t1_s[...] = (-matmul(du_s, st_s, ck)).astype(dtype)
     plgpu.commit_smem()
     dx_s[...] = (matmul(du_s, v_s.T, sq) + matmul(t1_s, bk_s.T, sq)).astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_gmem_to_smem(v_r.at[bi, rows_t, h, vs], v_s, v_bar)   # v again, for dbeta
+    beta, _, _ = vectors()
     dBv = matmul(x_s.T, du_s, cv)
     emit(dBv * rows(beta, cv), out_v, dv_r.at[bi, rows_t, h, vs])
+    plgpu.barrier_wait(v_bar)
+    dbeta = jnp.sum(dBv * plgpu.load(v_s, layout=WGMMA).astype(F32), axis=1)
+    # dB_k = X^T dW
     dBk = matmul(x_s.T, t1_s, ck)
-    r = jnp.sum(dBk * k_f * rows(e_q, ck), axis=1)
+    beta, e_q, _ = vectors()
+    r = e_q * jnp.sum(dBk * load_k(), axis=1)
     dk = dk + dBk * rows(beta * e_q, ck)
     dG = dG + beta * r
-    plgpu.barrier_wait(v_bar)
-    dbeta = jnp.sum(dBv * plgpu.load(v_s, layout=WGMMA).astype(F32), axis=1) + r
+    dbeta = dbeta + r
     # dL = -X^T dX X^T; M = (k k^T) D_excl; dM = beta dL (p_s is free again: it holds X^T dX)
     p_s[...] = matmul(x_s.T, dx_s, sq).astype(dtype)
     plgpu.commit_smem()
+    M = matmul(k_s, k_s.T, sq) * decay(True, True)
     dL = -matmul(p_s, x_s.T, sq)
-    KK = matmul(k_s, k_s.T, sq)
-    M = KK * D_excl
     dbeta = dbeta + jnp.sum(dL * M, axis=1)
+    beta, _, _ = vectors()
     dM = dL * rows(beta, sq)
-    A = dP * P + dM * M
-    a_s[...] = (dM * D_excl).astype(dtype)
+    dG = dG + jnp.sum(dM * M, axis=1)
+    a_s[...] = (dM * decay(True, True)).astype(dtype)
     plgpu.commit_smem()
-    dk = dk + matmul(a_s, k_s, ck) + matmul(a_s.T, k_s, ck)
+    dk = dk + matmul(a_s, k_s, ck)
+    dk = dk + matmul(a_s.T, k_s, ck)
     emit(dk, out_k, dk_r.at[vb, bi, rows_t, h])
-    # column sums of A from the transposed products: A^T = (u do^T) (k q^T) D^T + beta_j dL^T M^T
-    At = matmul(un_s, do_s.T, sq) * matmul(k_s, q_s.T, sq) * decay_mask(incl_t, -diff)
+    # column sums of A = dP P + dM M from the transposed products:
+    # A^T = (u do^T) (k q^T) D^T + beta_j dL^T M^T
+    At = matmul(un_s, do_s.T, sq) * matmul(k_s, q_s.T, sq) * decay(False, False)
+    dG = dG - jnp.sum(At, axis=1)
     p_s[...] = matmul(x_s, dx_s.T, sq).astype(dtype)
     plgpu.commit_smem()
-    dLt = -matmul(p_s, x_s, sq)
-    At = At + dLt * cols(beta_cols, sq) * KK * decay_mask(excl_t, -diff)
-    dG = dG + jnp.sum(A, axis=1) - jnp.sum(At, axis=1)
+    beta_cols = fresh(plgpu.load(bc_s, layout=COLS))
+    At = -matmul(p_s, x_s, sq) * cols(beta_cols, sq) * matmul(k_s, k_s.T, sq) * decay(False, True)
+    dG = dG - jnp.sum(At, axis=1)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     vec_s.at[0][...] = dG
     vec_s.at[1][...] = dbeta
