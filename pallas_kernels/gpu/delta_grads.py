@@ -1,5 +1,5 @@
 """The delta family's gradients, every chunk in parallel: the backward without XLA's preparation vjp, for
-no or scalar decay, packed or not (opt-in: `chunked_attention(..., delta_backward=True)`).
+no or scalar decay, packed or not (the default; `chunked_attention(..., delta_backward=False)` takes XLA's vjp).
 
 Per chunk (prep.py's notation; `S` the state entering the chunk, `dS` the gradient of the state leaving
 it, both from the two walks; `X = (I + L)^-1` from `delta_prep`; `B_k = beta k e^G`, `B_v = beta v`,

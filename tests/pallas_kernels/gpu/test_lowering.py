@@ -127,9 +127,10 @@ def test_delta_walks_in_sequence_pieces_export_for_hopper():
   with jax.sharding.use_abstract_mesh(H200):
     bwd = jax.export.export(jax.jit(jax.grad(loss, argnums=range(5))), platforms=["cuda"])(*args)
   bwd = bwd.mlir_module()
-  # forward: preparation, maps, walk; backward: maps, states walk, reverse starts, reverse walk
-  assert bwd.count("custom_call @mosaic_gpu") == 7
-  assert "chunk_walk_bwd_starts" in bwd
+  # forward: preparation, maps, walk; backward: preparation, maps, states walk, reverse starts, reverse
+  # walk, gradients
+  assert bwd.count("custom_call @mosaic_gpu") == 9
+  assert "chunk_walk_bwd_starts" in bwd and "chunk_grads_delta" in bwd
 
 
 @pytest.mark.parametrize("delta", [False, True], ids=["simple_gla", "gated_delta_rule"])
