@@ -36,8 +36,8 @@ from experiments import benchmark, common
 from pallas_kernels import gpu, prep, vjp
 from pallas_kernels.gpu import delta_prep, fused, walk
 
-STAGES = ("op fwd", "op fwd fused", "op fwd+bwd", "op fwd+bwd fused", "op fwd+bwd delta_backward", "prep fwd",
-          "walk o", "walk states", "reverse walk", "reverse + cotangents", "prep vjp")
+STAGES = ("op fwd", "op fwd fused", "op fwd+bwd", "op fwd+bwd fused", "op fwd+bwd delta_backward",
+          "op value+grad fused", "op value+grad delta_backward", "prep fwd", "walk o", "walk states", "reverse walk", "reverse + cotangents", "prep vjp")
 
 
 def _time(fn, args, iters: int, label: str = "") -> float:
@@ -84,6 +84,11 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
   op_grad = lambda use_fused, delta_backward=False: jax.jit(jax.grad(
       lambda *a: jnp.sum(forward(use_fused, delta_backward)(*a).astype(jnp.float32) * do_o),
       argnums=argnums))
+  # value and gradients (a training step): the forward cannot be dropped as dead code, as it can
+  # under jax.grad when the backward recomputes everything it needs
+  op_value_grad = lambda use_fused, delta_backward=False: jax.jit(jax.value_and_grad(
+      lambda *a: jnp.sum(forward(use_fused, delta_backward)(*a).astype(jnp.float32) * do_o),
+      argnums=argnums))
   serves = fused.serves(args[3], beta, None) or delta_prep.serves(args[3], beta, None)
   stages = {
       "op fwd": (op(False), args),
@@ -92,6 +97,9 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
       "op fwd+bwd fused": (op_grad(True), args) if serves else None,
       "op fwd+bwd delta_backward": ((op_grad(True, True), args) if beta is not None
                                     and delta_prep.serves(args[3], beta, None) else None),
+      "op value+grad fused": (op_value_grad(True), args) if serves else None,
+      "op value+grad delta_backward": ((op_value_grad(True, True), args) if beta is not None
+                                       and delta_prep.serves(args[3], beta, None) else None),
       "prep fwd": (prep_fwd, args),
       "walk o": (jax.jit(lambda t: walk.forward(t, None, with_o=True, out_dtype=dtype,
                                                 interpret=interpret)[0]), (t,)),

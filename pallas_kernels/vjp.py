@@ -36,13 +36,16 @@ class Walk(NamedTuple):
   fused_forward(q, k, v, g, beta, h0, segment_ids, *, options, chunk_size, compute_dtype, out_dtype,
     scale) -> (o, final) like `chunked` (o `[B, T, H_v, V]`, scaled), computed from the raw inputs with
     no prepared tensors in device memory; or None where the backend has no such kernel for this call
-    (the prepared path runs).
+    (the prepared path runs). With `residuals=True` (the forward of a differentiated call) it returns
+    `((o, final), saved)` instead, `saved` whatever its `fused_backward` reads to skip recomputation
+    (or None), or None where the backend has no fused pair for the call.
   kernel_prepare(q, k, v, g, beta, segment_ids, *, options, chunk_size, compute_dtype) -> the forward's
     `prep.ChunkTensors` in compute_dtype from a kernel instead of XLA (the backward still recomputes
     them in XLA for their vjp); or None (XLA prepares).
   fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal, *, options, chunk_size, compute_dtype,
-    scale) -> (dq, dk, dv, dg, dbeta, dh0) for `do: [B, T, H_v, V]` (of the scaled o) without the
-    preparation's vjp (dbeta None for the additive family); or None (the prepared path runs).
+    scale, residuals) -> (dq, dk, dv, dg, dbeta, dh0) for `do: [B, T, H_v, V]` (of the scaled o) without
+    the preparation's vjp (dbeta None for the additive family); or None (the prepared path runs).
+    `residuals`: the forward's `saved`, or None (recompute).
   """
 
   forward: Callable[..., Any]
@@ -114,16 +117,24 @@ def chunked(static: Static, q, k, v, g, beta, h0, segment_ids):
 
 
 def _chunked_fwd(static, q, k, v, g, beta, h0, segment_ids):
-  return chunked(static, q, k, v, g, beta, h0, segment_ids), (q, k, v, g, beta, h0, segment_ids)
+  if static.walk.fused_forward is not None:
+    out = static.walk.fused_forward(q, k, v, g, beta, h0, segment_ids, options=static.options,
+                                    chunk_size=static.chunk_size, compute_dtype=static.compute_dtype,
+                                    out_dtype=static.out_dtype, scale=static.scale, residuals=True)
+    if out is not None:
+      out, saved = out
+      return out, (q, k, v, g, beta, h0, segment_ids, saved)
+  return chunked(static, q, k, v, g, beta, h0, segment_ids), (q, k, v, g, beta, h0, segment_ids, None)
 
 
 def _chunked_bwd(static, residuals, cotangents):
-  q, k, v, g, beta, h0, segment_ids = residuals
+  q, k, v, g, beta, h0, segment_ids, saved = residuals
   do, dfinal = cotangents
   if static.walk.fused_backward is not None:
     out = static.walk.fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal,
                                      options=static.options, chunk_size=static.chunk_size,
-                                     compute_dtype=static.compute_dtype, scale=static.scale)
+                                     compute_dtype=static.compute_dtype, scale=static.scale,
+                                     residuals=saved)
     if out is not None:
       dq, dk, dv, dg, dbeta, dh0 = out
       dq, dk, dv = (_sum_over_extra_axes(d, x) for d, x in ((dq, q), (dk, k), (dv, v)))

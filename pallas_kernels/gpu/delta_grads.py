@@ -218,11 +218,13 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
 
 
 def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
-             scale: float = 1.0, sequence_pieces: int | None = None):
+             scale: float = 1.0, sequence_pieces: int | None = None, saved=None):
   """`(dq, dk, dv, dg, dbeta, dh0)` of the delta family's op (no or scalar decay) for `do: [B, T, H_v, V]`
   (of o scaled by `scale`) and `dfinal: None | [B, H_v, K, V]`: the preparation kernel (with X), the
   two walks of walk.py, then `chunk_grads`; XLA adds the partial sums, the last-token terms of dG and
-  the per-chunk reverse cumsum."""
+  the per-chunk reverse cumsum. saved: None, or the forward's `(tensors, X, states, transitions)`
+  (`prepare(..., with_inverse=True)` and `walk.forward(..., with_states=True, return_transitions=True)`
+  on these inputs), which skips the preparation and the states walk."""
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
   C = chunk_size
@@ -230,11 +232,14 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
   T_pad = prep.padded_length(T, C, multiple)
   NC = T_pad // C
   group = Hv // H
-  t, X = delta_prep.prepare(q, k, v, g, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
-                            interpret=interpret, with_inverse=True, chunk_multiple=multiple)
-  _, states, _, transitions = walk.forward(t, h0, with_o=False, with_states=True, out_dtype=dtype,
-                                           interpret=interpret, sequence_pieces=sequence_pieces,
-                                           return_transitions=True)
+  if saved is None:
+    t, X = delta_prep.prepare(q, k, v, g, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
+                              interpret=interpret, with_inverse=True, chunk_multiple=multiple)
+    _, states, _, transitions = walk.forward(t, h0, with_o=False, with_states=True, out_dtype=dtype,
+                                             interpret=interpret, sequence_pieces=sequence_pieces,
+                                             return_transitions=True)
+  else:
+    t, X, states, transitions = saved
   do_c = prep.to_chunks((do.astype(F32) * scale).astype(dtype), C, T_pad)
   dstates, dh0 = walk.backward_states(t, do_c, dfinal, interpret=interpret, sequence_pieces=sequence_pieces,
                                       transitions=transitions)

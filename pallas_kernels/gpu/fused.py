@@ -474,7 +474,7 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
 
 
 def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
-             sequence_pieces: int | None = None, scale: float = 1.0):
+             sequence_pieces: int | None = None, scale: float = 1.0, states=None):
   """`(dq, dk, dv, dg, None, dh0)` of `forward` (in q, k, v, g's dtypes; dh0 float32; no dbeta in this
   family), for the cotangents
   `do: [B, T, H_v, V]` (of o, which `forward` multiplied by `scale`) and `dfinal: None | [B, H_v, K, V]`.
@@ -483,7 +483,8 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
   every chunk (`forward(..., with_o=False, with_states=True)`), the reverse walk storing the gradient of
   the state leaving every chunk (`backward_states`), then every chunk's gradients in parallel
   (`backward_chunks`). XLA adds the last-token terms of dG, the per-chunk reverse cumsum and, for grouped
-  heads, the per-value-head dq, dk.
+  heads, the per-value-head dq, dk. states: None, or the forward's states on these inputs
+  (`forward(..., with_states=True)`), which skips the first kernel.
   """
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
@@ -499,9 +500,10 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
   if segment_ids is not None:
     masks = segment_vectors(segment_ids, C, T_pad)
     s_decay = s_decay * masks[:, None, 2].reshape(B, 1, NC, C)[..., -1]   # carry of the last token
-  _, states, _ = forward(q, k, v, g, h0, chunk_size=C, dtype=dtype, out_dtype=dtype, segment_ids=segment_ids,
-                         interpret=interpret, with_o=False, with_states=True,
-                         sequence_pieces=sequence_pieces)
+  if states is None:
+    _, states, _ = forward(q, k, v, g, h0, chunk_size=C, dtype=dtype, out_dtype=dtype,
+                           segment_ids=segment_ids, interpret=interpret, with_o=False, with_states=True,
+                           sequence_pieces=sequence_pieces)
   dstates, dh0 = backward_states(q, g, do, dfinal, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
                                  interpret=interpret, sequence_pieces=sequence_pieces, scale=scale)
   summed = lambda x: F32 if group > 1 else x.dtype   # grouped heads' dq, dk are added up in float32

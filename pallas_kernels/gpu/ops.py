@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import vjp
+from pallas_kernels import prep, vjp
 from pallas_kernels.gpu import delta_grads, delta_prep
 from pallas_kernels.gpu import fused as fused_kernel
 from pallas_kernels.gpu import walk
@@ -129,28 +129,44 @@ def _fused_serves(options, g, beta, segment_ids) -> bool:
   return options.fused and fused_kernel.serves(g, beta, segment_ids)
 
 
+def _delta_kernels(options, g, beta, segment_ids) -> bool:
+  """The delta family's preparation and gradients run as kernels (`delta_prep.py`, `delta_grads.py`)."""
+  return options.fused and options.delta_backward and delta_prep.serves(g, beta, segment_ids)
+
+
 def _fused_forward(q, k, v, g, beta, h0, segment_ids, *, options, chunk_size, compute_dtype, out_dtype,
-                   scale):
+                   scale, residuals=False):
+  if residuals and _delta_kernels(options, g, beta, segment_ids):
+    # the forward of a differentiated call keeps what the gradient kernels read: the prepared tensors,
+    # (I + L)^-1 and the state entering every chunk (the backward then runs no forward walk)
+    t, X = delta_prep.prepare(q, k, v, g, beta, chunk_size=chunk_size, dtype=compute_dtype,
+                              segment_ids=segment_ids, interpret=options.interpret, with_inverse=True,
+                              chunk_multiple=_chunks_per_group(0, options))
+    o, states, final = _forward(t, h0, options=options, with_o=True, with_states=True,
+                                out_dtype=out_dtype)
+    o = prep.from_chunks(o, q.shape[1])
+    return ((o.astype(jnp.float32) * scale).astype(out_dtype), final), (t, X) + states
   if not _fused_serves(options, g, beta, segment_ids):
     return None
-  o, _, final = fused_kernel.forward(q, k, v, g, h0, chunk_size=chunk_size, dtype=compute_dtype,
-                                     out_dtype=out_dtype, segment_ids=segment_ids,
-                                     interpret=options.interpret,
-                                     sequence_pieces=options.sequence_pieces, scale=scale)
-  return o[:, :q.shape[1]], final
+  o, states, final = fused_kernel.forward(q, k, v, g, h0, chunk_size=chunk_size, dtype=compute_dtype,
+                                          out_dtype=out_dtype, segment_ids=segment_ids,
+                                          interpret=options.interpret, with_states=residuals,
+                                          sequence_pieces=options.sequence_pieces, scale=scale)
+  out = (o[:, :q.shape[1]], final)
+  return (out, states) if residuals else out
 
 
 def _fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal, *, options, chunk_size,
-                    compute_dtype, scale):
-  if options.fused and options.delta_backward and delta_prep.serves(g, beta, segment_ids):
+                    compute_dtype, scale, residuals=None):
+  if _delta_kernels(options, g, beta, segment_ids):
     return delta_grads.backward(q, k, v, g, beta, h0, do, dfinal, chunk_size=chunk_size,
                                 dtype=compute_dtype, segment_ids=segment_ids, interpret=options.interpret,
-                                scale=scale, sequence_pieces=options.sequence_pieces)
+                                scale=scale, sequence_pieces=options.sequence_pieces, saved=residuals)
   if not _fused_serves(options, g, beta, segment_ids):
     return None
   return fused_kernel.backward(q, k, v, g, h0, do, dfinal, chunk_size=chunk_size, dtype=compute_dtype,
                                segment_ids=segment_ids, interpret=options.interpret,
-                               sequence_pieces=options.sequence_pieces, scale=scale)
+                               sequence_pieces=options.sequence_pieces, scale=scale, states=residuals)
 
 
 def _kernel_prepare(q, k, v, g, beta, segment_ids, *, options, chunk_size, compute_dtype):

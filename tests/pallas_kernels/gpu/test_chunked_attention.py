@@ -375,3 +375,30 @@ def test_public_api_gradients_through_the_kernels(variant):
   assert o.dtype == jnp.float16 and rel_rms(o, ro) < 4e-3
   for name, a, b in zip(names, grads, rgrads):
     assert a.dtype == b.dtype and rel_rms(a, b) < 6e-3, (name, rel_rms(a, b))
+
+
+@pytest.mark.parametrize("variant", ["simple_gla", "gated_delta_rule"])
+def test_backward_recomputes_what_the_forward_did_not_keep(variant):
+  # Under differentiation the op's forward keeps the states (and, for the delta family, the prepared
+  # tensors and (I + L)^-1) for its backward; called without them, the backward recomputes them and
+  # gives the same gradients.
+  from pallas_kernels.gpu import delta_grads, fused
+  inp = make_inputs(variant, B=1, T=100, H=1, Hv=2, K=64, V=64, seed=31)
+  q, k, v = (jnp.asarray(inp[n], jnp.float16) for n in ("q", "k", "v"))
+  g, beta = jnp.asarray(inp["g"]), (None if inp.get("beta") is None else jnp.asarray(inp["beta"]))
+  h0 = jnp.asarray(inp["h0"])
+  do = jnp.asarray(np.random.default_rng(4).normal(size=v.shape), jnp.float16)
+  dfinal = jnp.asarray(np.random.default_rng(5).normal(size=h0.shape), jnp.float32)
+  args = (q, k, v, g) if beta is None else (q, k, v, g, beta)
+  _, pull = jax.vjp(lambda *a: gpu.chunked_attention(*a[:-1], initial_state=a[-1], interpret=PARAMS),
+                    *args, h0)
+  kept = pull((do, dfinal))
+  kw = dict(chunk_size=64, dtype=jnp.float16, interpret=PARAMS, scale=64 ** -0.5)
+  if beta is None:
+    recomputed = fused.backward(q, k, v, g, h0, do, dfinal, **kw)
+    recomputed = recomputed[:4] + recomputed[5:]
+  else:
+    recomputed = delta_grads.backward(q, k, v, g, beta, h0, do, dfinal, **kw)
+  assert len(kept) == len(recomputed)
+  for a, b in zip(kept, recomputed):
+    assert a.shape == b.shape and rel_rms(a, b) < 1e-6, rel_rms(a, b)

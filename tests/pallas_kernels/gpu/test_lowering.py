@@ -71,12 +71,12 @@ def test_fused_path_exports_for_hopper(kind, D, group, pieces, packed):
   # pieces > 1: a walk of every piece for its end state first (forward and reverse)
   assert fwd.count("custom_call @mosaic_gpu") == 1 + (pieces > 1)
   assert "chunk_walk_fused_fwd" in fwd and "chunk_walk_fwd" not in fwd
-  # gradient: the fused forward, the states walk, the reverse walk, the per-chunk gradients
+  # gradient: the fused forward (keeping the states), the reverse walk, the per-chunk gradients
   bwd = bwd.mlir_module()
-  assert bwd.count("custom_call @mosaic_gpu") == 4 + 3 * (pieces > 1)
-  for name in ("chunk_walk_fused_fwd", "chunk_walk_fused_states", "chunk_walk_fused_bwd",
-               "chunk_grads_fused"):
+  assert bwd.count("custom_call @mosaic_gpu") == 3 + 2 * (pieces > 1)
+  for name in ("chunk_walk_fused_fwd", "chunk_walk_fused_bwd", "chunk_grads_fused"):
     assert name in bwd, name
+  assert "chunk_walk_fused_states" not in bwd   # no second forward walk
 
 
 @pytest.mark.parametrize("D,packed", [(64, False), (128, True)])
@@ -107,11 +107,11 @@ def test_delta_backward_kernel_exports_for_hopper(D, packed):
   with jax.sharding.use_abstract_mesh(H200):
     bwd = jax.export.export(jax.jit(jax.grad(loss, argnums=range(6))), platforms=["cuda"])(*args)
   bwd = bwd.mlir_module()
-  # forward: preparation + walk; backward: preparation (with X), states walk, reverse walk, gradients
-  assert bwd.count("custom_call @mosaic_gpu") == 6
-  for name in ("chunk_prep_delta", "chunk_walk_fwd", "chunk_walk_states", "chunk_walk_bwd",
-               "chunk_grads_delta"):
+  # forward: preparation (with X) + walk (keeping the states); backward: reverse walk, gradients
+  assert bwd.count("custom_call @mosaic_gpu") == 4
+  for name in ("chunk_prep_delta", "chunk_walk_fwd", "chunk_walk_bwd", "chunk_grads_delta"):
     assert name in bwd, name
+  assert "chunk_walk_states" not in bwd
 
 
 def test_delta_walks_in_sequence_pieces_export_for_hopper():
@@ -127,9 +127,9 @@ def test_delta_walks_in_sequence_pieces_export_for_hopper():
   with jax.sharding.use_abstract_mesh(H200):
     bwd = jax.export.export(jax.jit(jax.grad(loss, argnums=range(5))), platforms=["cuda"])(*args)
   bwd = bwd.mlir_module()
-  # forward: preparation, maps, walk; backward: preparation, maps, states walk, reverse starts, reverse
-  # walk, gradients
-  assert bwd.count("custom_call @mosaic_gpu") == 9
+  # forward: preparation, maps, walk (keeping the states); backward: reverse starts, reverse walk,
+  # gradients
+  assert bwd.count("custom_call @mosaic_gpu") == 6
   assert "chunk_walk_bwd_starts" in bwd and "chunk_grads_delta" in bwd
 
 

@@ -47,10 +47,10 @@ def _export_grad(axes, T, delta):
 def test_sharded_exports_for_two_by_two_h200s(axes):
   exported = _export_grad(axes, T=1024, delta=True)
   assert exported.nr_devices == 4
-  # the forward's preparation kernel and walk; the backward's preparation kernel, states walk, reverse
-  # walk and per-chunk gradient kernel
+  # the forward's preparation kernel and walk (which keeps the states for the backward); the backward's
+  # reverse walk and per-chunk gradient kernel
   module = exported.mlir_module()
-  assert module.count("custom_call @mosaic_gpu") == 6
+  assert module.count("custom_call @mosaic_gpu") == 4
   assert "chunk_prep_delta" in module and "chunk_grads_delta" in module
 
 
@@ -60,7 +60,7 @@ def test_sharded_walks_in_sequence_pieces_export(axes, delta):
   # T = 4096 per shard with 16 programs: the walks split into 4 pieces inside each shard (the pieces'
   # maps and starts are per shard; their constants must vary over the mesh axes like the data).
   module = _export_grad(axes, T=4096, delta=delta).mlir_module()
-  # each direction's walks gain a first pass for the pieces (delta: + the preparation kernel in each
-  # direction, and the gradient kernel)
-  assert module.count("custom_call @mosaic_gpu") == (9 if delta else 7)
+  # each direction's walk gains a first pass for the pieces: forward (preparation,) maps, walk; backward
+  # starts, reverse walk, per-chunk gradients
+  assert module.count("custom_call @mosaic_gpu") == (6 if delta else 5)
   assert ("chunk_walk_bwd_starts" if delta else "chunk_walk_fused_bwd_starts") in module
