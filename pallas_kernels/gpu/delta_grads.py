@@ -36,13 +36,14 @@ from pallas_kernels.gpu.walk import BLOCK_V, COLS, F32, WGMMA, _vary_like, matmu
 
 
 def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, interpret=None,
-                block_v: int = BLOCK_V, dv_dtype=F32):
+                block_v: int = BLOCK_V, dv_dtype=F32, partial_dtype=F32):
   """Per-chunk gradients (module docstring). q, k `[B, T_pad, H, K]`, v `[B, T_pad, H_v, V]` (operand
   dtype); G, b `[B, H_v, T_pad]` float32 (chunk-local cumulative log-decay, beta); X `[B, H_v, T_pad, C]`,
   states, dstates `[B, H_v, NC, V, K]`, do `[B, H_v, T_pad, V]` (gradient of the unscaled o, chunk
   order); masks: None or `segment_vectors`. Returns `(dq, dk [NVB, B, T_pad, H_v, K], dv [B, T_pad, H_v,
-  V] in dv_dtype, dG, dbeta, kdv [NVB, B, H_v, T_pad])`, float32 but dv, NVB = V / block_v partial sums
-  (each block owns its columns of dv)."""
+  V] in dv_dtype, dG, dbeta, kdv [NVB, B, H_v, T_pad])`, NVB = V / block_v partial sums (each block
+  owns its columns of dv): dq, dk in partial_dtype (16-bit halves their bytes; the caller adds them in
+  float32), dG, dbeta, kdv float32."""
   B, T_pad, H, K = q.shape
   Hv, V = v.shape[2:]
   NC = states.shape[2]
@@ -56,7 +57,8 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
       st_s=smem((bv, K), dtype), dst_s=smem((bv, K), dtype), x_s=smem((C, C), dtype),
       bk_s=smem((C, K), dtype), t1_s=smem((C, K), dtype), un_s=smem((C, bv), dtype),
       du_s=smem((C, bv), dtype), p_s=smem((C, C), dtype), a_s=smem((C, C), dtype), dx_s=smem((C, C), dtype),
-      out_k=plgpu.SMEM((C, K), F32), out_v=plgpu.SMEM((C, bv), jnp.dtype(dv_dtype)),
+      out_k=(plgpu.SMEM((C, K), F32) if jnp.dtype(partial_dtype) == F32 else smem((C, K), partial_dtype)),
+      out_v=plgpu.SMEM((C, bv), jnp.dtype(dv_dtype)),
       vec_s=plgpu.SMEM((3, C), F32),
       g_s=plgpu.SMEM((C,), F32), gc_s=plgpu.SMEM((C,), F32), b_s=plgpu.SMEM((C,), F32),
       bc_s=plgpu.SMEM((C,), F32), bar=plgpu.Barrier(num_arrivals=11 + SEG_ROWS * has_seg),
@@ -207,7 +209,7 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
 
   args = [q, k, v, G, b, X, states, dstates, do] + ([masks] if has_seg else [])
   vec = jax.ShapeDtypeStruct((NVB, B, Hv, T_pad), F32)
-  partial_k = jax.ShapeDtypeStruct((NVB, B, T_pad, Hv, K), F32)
+  partial_k = jax.ShapeDtypeStruct((NVB, B, T_pad, Hv, K), partial_dtype)
   out_type = (partial_k, partial_k,
               jax.ShapeDtypeStruct((B, T_pad, Hv, V), dv_dtype), vec, vec, vec)
   outs = plgpu.kernel(
@@ -250,8 +252,8 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
   flat = lambda x: x.reshape(x.shape[:2] + (T_pad, x.shape[-1]))
   dq, dk, dv, dG, dbeta, kdv = chunk_grads(pad(q), pad(k), pad(v), G, b, flat(X), states, dstates,
                                            flat(do_c), dtype=dtype, masks=masks, interpret=interpret,
-                                           dv_dtype=v.dtype)
-  dq, dk, dG, dbeta, kdv = (x.sum(0) for x in (dq, dk, dG, dbeta, kdv))
+                                           dv_dtype=v.dtype, partial_dtype=dtype)
+  dq, dk, dG, dbeta, kdv = (x.astype(F32).sum(0) for x in (dq, dk, dG, dbeta, kdv))
   s_decay = t.decay[..., 0]      # e^(G_C), 0 where the chunk's last token left the carried run
   last = (jnp.sum(kdv.reshape(B, Hv, NC, C), axis=-1)
           + s_decay * jnp.einsum("bhnvk,bhnvk->bhn", states, dstates, preferred_element_type=F32))
