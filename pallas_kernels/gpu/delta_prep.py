@@ -72,12 +72,13 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
       q_s=smem((C, K), dtype), k_s=smem((C, K), dtype), v_s=smem((C, V), dtype),
       g_s=plgpu.SMEM((C,), F32), gc_s=plgpu.SMEM((C,), F32), b_s=plgpu.SMEM((C,), F32),
       x_s=smem((C, C), dtype), e_s=smem((C, C), dtype), y_s=smem((C, C), dtype), p_s=smem((C, C), dtype),
+      l_s=smem((C, C), dtype),
       out_s={n: smem((C, n), dtype) for n in {K, V}},   # staging tiles, one per width (TMA: whole tiles)
       bar=plgpu.Barrier(num_arrivals=6 + SEG_ROWS * has_seg))
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
 
-  def body(*refs, q_s, k_s, v_s, g_s, gc_s, b_s, x_s, e_s, y_s, p_s, out_s, bar, m_s=None):
+  def body(*refs, q_s, k_s, v_s, g_s, gc_s, b_s, x_s, e_s, y_s, p_s, l_s, out_s, bar, m_s=None):
     q_r, k_r, v_r, g_r, b_r = refs[:5]
     m_r = refs[5] if has_seg else None
     qg_r, kd_r, w_r, u_r, p_r = refs[5 + has_seg:10 + has_seg]
@@ -92,23 +93,36 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
       plgpu.copy_gmem_to_smem(src, dst, bar)
     plgpu.barrier_wait(bar)
 
-    G_rows = plgpu.load(g_s, layout=ROWS)
-    G_cols = plgpu.load(gc_s, layout=COLS)
-    beta_rows = plgpu.load(b_s, layout=ROWS)
+    # Register budget (one warpgroup, 255 registers a thread; a float32 [64, 128] tile takes 64): k is
+    # not held as float32 across the inversion but read again, L waits in shared memory (it is rounded
+    # to the operand dtype for its matmuls anyway), and one index tile (i XOR j) serves the loop.
     G_last = g_s[C - 1]
     rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
     sq, ck, cv = (C, C), (C, K), (C, V)
-    i = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
-    j = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
-    diff = rows(G_rows, sq) - lax.broadcast_in_dim(G_cols, sq, [1])
-    incl, excl = i >= j, i > j
-    q_scale, k_scale = jnp.exp(G_rows), jnp.exp(G_last - G_rows)
-    if has_seg:  # pairs of one run only; the carried state reaches its own run
-      same, carry, to_last, _ = _segment_masks(m_s, None, C)
-      incl, excl = incl & same, excl & same
-      q_scale, k_scale = q_scale * carry, k_scale * to_last
-    p_s[...] = (matmul(q_s, k_s.T, sq) * jnp.exp(jnp.where(incl, diff, -jnp.inf))).astype(dtype)
-    L = matmul(k_s, k_s.T, sq) * jnp.exp(jnp.where(excl, diff, -jnp.inf)) * rows(beta_rows, sq)
+
+    def vectors():
+      G_rows, beta_rows = lax.optimization_barrier((plgpu.load(g_s, layout=ROWS),
+                                                    plgpu.load(b_s, layout=ROWS)))
+      q_scale, k_scale = jnp.exp(G_rows), jnp.exp(G_last - G_rows)
+      if has_seg:  # the carried state reaches its own run only
+        _, carry, to_last, _ = _segment_masks(m_s, None, C)
+        q_scale, k_scale = q_scale * carry, k_scale * to_last
+      return beta_rows, q_scale, k_scale
+
+    def decay(strict: bool):
+      """`exp(G_i - G_j)` on the (strictly) lower triangle, pairs of one run only."""
+      G_rows, G_cols = plgpu.load(g_s, layout=ROWS), plgpu.load(gc_s, layout=COLS)
+      i = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
+      j = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
+      mask = (i > j) if strict else (i >= j)
+      if has_seg:
+        mask = mask & _segment_masks(m_s, None, C)[0]
+      diff = rows(G_rows, sq) - lax.broadcast_in_dim(G_cols, sq, [1])
+      return jnp.exp(jnp.where(mask, diff, -jnp.inf))
+
+    p_s[...] = (matmul(q_s, k_s.T, sq) * decay(False)).astype(dtype)
+    beta_rows, _, _ = vectors()
+    l_s[...] = (matmul(k_s, k_s.T, sq) * decay(True) * rows(beta_rows, sq)).astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(p_s, p_r.at[bi, h, rows_t])
 
@@ -120,16 +134,18 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(tile, dst)
 
-    k_f = plgpu.load(k_s, layout=WGMMA).astype(F32)
-    emit(plgpu.load(q_s, layout=WGMMA).astype(F32) * rows(q_scale, ck), qg_r.at[bi, h, rows_t])
-    emit(k_f * rows(k_scale, ck), kd_r.at[bi, h, rows_t])
+    load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
+    _, q_scale, k_scale = vectors()
+    emit(load(q_s) * rows(q_scale, ck), qg_r.at[bi, h, rows_t])
+    emit(load(k_s) * rows(k_scale, ck), kd_r.at[bi, h, rows_t])
 
     # (I + L)^-1 by block doubling on whole tiles
-    X = jnp.where(i == j, 1.0, 0.0).astype(F32)
+    apart = (plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
+             ^ plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA))   # i XOR j
+    X = jnp.where(apart == 0, 1.0, 0.0).astype(F32)
     for s in levels:
-      apart = i ^ j      # same 2s block: apart < 2s; different s blocks: apart >= s
-      inside = (apart < 2 * s) & (apart >= s)
-      e_s[...] = jnp.where(inside, L, 0.0).astype(dtype)
+      inside = (apart < 2 * s) & (apart >= s)   # same 2s block, different s blocks
+      e_s[...] = jnp.where(inside, plgpu.load(l_s, layout=WGMMA), 0.0).astype(dtype)
       x_s[...] = X.astype(dtype)
       plgpu.commit_smem()
       y_s[...] = matmul(x_s, e_s, sq).astype(dtype)
@@ -140,8 +156,9 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(x_s, x_r.at[bi, h, rows_t])
     # beta k e^G and beta v replace k and v in shared memory (k's other uses are done)
-    k_s[...] = (k_f * rows(beta_rows * q_scale, ck)).astype(dtype)
-    v_s[...] = (plgpu.load(v_s, layout=WGMMA).astype(F32) * rows(beta_rows, cv)).astype(dtype)
+    beta_rows, q_scale, _ = vectors()
+    k_s[...] = (load(k_s) * rows(beta_rows * q_scale, ck)).astype(dtype)
+    v_s[...] = (load(v_s) * rows(beta_rows, cv)).astype(dtype)
     plgpu.commit_smem()
     emit(matmul(x_s, k_s, ck), w_r.at[bi, h, rows_t])
     emit(matmul(x_s, v_s, cv), u_r.at[bi, h, rows_t])
