@@ -5,7 +5,10 @@ Stages (pallas_kernels/gpu/NOTES.md): the whole op's forward and forward + backw
 `sum(o * do)` w.r.t. q, k, v, g, beta), prepared and fused (`fused=True`: the additive family with no or
 scalar decay without any XLA preparation; the delta family with no or scalar decay with its forward's
 tensors from the preparation kernel; "-" for the others), the delta family's fwd+bwd with its gradients
-from kernels (`delta_backward=True`), the XLA preparation forward and its vjp,
+from kernels (`delta_backward=True`, the default) and without (XLA's vjp), the same as a training step
+(`jax.value_and_grad`: `jax.grad` alone drops a forward whose outputs the backward does not read), the
+delta family's preparation kernel (with `(I + L)^-1`) and per-chunk gradient kernel alone, the XLA
+preparation forward and its vjp,
 the forward walk with outputs, the forward walk that stores states, the reverse walk, and the reverse
 walk plus the batched cotangent matmuls. With `--jla`, jax-linear-attention's Mosaic GPU kernels are timed
 on the same inputs in the same process (jla l2-normalises q and k of the delta variants itself). Prints a
@@ -34,10 +37,11 @@ from absl import app, flags
 
 from experiments import benchmark, common
 from pallas_kernels import gpu, prep, vjp
-from pallas_kernels.gpu import delta_prep, fused, walk
+from pallas_kernels.gpu import delta_grads, delta_prep, fused, walk
 
 STAGES = ("op fwd", "op fwd fused", "op fwd+bwd", "op fwd+bwd fused", "op fwd+bwd delta_backward",
-          "op value+grad fused", "op value+grad delta_backward", "prep fwd", "walk o", "walk states", "reverse walk", "reverse + cotangents", "prep vjp")
+          "op value+grad fused", "op value+grad delta_backward", "delta prep kernel",
+          "delta grads kernel", "prep fwd", "walk o", "walk states", "reverse walk", "reverse + cotangents", "prep vjp")
 
 
 def _time(fn, args, iters: int, label: str = "") -> float:
@@ -90,6 +94,18 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
       lambda *a: jnp.sum(forward(use_fused, delta_backward)(*a).astype(jnp.float32) * do_o),
       argnums=argnums))
   serves = fused.serves(args[3], beta, None) or delta_prep.serves(args[3], beta, None)
+  delta_kernels = beta is not None and delta_prep.serves(args[3], beta, None)
+
+  def grads_args():
+    """`delta_grads.chunk_grads`'s inputs as the backward forms them (T a multiple of 64)."""
+    t_k, X = jax.jit(lambda *a: delta_prep.prepare(*a, chunk_size=64, dtype=dtype, with_inverse=True,
+                                                   interpret=interpret))(*args)
+    st = states_fn(t_k)
+    do_c = prep.to_chunks(do_o.astype(dtype), 64, T)
+    dst, _ = jax.jit(lambda t, d: walk.backward_states(t, d, None, interpret=interpret))(t_k, do_c)
+    G = fused.local_cumsum(args[3], B, T, H, 64)
+    flat = lambda a: a.reshape(a.shape[:2] + (T, a.shape[-1]))
+    return (args[0], args[1], args[2], G, jnp.swapaxes(beta, 1, 2), flat(X), st, dst, flat(do_c))
   stages = {
       "op fwd": (op(False), args),
       "op fwd fused": (op(True), args) if serves else None,
@@ -100,6 +116,12 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
       "op value+grad fused": (op_value_grad(True), args) if serves else None,
       "op value+grad delta_backward": ((op_value_grad(True, True), args) if beta is not None
                                        and delta_prep.serves(args[3], beta, None) else None),
+      "delta prep kernel": (jax.jit(lambda *a: delta_prep.prepare(
+          *a, chunk_size=64, dtype=dtype, with_inverse=True, interpret=interpret)), args)
+                            if delta_kernels else None,
+      "delta grads kernel": ((jax.jit(lambda *a: delta_grads.chunk_grads(
+          *a, dtype=dtype, dv_dtype=dtype, partial_dtype=dtype, interpret=interpret)), grads_args)
+                             if delta_kernels else None),
       "prep fwd": (prep_fwd, args),
       "walk o": (jax.jit(lambda t: walk.forward(t, None, with_o=True, out_dtype=dtype,
                                                 interpret=interpret)[0]), (t,)),
@@ -124,7 +146,8 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
     if only and name not in only:
       continue
     try:
-      out[name] = None if stage is None else _time(stage[0], stage[1], iters, f"{variant}, {name}")
+      stage_args = None if stage is None else (stage[1]() if callable(stage[1]) else stage[1])
+      out[name] = None if stage is None else _time(stage[0], stage_args, iters, f"{variant}, {name}")
     except Exception as e:  # a stage that fails to compile or run is reported, not hidden
       print(f"{variant}: stage {name!r} failed: {type(e).__name__}: {str(e)[:2000]}")
       out[name] = float("nan")

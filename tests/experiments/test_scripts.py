@@ -73,7 +73,8 @@ def test_benchmark_parses_shapes_and_rejects_bad_configs():
     ("benchmark.py", ["--variants=simple_gla", "--impls=chunk", "--modes=fwd", "--shapes=1,8,1,4",
                       "--nosoftmax", "--warmup=0", "--iters=1"], "benchmark.json"),
     ("kernel_breakdown.py", ["--variants=gated_delta_rule", "--shape=1,64,1,64", "--iters=1",
-                             "--interpret"], "kernel_breakdown.json"),
+                             "--interpret", "--stages=op fwd,delta prep kernel,delta grads kernel"],
+     "kernel_breakdown.json"),
 ])
 def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
   cmd = [sys.executable, os.path.join(ROOT, "experiments", script), f"--workdir={tmp_path}", *flags]
@@ -82,6 +83,10 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
   assert done.returncode == 0, done.stderr[-2000:]
   assert os.path.exists(tmp_path / output)
   assert f"wrote {tmp_path / output}" in done.stdout
+  if script == "kernel_breakdown.py":  # a stage that fails is reported as NaN: none may here
+    with open(tmp_path / output, encoding="utf-8") as f:
+      ms = json.load(f)["ms"]["gated_delta_rule"]
+    assert all(ms[s] > 0 for s in ("op fwd", "delta prep kernel", "delta grads kernel")), ms
 
 
 def test_kernel_breakdown_times_jla_alongside_when_asked(tmp_path):
@@ -93,7 +98,8 @@ def test_kernel_breakdown_times_jla_alongside_when_asked(tmp_path):
       "  assert kind == 'deltanet' and impl == 'mosaic_gpu' and g is None and beta is not None\n"
       "  return v * 2, None\n")
   cmd = [sys.executable, os.path.join(ROOT, "experiments", "kernel_breakdown.py"), f"--workdir={tmp_path}",
-         "--variants=delta_rule", "--shape=1,64,1,64", "--iters=1", "--interpret", "--jla"]
+         "--variants=delta_rule", "--shape=1,64,1,64", "--iters=1", "--interpret", "--jla",
+         "--stages=op fwd fused,op value+grad delta_backward,jla fwd,jla fwd+bwd"]
   done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
                         env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(tmp_path)))
   assert done.returncode == 0, done.stderr[-2000:]
@@ -101,6 +107,7 @@ def test_kernel_breakdown_times_jla_alongside_when_asked(tmp_path):
     ms = json.load(f)["ms"]["delta_rule"]
   # delta_rule's fused forward takes its tensors from the preparation kernel
   assert ms["jla fwd"] > 0 and ms["jla fwd+bwd"] > 0 and ms["op fwd fused"] > 0
+  assert ms["op value+grad delta_backward"] > 0
 
 
 def test_fla_benchmark_says_why_nothing_is_timed_without_fla(tmp_path):
