@@ -43,13 +43,17 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
   order); masks: None or `segment_vectors`. Returns `(dq, dk [NVB, B, T_pad, H_v, K], dv [B, T_pad, H_v,
   V] in dv_dtype, dG, dbeta, kdv [NVB, B, H_v, T_pad])`, NVB = V / block_v partial sums (each block
   owns its columns of dv): dq, dk in partial_dtype (16-bit halves their bytes; the caller adds them in
-  float32), dG, dbeta, kdv float32."""
+  float32), dG, dbeta, kdv float32. kdv's sum over a chunk is the last token's extra dG term,
+  `sum(dkd * kd) + e^(G_C) sum(S * dS)` (per-token terms of the first, row sums of the block's S * dS
+  for the second)."""
   B, T_pad, H, K = q.shape
   Hv, V = v.shape[2:]
   NC = states.shape[2]
   C = T_pad // NC
   bv = min(block_v, V)
   NVB = V // bv
+  if bv != C:   # kdv folds each block's rows of S onto the chunk's rows
+    raise ValueError(f"value blocks of the chunk size ({C}) rows only; got {bv}")
   group = Hv // H
   has_seg = masks is not None
   scratch = dict(
@@ -201,7 +205,13 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     vec_s.at[0][...] = dG
     vec_s.at[1][...] = dbeta
-    vec_s.at[2][...] = kdv
+    # the caller sums kdv over the chunk for the last token's dG, which also takes e^(G_C) sum(S dS)
+    # (this block's rows of S, folded onto the chunk's rows: bv = C)
+    s_decay = jnp.exp(G_last)
+    if has_seg:
+      s_decay = s_decay * _segment_masks(m_s, None, C)[3]
+    load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
+    vec_s.at[2][...] = kdv + s_decay * jnp.sum(load(st_s) * load(dst_s), axis=1)
     plgpu.commit_smem()
     for idx, dst in enumerate((dg_r, db_r, kdv_r)):
       plgpu.copy_smem_to_gmem(vec_s.at[idx], dst.at[vb, bi, h, rows_t])
@@ -254,9 +264,7 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
                                            flat(do_c), dtype=dtype, masks=masks, interpret=interpret,
                                            dv_dtype=v.dtype, partial_dtype=dtype)
   dq, dk, dG, dbeta, kdv = (x.astype(F32).sum(0) for x in (dq, dk, dG, dbeta, kdv))
-  s_decay = t.decay[..., 0]      # e^(G_C), 0 where the chunk's last token left the carried run
-  last = (jnp.sum(kdv.reshape(B, Hv, NC, C), axis=-1)
-          + s_decay * jnp.einsum("bhnvk,bhnvk->bhn", states, dstates, preferred_element_type=F32))
+  last = jnp.sum(kdv.reshape(B, Hv, NC, C), axis=-1)   # with e^(G_C) sum(S dS) (chunk_grads)
   dG = dG.reshape(B, Hv, NC, C).at[..., -1].add(last)
   dg = jnp.flip(jnp.cumsum(jnp.flip(dG, -1), -1), -1).reshape(B, Hv, T_pad)   # G = cumsum(g) per chunk
   per_head = lambda x: x.reshape(B, T_pad, H, group, K).sum(3)[:, :T] if group > 1 else x[:, :T]

@@ -358,7 +358,8 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
       dG_i = q_i e^(G_i) . (do S^T)_i + sum_j (dP * P)_ij - sum_j (dP * P)_ji - kd_i . (v dS^T)_i
 
   and the last token's `dG` also takes `sum_i kd_i . (v dS^T)_i + e^(G_C) sum(S * dS)`, which the caller
-  adds (`kdv`, the per-token terms of the first sum, is returned for it). With `masks`
+  adds as the sum of the returned `kdv` over the chunk (`kdv` holds the per-token terms of the first
+  sum plus the row sums of `e^(G_C) S * dS`, folded onto the chunk's rows). With `masks`
   (`segment_vectors`), D keeps pairs of one run, `e^G` counts only where the token reads the carried
   state and `kd` only where its write reaches the chunk's end.
 
@@ -423,14 +424,23 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
     D = jnp.exp(jnp.where(lower, diff, -jnp.inf))
     P = matmul(q_s, k_s.T, sq) * D
     dP = matmul(do_s, v_s.T, sq) * scale
-    A = dP * P
+    A_rows = jnp.sum(dP * P, axis=1)   # row sums now: the [C, C] tiles need not stay live
     # (dP P)^T from its own matmuls: the column sums of dP P are the row sums of its transpose
-    A_t = (matmul(v_s, do_s.T, sq) * scale) * matmul(k_s, q_s.T, sq) * jnp.exp(
-        jnp.where(upper, -diff, -jnp.inf))
+    A_cols = jnp.sum((matmul(v_s, do_s.T, sq) * scale) * matmul(k_s, q_s.T, sq) * jnp.exp(
+        jnp.where(upper, -diff, -jnp.inf)), axis=1)
     p_s[...] = P.astype(dtype)
     dpd_s[...] = (dP * D).astype(dtype)
     kd_s[...] = (plgpu.load(k_s, layout=WGMMA).astype(F32) * rows(k_decay, ck)).astype(dtype)
     plgpu.commit_smem()
+
+    def last_state_term(st_s, dst_s, rows_s):
+      """`e^(G_C) rowsum(S * dS)` as a [C] vector (the S rows folded onto C), carried state only."""
+      s_decay = jnp.exp(G_last)
+      if has_seg:
+        s_decay = s_decay * _segment_masks(m_s, None, C)[3]
+      load = lambda ref, r: plgpu.load(ref.at[pl.ds(r, C)], layout=WGMMA).astype(F32)
+      total = sum(jnp.sum(load(st_s, r) * load(dst_s, r), axis=1) for r in range(0, rows_s, C))
+      return s_decay * total
 
     def emit(x, i, dst):
       """Stages the float32 tile `x` in the `i`-th gradient's dtype and copies it to `dst`."""
@@ -452,9 +462,11 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
     # dv = P^T do + kd dS
     emit(matmul(p_s.T, do_s, (C, V)) * scale + matmul(kd_s, dst_s.T, (C, V)), 2, dv_r.at[b, rows_t, h])
     # dG = ... + rowsum(dP P) - colsum(dP P) - kd . (v dS^T)
-    dG = dG + jnp.sum(A, axis=1) - jnp.sum(A_t, axis=1) - kdv
+    dG = dG + A_rows - A_cols - kdv
     vec_s.at[0][...] = dG
-    vec_s.at[1][...] = kdv
+    # the caller sums kdv over the chunk for the last token's dG, which also takes e^(G_C) sum(S dS):
+    # that sum is added here, row by row of S (the states are in shared memory already)
+    vec_s.at[1][...] = kdv + last_state_term(st_s, dst_s, V)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(vec_s.at[0], dg_r.at[b, h, rows_t])
     plgpu.copy_smem_to_gmem(vec_s.at[1], kdv_r.at[b, h, rows_t])
@@ -495,11 +507,7 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
   pad = lambda x: jnp.pad(x.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
   qp, kp, vp, do = pad(q), pad(k), pad(v), pad(do)
   G = local_cumsum(g, B, T_pad, Hv, C)
-  s_decay = jnp.exp(G.reshape(B, Hv, NC, C)[..., -1])
-  masks = None
-  if segment_ids is not None:
-    masks = segment_vectors(segment_ids, C, T_pad)
-    s_decay = s_decay * masks[:, None, 2].reshape(B, 1, NC, C)[..., -1]   # carry of the last token
+  masks = None if segment_ids is None else segment_vectors(segment_ids, C, T_pad)
   if states is None:
     _, states, _ = forward(q, k, v, g, h0, chunk_size=C, dtype=dtype, out_dtype=dtype,
                            segment_ids=segment_ids, interpret=interpret, with_o=False, with_states=True,
@@ -510,8 +518,7 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
   dq, dk, dv, dG, kdv = backward_chunks(qp, kp, vp, G, states, dstates, do, dtype=dtype, masks=masks,
                                         interpret=interpret, grad_dtypes=(summed(q), summed(k), v.dtype),
                                         scale=scale)
-  last = (jnp.sum(kdv.reshape(B, Hv, NC, C), axis=-1) + s_decay
-          * jnp.einsum("bhnvk,bhnvk->bhn", states, dstates, preferred_element_type=F32))
+  last = jnp.sum(kdv.reshape(B, Hv, NC, C), axis=-1)   # with e^(G_C) sum(S dS) (backward_chunks)
   dG = dG.reshape(B, Hv, NC, C).at[..., -1].add(last)
   dg = jnp.flip(jnp.cumsum(jnp.flip(dG, -1), -1), -1).reshape(B, Hv, T_pad)   # G = cumsum(g) per chunk
   per_head = lambda x: x.reshape(B, T_pad, H, group, K).sum(3)[:, :T] if group > 1 else x[:, :T]
