@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import prep, vjp
+from pallas_kernels import vjp
 from pallas_kernels.gpu import delta_grads, delta_prep
 from pallas_kernels.gpu import fused as fused_kernel
 from pallas_kernels.gpu import walk
@@ -110,10 +110,10 @@ class _Options:
   delta_backward: bool = False
 
 
-def _forward(t, h0, *, options, with_o, with_states, out_dtype):
+def _forward(t, h0, *, options, with_o, with_states, out_dtype, token_o=False, scale=1.0):
   o, states, final, transitions = walk.forward(
       t, h0, with_o=with_o, with_states=with_states, out_dtype=out_dtype, interpret=options.interpret,
-      sequence_pieces=options.sequence_pieces, return_transitions=True)
+      sequence_pieces=options.sequence_pieces, return_transitions=True, token_o=token_o, scale=scale)
   # the backward reuses the sequence pieces' transition matrices (opaque to vjp.py)
   return o, (states, transitions) if with_states else None, final
 
@@ -136,16 +136,18 @@ def _delta_kernels(options, g, beta, segment_ids) -> bool:
 
 def _fused_forward(q, k, v, g, beta, h0, segment_ids, *, options, chunk_size, compute_dtype, out_dtype,
                    scale, residuals=False):
-  if residuals and _delta_kernels(options, g, beta, segment_ids):
-    # the forward of a differentiated call keeps what the gradient kernels read: the prepared tensors,
-    # (I + L)^-1 and the state entering every chunk (the backward then runs no forward walk)
-    t, X = delta_prep.prepare(q, k, v, g, beta, chunk_size=chunk_size, dtype=compute_dtype,
-                              segment_ids=segment_ids, interpret=options.interpret, with_inverse=True,
-                              chunk_multiple=_chunks_per_group(0, options))
-    o, states, final = _forward(t, h0, options=options, with_o=True, with_states=True,
-                                out_dtype=out_dtype)
-    o = prep.from_chunks(o, q.shape[1])
-    return ((o.astype(jnp.float32) * scale).astype(out_dtype), final), (t, X) + states
+  if _delta_kernels(options, g, beta, segment_ids):
+    # the preparation kernel, then the walk writing o scaled in the token layout; the forward of a
+    # differentiated call keeps what the gradient kernels read: the prepared tensors, (I + L)^-1 and
+    # the state entering every chunk (the backward then runs no forward walk)
+    out = delta_prep.prepare(q, k, v, g, beta, chunk_size=chunk_size, dtype=compute_dtype,
+                             segment_ids=segment_ids, interpret=options.interpret,
+                             with_inverse=residuals, chunk_multiple=_chunks_per_group(0, options))
+    t, X = out if residuals else (out, None)
+    o, states, final = _forward(t, h0, options=options, with_o=True, with_states=residuals,
+                                out_dtype=out_dtype, token_o=True, scale=scale)
+    out = (o[:, :q.shape[1]], final)
+    return (out, (t, X) + states) if residuals else out
   if not _fused_serves(options, g, beta, segment_ids):
     return None
   o, states, final = fused_kernel.forward(q, k, v, g, h0, chunk_size=chunk_size, dtype=compute_dtype,

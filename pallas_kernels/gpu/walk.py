@@ -145,7 +145,7 @@ def _walk_chunks(NC, issue, in_bar, init, chunk, *, reverse: bool = False):
 
 def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = False, out_dtype=F32,
             interpret=None, block_v: int = BLOCK_V, sequence_pieces: int | None = None,
-            return_transitions: bool = False):
+            return_transitions: bool = False, token_o: bool = False, scale: float = 1.0):
   """The forward walk.
 
   Args:
@@ -158,9 +158,11 @@ def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = Fal
       main walk runs all pieces at once.
     return_transitions: also return the pieces' `A` (`[B, H, S, K, K]`, None for one piece), which
       `backward_states` can reuse.
+    token_o: write o as `[B, NC * C, H, V]` (the op's token layout; no transpose after the walk) and
+      times `scale`, instead of chunk layout and unscaled.
 
   Returns:
-    `(o [B, H, NC, C, V] out_dtype or None, states [B, H, NC, V, K] or None, final [B, H, K, V] f32)`
+    `(o [B, H, NC, C, V] out_dtype or None (token_o: [B, NC * C, H, V]), states [B, H, NC, V, K] or None, final [B, H, K, V] f32)`
     (and the transitions with `return_transitions`).
   """
   B, H, NC, C, K = t.qg.shape
@@ -177,7 +179,8 @@ def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = Fal
     h_in = chain_pieces(h0, F, lambda x, p: mm(A[:, :, p], x))
   h_in = None if h_in is None else jnp.swapaxes(h_in, -1, -2)
   o, states, finals = _forward_kernel(t, h_in, S=S, with_o=with_o, with_states=with_states,
-                                      out_dtype=out_dtype, interpret=interpret, bv=bv)
+                                      out_dtype=out_dtype, interpret=interpret, bv=bv,
+                                      token_o=token_o, scale=scale)
   out = (o, states, jnp.swapaxes(finals[:, :, -1], -1, -2))
   return out + (A,) if return_transitions else out
 
@@ -213,7 +216,8 @@ def chain_pieces(first, offsets, apply, *, reverse: bool = False):
   return jnp.stack(out, axis=2)
 
 
-def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, interpret, bv):
+def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, interpret, bv,
+                    token_o: bool = False, scale: float = 1.0):
   """The forward walk of `S` pieces of every sequence in parallel; `h0`: None or the transposed state
   entering each piece `[B, H, S, V, K]`. Returns `(o | None, states | None, the transposed state
   leaving each piece [B, H, S, V, K])`."""
@@ -229,7 +233,7 @@ def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, i
 
   out_type = []
   if with_o:
-    out_type.append(jax.ShapeDtypeStruct((B, H, NC * C, V), out_dtype))
+    out_type.append(jax.ShapeDtypeStruct((B, NC * C, H, V) if token_o else (B, H, NC * C, V), out_dtype))
   if with_states:
     out_type.append(jax.ShapeDtypeStruct((B, H, NC, V, K), dtype))
   out_type.append(jax.ShapeDtypeStruct((B, H, S, V, K), F32))
@@ -288,11 +292,13 @@ def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, i
       if with_o:  # o^T = S^T Qg^T + u^T P^T
         o_t = matmul(s_lo, qg_s.at[slot].T, (bv, C))
         o_t = matmul(u_lo, p_s.at[slot].T, (bv, C), init=o_t)
-        o_s.at[slot].T[...] = o_t.astype(out_dtype)
+        o_s.at[slot].T[...] = (o_t * scale if token_o else o_t).astype(out_dtype)
       if with_o or with_states:
         plgpu.commit_smem()
         if with_o:
-          plgpu.copy_smem_to_gmem(o_s.at[slot], o_r.at[b, h, pl.ds(n * C, C), vs], commit_group=False)
+          o_dst = (o_r.at[b, pl.ds(n * C, C), h, vs] if token_o
+                   else o_r.at[b, h, pl.ds(n * C, C), vs])
+          plgpu.copy_smem_to_gmem(o_s.at[slot], o_dst, commit_group=False)
         if with_states:
           plgpu.copy_smem_to_gmem(h_s.at[slot], states_r.at[b, h, n, vs], commit_group=False)
         plgpu.commit_smem_to_gmem_group()
@@ -311,7 +317,10 @@ def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, i
       grid_names=("b", "h", "v", "s"), compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret, kernel_name="chunk_walk_fwd" if with_o else "chunk_walk_states")(*args))
   outs = _vary_like(outs, args)
-  o = outs.pop(0).reshape(B, H, NC, C, V) if with_o else None
+  o = None
+  if with_o:
+    o = outs.pop(0)
+    o = o if token_o else o.reshape(B, H, NC, C, V)
   states = outs.pop(0) if with_states else None
   return o, states, outs.pop(0)
 
