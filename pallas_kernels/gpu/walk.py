@@ -228,7 +228,7 @@ def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, i
   delta = t.w is not None
   has_h0 = h0 is not None
   qg, kd, u, p = _flat(t.qg), _flat(t.kd), _flat(t.u), _flat(t.p)
-  w_neg = None if not delta else _flat(-t.w)
+  w = None if not delta else _flat(t.w)
   decay = t.decay.astype(F32)
 
   out_type = []
@@ -284,8 +284,8 @@ def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, i
       plgpu.commit_smem()
       u_lo = u_s.at[slot].T
       if delta:  # u^T = U^T - S^T W^T
-        u_t = matmul(s_lo, w_s.at[slot].T, (bv, C),
-                     init=plgpu.load(u_s.at[slot].T, layout=WGMMA).astype(F32))
+        u_t = (plgpu.load(u_s.at[slot].T, layout=WGMMA).astype(F32)
+               - matmul(s_lo, w_s.at[slot].T, (bv, C)))
         u_lo = un_s
         u_lo[...] = u_t.astype(dtype)
         plgpu.commit_smem()
@@ -309,7 +309,7 @@ def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, i
     init = lambda: _initial(h0_r.at[b, h, piece, vs] if has_h0 else None, state_s, state_bar, bv, K)
     _store_last(_walk_chunks(NCs, issue, in_bar, init, chunk), state_s, final_r.at[b, h, piece, vs])
 
-  args = [x for x, present in ((qg, with_o), (kd, True), (w_neg, delta), (u, True), (p, with_o),
+  args = [x for x, present in ((qg, with_o), (kd, True), (w, delta), (u, True), (p, with_o),
                                (decay, True), (h0, has_h0))
           if present]
   outs = list(plgpu.kernel(
@@ -366,7 +366,7 @@ def _reverse_kernel(t: ChunkTensors, do, df, *, S, with_dstates, interpret, bv):
   delta = t.w is not None
   has_df = df is not None
   qg, kd, p = _flat(t.qg), _flat(t.kd), _flat(t.p)
-  w_neg = None if not delta else _flat(-t.w)
+  w = None if not delta else _flat(t.w)
   decay = t.decay.astype(F32)
 
   out_type = (([jax.ShapeDtypeStruct((B, H, NC, V, K), dtype)] if with_dstates else [])
@@ -418,14 +418,14 @@ def _reverse_kernel(t: ChunkTensors, do, df, *, S, with_dstates, interpret, bv):
         du_t = matmul(ds_lo, kd_s.at[slot].T, (bv, C), init=du_t)
         du_s[...] = du_t.astype(dtype)
         plgpu.commit_smem()
-        nxt = matmul(du_s, w_s.at[slot], (bv, K), init=nxt)
+        nxt = nxt - matmul(du_s, w_s.at[slot], (bv, K))
       return nxt
 
     init = lambda: _initial(df_r.at[b, h, piece, vs] if has_df else None, state_s, state_bar, bv, K)
     _store_last(_walk_chunks(NCs, issue, in_bar, init, chunk, reverse=True), state_s,
                 dh0_r.at[b, h, piece, vs])
 
-  args = [x for x, present in ((qg, True), (kd, delta), (w_neg, delta), (p, delta), (do, True),
+  args = [x for x, present in ((qg, True), (kd, delta), (w, delta), (p, delta), (do, True),
                                (decay, True), (df, has_df))
           if present]
   outs = list(plgpu.kernel(
