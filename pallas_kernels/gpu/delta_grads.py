@@ -233,8 +233,8 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
              scale: float = 1.0, sequence_pieces: int | None = None, saved=None):
   """`(dq, dk, dv, dg, dbeta, dh0)` of the delta family's op (no or scalar decay) for `do: [B, T, H_v, V]`
   (of o scaled by `scale`) and `dfinal: None | [B, H_v, K, V]`: the preparation kernel (with X), the
-  two walks of walk.py, then `chunk_grads`; XLA adds the partial sums, the last-token terms of dG and
-  the per-chunk reverse cumsum. saved: None, or the forward's `(tensors, X, states, transitions)`
+  two walks of walk.py, then `chunk_grads`; XLA adds the partial sums, the last-token terms of dG (the
+  chunk sums of `kdv`) and the per-chunk reverse cumsum. saved: None, or the forward's `(tensors, X, states, transitions)`
   (`prepare(..., with_inverse=True)` and `walk.forward(..., with_states=True, return_transitions=True)`
   on these inputs), which skips the preparation and the states walk."""
   B, T, H, K = q.shape

@@ -88,6 +88,11 @@ def test_forward_walk_matches_its_float32_mirror(delta):
   ro, rstates, rfinal = _mirror_forward(t, h0)
   assert rel_rms(o, ro) < 1e-5 and rel_rms(final, rfinal) < 1e-5
   assert rel_rms(jnp.swapaxes(states, -1, -2).astype(jnp.float32), rstates) < 1e-5
+  # o in the token layout [B, T, H, V], scaled in the kernel
+  o_tok, _, _ = walk.forward(t, h0, with_o=True, out_dtype=jnp.float32, interpret=PARAMS,
+                             token_o=True, scale=0.125)
+  assert o_tok.shape == (1, 192, 1, 128)
+  assert rel_rms(o_tok, prep.from_chunks(ro, 192) * 0.125) < 1e-5
 
 
 def test_public_api_reaches_the_kernel_in_the_interpreter():
