@@ -210,9 +210,10 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
       of the matmuls of `(I + L)^-1` in the preparation (`prep.prepare`, delta family); float32 is exact and,
       on the H200, faster than bfloat16 there (NOTES.md). fused: the additive family with no or scalar
       decay (packed or not) runs with no XLA preparation (`fused.py`): its forward is one kernel that
-      forms the chunk tensors in shared memory, its backward two walks that do the same and one kernel
-      that forms every chunk's gradients in parallel. On the H200 that is 1.9x faster forward and 1.4x
-      faster forward + backward than the prepared path (NOTES.md, v4-v6). For the delta family with
+      forms the chunk tensors in shared memory (and, when differentiated, keeps the states), its
+      backward a reverse walk that does the same and one kernel that forms every chunk's gradients in
+      parallel. On the H200 that is 1.9x faster forward and 1.4x faster forward + backward than the
+      prepared path (NOTES.md, v4-v6; before v12-v14 made both faster). For the delta family with
       no or scalar decay it runs the preparation as one kernel (`delta_prep.py`). `False` runs the
       prepared path with XLA's preparation (per-channel gates always do).
     sequence_pieces: split each sequence's walks into this many pieces that run in parallel, joined by
