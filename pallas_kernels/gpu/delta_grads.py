@@ -31,7 +31,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import prep
 from pallas_kernels.gpu import delta_prep, walk
-from pallas_kernels.gpu.fused import ROWS, SEG_ROWS, _segment_masks, local_cumsum, segment_vectors
+from pallas_kernels.gpu.fused import (ROWS, SEG_ROWS, _decay_tile, _last_state_term, _row_scales,
+                                      local_cumsum, segment_vectors)
 from pallas_kernels.gpu.walk import BLOCK_V, COLS, F32, WGMMA, _vary_like, matmul, smem
 
 
@@ -95,30 +96,11 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
     # are re-formed where they are used (`fresh` hides the re-formed values from CSE, which would
     # otherwise merge them back into one long-lived value and spill it).
     fresh = lax.optimization_barrier
-    G_last = g_s[C - 1]
 
     def vectors():
-      G_rows, beta = fresh((plgpu.load(g_s, layout=ROWS), plgpu.load(b_s, layout=ROWS)))
-      e_q, e_k = jnp.exp(G_rows), jnp.exp(G_last - G_rows)
-      if has_seg:
-        _, carry, to_last, _ = _segment_masks(m_s, None, C)
-        e_q, e_k = e_q * carry, e_k * to_last
-      return beta, e_q, e_k
+      return (fresh(plgpu.load(b_s, layout=ROWS)),) + _row_scales(g_s, m_s, C)
 
-    def decay(lower: bool, strict: bool):
-      """`exp(G_i - G_j)` on the (strictly) lower triangle, or its transpose on the upper one."""
-      G_rows, G_cols = fresh((plgpu.load(g_s, layout=ROWS), plgpu.load(gc_s, layout=COLS)))
-      i = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
-      j = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
-      diff = rows(G_rows, sq) - cols(G_cols, sq)
-      if lower:
-        mask = (i > j) if strict else (i >= j)
-      else:
-        mask, diff = ((i < j) if strict else (i <= j)), -diff
-      if has_seg:
-        mask = mask & _segment_masks(m_s, None, C)[0]
-      return jnp.exp(jnp.where(mask, diff, -jnp.inf))
-
+    decay = lambda lower, strict: _decay_tile(g_s, gc_s, m_s, C, lower=lower, strict=strict)
     load_k = lambda: plgpu.load(k_s, layout=WGMMA).astype(F32)
 
     def emit(x, tile, dst):
@@ -207,11 +189,7 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
     vec_s.at[1][...] = dbeta
     # the caller sums kdv over the chunk for the last token's dG, which also takes e^(G_C) sum(S dS)
     # (this block's rows of S, folded onto the chunk's rows: bv = C)
-    s_decay = jnp.exp(G_last)
-    if has_seg:
-      s_decay = s_decay * _segment_masks(m_s, None, C)[3]
-    load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
-    vec_s.at[2][...] = kdv + s_decay * jnp.sum(load(st_s) * load(dst_s), axis=1)
+    vec_s.at[2][...] = kdv + _last_state_term(g_s, m_s, st_s, dst_s, C)
     plgpu.commit_smem()
     for idx, dst in enumerate((dg_r, db_r, kdv_r)):
       plgpu.copy_smem_to_gmem(vec_s.at[idx], dst.at[vb, bi, h, rows_t])

@@ -34,7 +34,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import prep
-from pallas_kernels.gpu.fused import ROWS, SEG_ROWS, _segment_masks, local_cumsum, segment_vectors
+from pallas_kernels.gpu.fused import (ROWS, SEG_ROWS, _decay_tile, _last_state_term, _row_scales,
+                                      local_cumsum, segment_vectors)
 from pallas_kernels.gpu.walk import COLS, F32, WGMMA, _vary_like, matmul, smem
 
 
@@ -96,33 +97,13 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
     # Register budget (one warpgroup, 255 registers a thread; a float32 [64, 128] tile takes 64): k is
     # not held as float32 across the inversion but read again, L waits in shared memory (it is rounded
     # to the operand dtype for its matmuls anyway), and one index tile (i XOR j) serves the loop.
-    G_last = g_s[C - 1]
     rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
     sq, ck, cv = (C, C), (C, K), (C, V)
-
-    def vectors():
-      G_rows, beta_rows = lax.optimization_barrier((plgpu.load(g_s, layout=ROWS),
-                                                    plgpu.load(b_s, layout=ROWS)))
-      q_scale, k_scale = jnp.exp(G_rows), jnp.exp(G_last - G_rows)
-      if has_seg:  # the carried state reaches its own run only
-        _, carry, to_last, _ = _segment_masks(m_s, None, C)
-        q_scale, k_scale = q_scale * carry, k_scale * to_last
-      return beta_rows, q_scale, k_scale
-
-    def decay(strict: bool):
-      """`exp(G_i - G_j)` on the (strictly) lower triangle, pairs of one run only."""
-      G_rows, G_cols = plgpu.load(g_s, layout=ROWS), plgpu.load(gc_s, layout=COLS)
-      i = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
-      j = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
-      mask = (i > j) if strict else (i >= j)
-      if has_seg:
-        mask = mask & _segment_masks(m_s, None, C)[0]
-      diff = rows(G_rows, sq) - lax.broadcast_in_dim(G_cols, sq, [1])
-      return jnp.exp(jnp.where(mask, diff, -jnp.inf))
+    beta_rows = lambda: lax.optimization_barrier(plgpu.load(b_s, layout=ROWS))
+    decay = lambda strict: _decay_tile(g_s, gc_s, m_s, C, strict=strict)
 
     p_s[...] = (matmul(q_s, k_s.T, sq) * decay(False)).astype(dtype)
-    beta_rows, _, _ = vectors()
-    l_s[...] = (matmul(k_s, k_s.T, sq) * decay(True) * rows(beta_rows, sq)).astype(dtype)
+    l_s[...] = (matmul(k_s, k_s.T, sq) * decay(True) * rows(beta_rows(), sq)).astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(p_s, p_r.at[bi, h, rows_t])
 
@@ -135,7 +116,7 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
       plgpu.copy_smem_to_gmem(tile, dst)
 
     load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
-    _, q_scale, k_scale = vectors()
+    q_scale, k_scale = _row_scales(g_s, m_s, C)
     emit(load(q_s) * rows(q_scale, ck), qg_r.at[bi, h, rows_t])
     emit(load(k_s) * rows(k_scale, ck), kd_r.at[bi, h, rows_t])
 
@@ -156,9 +137,9 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(x_s, x_r.at[bi, h, rows_t])
     # beta k e^G and beta v replace k and v in shared memory (k's other uses are done)
-    beta_rows, q_scale, _ = vectors()
-    k_s[...] = (load(k_s) * rows(beta_rows * q_scale, ck)).astype(dtype)
-    v_s[...] = (load(v_s) * rows(beta_rows, cv)).astype(dtype)
+    beta, (q_scale, _) = beta_rows(), _row_scales(g_s, m_s, C)
+    k_s[...] = (load(k_s) * rows(beta * q_scale, ck)).astype(dtype)
+    v_s[...] = (load(v_s) * rows(beta, cv)).astype(dtype)
     plgpu.commit_smem()
     emit(matmul(x_s, k_s, ck), w_r.at[bi, h, rows_t])
     emit(matmul(x_s, v_s, cv), u_r.at[bi, h, rows_t])

@@ -67,6 +67,49 @@ def _segment_masks(m_s, slot, C):
   return same, plgpu.load(at(2), layout=ROWS), plgpu.load(at(3), layout=ROWS), carry_last
 
 
+def _row_scales(g_s, m_s, C):
+  """`(e^G, e^(G_C - G))` `[C]` of one chunk (rows layout): what the carried state contributes to each
+  token and what each token's write contributes to the chunk's end (zero across runs when `m_s` holds
+  `segment_vectors`). The loads pass an optimisation barrier, so a kernel that calls this again where
+  it needs the vectors does not have CSE merge them into one long-lived value."""
+  G_rows = lax.optimization_barrier(plgpu.load(g_s, layout=ROWS))
+  G_last = g_s[C - 1]
+  e_q, e_k = jnp.exp(G_rows), jnp.exp(G_last - G_rows)
+  if m_s is not None:
+    _, carry, to_last, _ = _segment_masks(m_s, None, C)
+    e_q, e_k = e_q * carry, e_k * to_last
+  return e_q, e_k
+
+
+def _decay_tile(g_s, gc_s, m_s, C, *, lower: bool = True, strict: bool):
+  """`exp(G_i - G_j)` `[C, C]` on the (strictly) lower triangle, or its transpose on the upper one
+  (`lower=False`), pairs of one run only when `m_s` holds `segment_vectors`; zero elsewhere. Loads
+  behind an optimisation barrier, as `_row_scales`."""
+  G_rows, G_cols = lax.optimization_barrier((plgpu.load(g_s, layout=ROWS), plgpu.load(gc_s, layout=COLS)))
+  i = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
+  j = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
+  diff = lax.broadcast_in_dim(G_rows, (C, C), [0]) - lax.broadcast_in_dim(G_cols, (C, C), [1])
+  if lower:
+    mask = (i > j) if strict else (i >= j)
+  else:
+    mask, diff = ((i < j) if strict else (i <= j)), -diff
+  if m_s is not None:
+    mask = mask & _segment_masks(m_s, None, C)[0]
+  return jnp.exp(jnp.where(mask, diff, -jnp.inf))
+
+
+def _last_state_term(g_s, m_s, st_s, dst_s, C):
+  """`e^(G_C) rowsum(S * dS)` of one chunk as a `[C]` vector, the `[R, K]` S and dS tiles' rows folded
+  onto the chunk's C rows (R a multiple of C): its sum is the last token's dG term from the carried
+  state (zero where the chunk's last token left the carried run)."""
+  s_decay = jnp.exp(g_s[C - 1])
+  if m_s is not None:
+    s_decay = s_decay * _segment_masks(m_s, None, C)[3]
+  load = lambda ref, r: plgpu.load(ref.at[pl.ds(r, C)], layout=WGMMA).astype(F32)
+  total = sum(jnp.sum(load(st_s, r) * load(dst_s, r), axis=1) for r in range(0, st_s.shape[0], C))
+  return s_decay * total
+
+
 def local_cumsum(g, B: int, T_pad: int, Hv: int, C: int):
   """`[B, H_v, T_pad]` float32: the cumulative log-decay from each chunk's start (zeros for no decay)."""
   if g is None:
@@ -433,15 +476,6 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
     kd_s[...] = (plgpu.load(k_s, layout=WGMMA).astype(F32) * rows(k_decay, ck)).astype(dtype)
     plgpu.commit_smem()
 
-    def last_state_term(st_s, dst_s, rows_s):
-      """`e^(G_C) rowsum(S * dS)` as a [C] vector (the S rows folded onto C), carried state only."""
-      s_decay = jnp.exp(G_last)
-      if has_seg:
-        s_decay = s_decay * _segment_masks(m_s, None, C)[3]
-      load = lambda ref, r: plgpu.load(ref.at[pl.ds(r, C)], layout=WGMMA).astype(F32)
-      total = sum(jnp.sum(load(st_s, r) * load(dst_s, r), axis=1) for r in range(0, rows_s, C))
-      return s_decay * total
-
     def emit(x, i, dst):
       """Stages the float32 tile `x` in the `i`-th gradient's dtype and copies it to `dst`."""
       tile = out_s[f"{jnp.dtype(grad_dtypes[i]).name}_{x.shape[1]}"]
@@ -466,7 +500,7 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
     vec_s.at[0][...] = dG
     # the caller sums kdv over the chunk for the last token's dG, which also takes e^(G_C) sum(S dS):
     # that sum is added here, row by row of S (the states are in shared memory already)
-    vec_s.at[1][...] = kdv + last_state_term(st_s, dst_s, V)
+    vec_s.at[1][...] = kdv + _last_state_term(g_s, m_s, st_s, dst_s, C)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(vec_s.at[0], dg_r.at[b, h, rows_t])
     plgpu.copy_smem_to_gmem(vec_s.at[1], kdv_r.at[b, h, rows_t])
