@@ -3,11 +3,11 @@ no or scalar decay, packed or not (the default; `chunked_attention(..., delta_ba
 
 Per chunk (prep.py's notation; `S` the state entering the chunk, `dS` the gradient of the state leaving
 it, both from the two walks; `X = (I + L)^-1` from `delta_prep`; `B_k = beta k e^G`, `B_v = beta v`,
-`W = X B_k`, `U = X B_v`, `u = U - W S`, `P = (q k^T) * D_incl`, `M = (k k^T) * D_excl` so `L = beta M`):
+`W = X B_k`, `U = X B_v`, `u = U - W S = X r` with `r = B_v - B_k S`, `P = (q k^T) * D_incl`, `M = (k k^T) * D_excl` so `L = beta M`):
 
     do S^T = dqg            dP = do u^T             du = P^T do + kd dS        dkd = u dS^T
-    dW = -du S^T            dX = du B_v^T + dW B_k^T                           dL = -X^T dX X^T
-    dB_v = X^T du           dB_k = X^T dW           dM = beta * dL
+    dW = -du S^T            dX = du B_v^T + dW B_k^T = du r^T                  dL = -X^T dX X^T
+    dB_v = X^T du           dB_k = X^T dW = -dB_v S^T                          dM = beta * dL
     dq = e^G dqg + (dP D) k
     dk = (dP D)^T q + e^(G_C - G) dkd + beta e^G dB_k + (dM D) k + (dM D)^T k
     dv = beta dB_v          dbeta = rowsum(dB_v v) + rowsum(dB_k k e^G) + rowsum(dL M)
@@ -15,13 +15,18 @@ it, both from the two walks; `X = (I + L)^-1` from `delta_prep`; `B_k = beta k e
          A = dP * P + dM * M
 
 and the last token's dG also takes `sum(dkd kd) + e^(G_C) sum(S dS)` (the caller adds it; `kdv` holds
-the per-token terms of the first sum). Every product is a wgmma on 16-bit shared-memory operands; column
+the per-token terms of the first sum). The kernel forms u, dX and dB_k through r and dB_v (no W, dW or
+B_k tiles). Every product is a wgmma on 16-bit shared-memory operands, independent ones issued together; column
 sums come from the transposed products' own matmuls (`(dP)^T = u do^T`, `dL^T = -X dX^T X`; `k k^T` is
-symmetric). The programs split V into blocks of 64 columns: everything above is linear in (do, dS), so
-each block's dq, dk, dbeta and dG are partial sums (float32) that the caller adds up.
+symmetric). V splits into blocks of 64 columns: everything above is linear in (do, dS), so each block's
+dq, dk, dbeta and dG are partial sums that the caller adds up. One program takes every block of its chunk
+(`blocks_per_program`): q, k and X are read once, and the next block's v, S, do, dS are fetched while
+the current one computes.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -33,11 +38,40 @@ from pallas_kernels import prep
 from pallas_kernels.gpu import delta_prep, walk
 from pallas_kernels.gpu.fused import (ROWS, SEG_ROWS, _decay_tile, _last_state_term, _row_scales,
                                       local_cumsum, segment_vectors)
-from pallas_kernels.gpu.walk import BLOCK_V, COLS, F32, WGMMA, _vary_like, matmul, smem
+from pallas_kernels.gpu.walk import BLOCK_V, COLS, F32, WGMMA, _vary_like, matmul, matmuls, smem
+
+
+SMEM_BYTES = 227 * 1024   # an H100/H200 block's shared memory
+
+
+def _smem_bytes(scratch) -> int:
+  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+             for x in scratch.values() if not isinstance(x, plgpu.Barrier)) + 2048   # barriers, alignment
+
+
+def _scratch(C, K, bv, dtype, partial_dtype, dv_dtype, slots, has_seg):
+  """chunk_grads' shared memory: q, k, X once; v, do, S, dS in `slots` slots (the next value block's
+  fetched while the current one computes); the products staged for wgmma; output staging tiles."""
+  buf = lambda shape: smem((slots,) + shape, dtype)
+  scratch = dict(
+      q_s=smem((C, K), dtype), k_s=smem((C, K), dtype), x_s=smem((C, C), dtype),
+      v_s=buf((C, bv)), do_s=buf((C, bv)), st_s=buf((bv, K)), dst_s=buf((bv, K)),
+      r_s=smem((C, bv), dtype), un_s=smem((C, bv), dtype), du_s=smem((C, bv), dtype),
+      dbv_s=smem((C, bv), dtype), p_s=smem((C, C), dtype), a_s=smem((C, C), dtype), dx_s=smem((C, C), dtype),
+      out_k=(plgpu.SMEM((C, K), F32) if jnp.dtype(partial_dtype) == F32 else smem((C, K), partial_dtype)),
+      out_v=plgpu.SMEM((C, bv), jnp.dtype(dv_dtype)),
+      vec_s=plgpu.SMEM((3, C), F32),
+      g_s=plgpu.SMEM((C,), F32), gc_s=plgpu.SMEM((C,), F32), b_s=plgpu.SMEM((C,), F32),
+      bc_s=plgpu.SMEM((C,), F32), bar=plgpu.Barrier(num_arrivals=6 + SEG_ROWS * has_seg),
+      q_bar=plgpu.Barrier(), early=plgpu.Barrier(num_arrivals=2, num_barriers=slots),
+      late=plgpu.Barrier(num_arrivals=2, num_barriers=slots))
+  if has_seg:
+    scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
+  return scratch
 
 
 def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, interpret=None,
-                block_v: int = BLOCK_V, dv_dtype=F32, partial_dtype=F32):
+                block_v: int = BLOCK_V, dv_dtype=F32, partial_dtype=F32, blocks_per_program: int | None = None):
   """Per-chunk gradients (module docstring). q, k `[B, T_pad, H, K]`, v `[B, T_pad, H_v, V]` (operand
   dtype); G, b `[B, H_v, T_pad]` float32 (chunk-local cumulative log-decay, beta); X `[B, H_v, T_pad, C]`,
   states, dstates `[B, H_v, NC, V, K]`, do `[B, H_v, T_pad, V]` (gradient of the unscaled o, chunk
@@ -46,7 +80,7 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
   owns its columns of dv): dq, dk in partial_dtype (16-bit halves their bytes; the caller adds them in
   float32), dG, dbeta, kdv float32. kdv's sum over a chunk is the last token's extra dG term,
   `sum(dkd * kd) + e^(G_C) sum(S * dS)` (per-token terms of the first, row sums of the block's S * dS
-  for the second)."""
+  for the second). blocks_per_program: value blocks per program (a divisor of NVB; default all of them)."""
   B, T_pad, H, K = q.shape
   Hv, V = v.shape[2:]
   NC = states.shape[2]
@@ -57,35 +91,47 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
     raise ValueError(f"value blocks of the chunk size ({C}) rows only; got {bv}")
   group = Hv // H
   has_seg = masks is not None
-  scratch = dict(
-      q_s=smem((C, K), dtype), k_s=smem((C, K), dtype), v_s=smem((C, bv), dtype), do_s=smem((C, bv), dtype),
-      st_s=smem((bv, K), dtype), dst_s=smem((bv, K), dtype), x_s=smem((C, C), dtype),
-      bk_s=smem((C, K), dtype), t1_s=smem((C, K), dtype), un_s=smem((C, bv), dtype),
-      du_s=smem((C, bv), dtype), p_s=smem((C, C), dtype), a_s=smem((C, C), dtype), dx_s=smem((C, C), dtype),
-      out_k=(plgpu.SMEM((C, K), F32) if jnp.dtype(partial_dtype) == F32 else smem((C, K), partial_dtype)),
-      out_v=plgpu.SMEM((C, bv), jnp.dtype(dv_dtype)),
-      vec_s=plgpu.SMEM((3, C), F32),
-      g_s=plgpu.SMEM((C,), F32), gc_s=plgpu.SMEM((C,), F32), b_s=plgpu.SMEM((C,), F32),
-      bc_s=plgpu.SMEM((C,), F32), bar=plgpu.Barrier(num_arrivals=11 + SEG_ROWS * has_seg),
-      v_bar=plgpu.Barrier())
-  if has_seg:
-    scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
+  blocks = NVB if blocks_per_program is None else blocks_per_program
+  if blocks < 1 or NVB % blocks:
+    raise ValueError(f"blocks_per_program must divide the {NVB} value blocks; got {blocks}")
+  scratch = _scratch(C, K, bv, dtype, partial_dtype, dv_dtype, min(blocks, 2), has_seg)
+  if _smem_bytes(scratch) > SMEM_BYTES and blocks > 1:
+    if blocks_per_program is not None:
+      raise ValueError(f"blocks_per_program={blocks} needs {_smem_bytes(scratch)} bytes of shared memory "
+                       f"(at most {SMEM_BYTES}); use 1")
+    blocks = 1   # float32 staging tiles: the second slot does not fit
+    scratch = _scratch(C, K, bv, dtype, partial_dtype, dv_dtype, 1, has_seg)
+  slots = min(blocks, 2)
 
-  def body(*refs, q_s, k_s, v_s, do_s, st_s, dst_s, x_s, bk_s, t1_s, un_s, du_s, p_s, a_s, dx_s, out_k,
-           out_v, vec_s, g_s, gc_s, b_s, bc_s, bar, v_bar, m_s=None):
+  def body(*refs, q_s, k_s, v_s, do_s, st_s, dst_s, x_s, r_s, un_s, du_s, dbv_s, p_s, a_s, dx_s, out_k,
+           out_v, vec_s, g_s, gc_s, b_s, bc_s, bar, q_bar, early, late, m_s=None):
     q_r, k_r, v_r, g_r, b_r, x_r, st_r, dst_r, do_r = refs[:9]
     m_r = refs[9] if has_seg else None
     dq_r, dk_r, dv_r, dg_r, db_r, kdv_r = refs[9 + has_seg:]
-    bi, h, n, vb = (lax.axis_index(a) for a in ("b", "h", "n", "v"))
+    bi, h, n, pv = (lax.axis_index(a) for a in ("b", "h", "n", "v"))
     hk = lax.div(h, group)
-    rows_t, vs = pl.ds(n * C, C), pl.ds(vb * bv, bv)
-    copies = [(q_r.at[bi, rows_t, hk], q_s), (k_r.at[bi, rows_t, hk], k_s), (v_r.at[bi, rows_t, h, vs], v_s),
-              (do_r.at[bi, h, rows_t, vs], do_s), (st_r.at[bi, h, n, vs], st_s),
-              (dst_r.at[bi, h, n, vs], dst_s), (x_r.at[bi, h, rows_t], x_s), (g_r.at[bi, h, rows_t], g_s),
+    rows_t = pl.ds(n * C, C)
+    # what u needs first (k, X, the vectors, then each block's v and S); q, do and dS arrive while u is
+    # formed
+    copies = [(k_r.at[bi, rows_t, hk], k_s), (x_r.at[bi, h, rows_t], x_s), (g_r.at[bi, h, rows_t], g_s),
               (g_r.at[bi, h, rows_t], gc_s), (b_r.at[bi, h, rows_t], b_s), (b_r.at[bi, h, rows_t], bc_s)]
     copies += [(m_r.at[bi, r, rows_t], m_s.at[r]) for r in range(SEG_ROWS if has_seg else 0)]
     for src, dst in copies:
       plgpu.copy_gmem_to_smem(src, dst, bar)
+
+    def fetch(j):
+      """Block j's v, S (on `early`) and do, dS (on `late`) into slot j % 2."""
+      vs, slot = pl.ds((pv * blocks + j) * bv, bv), j % slots
+      plgpu.copy_gmem_to_smem(v_r.at[bi, rows_t, h, vs], v_s.at[slot], early.at[slot])
+      plgpu.copy_gmem_to_smem(st_r.at[bi, h, n, vs], st_s.at[slot], early.at[slot])
+      if j == 0:
+        plgpu.copy_gmem_to_smem(q_r.at[bi, rows_t, hk], q_s, q_bar)
+      plgpu.copy_gmem_to_smem(do_r.at[bi, h, rows_t, vs], do_s.at[slot], late.at[slot])
+      plgpu.copy_gmem_to_smem(dst_r.at[bi, h, n, vs], dst_s.at[slot], late.at[slot])
+
+    fetch(0)
+    if blocks > 1:
+      fetch(1)
     plgpu.barrier_wait(bar)
 
     rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
@@ -110,89 +156,97 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(tile, dst)
 
-    # B_k = beta k e^G; B_v = beta v (in place of v; v is fetched again for dbeta)
-    beta, e_q, _ = vectors()
-    bk_s[...] = (load_k() * rows(beta * e_q, ck)).astype(dtype)
-    v_s[...] = (plgpu.load(v_s, layout=WGMMA).astype(F32) * rows(beta, cv)).astype(dtype)
-    plgpu.commit_smem()
-    # u = X B_v - (X B_k) S
-    t1_s[...] = matmul(x_s, bk_s, ck).astype(dtype)
-    plgpu.commit_smem()
-    un_s[...] = (matmul(x_s, v_s, cv) - matmul(t1_s, st_s.T, cv)).astype(dtype)
-    plgpu.commit_smem()
-    # P, dP: rowsum(dP P) now, so neither lives on
-    D = decay(True, False)
-    P = matmul(q_s, k_s.T, sq) * D
-    p_s[...] = P.astype(dtype)
-    dP = matmul(do_s, un_s.T, sq)
-    a_s[...] = (dP * D).astype(dtype)
-    plgpu.commit_smem()
-    dG = jnp.sum(dP * P, axis=1)
-    # dq = e^G (do S^T) + (dP D) k; its dG term
-    _, e_q, _ = vectors()
-    dqg = matmul(do_s, st_s, ck)
-    dG = dG + e_q * jnp.sum(plgpu.load(q_s, layout=WGMMA).astype(F32) * dqg, axis=1)
-    emit(dqg * rows(e_q, ck) + matmul(a_s, k_s, ck), out_k, dq_r.at[vb, bi, rows_t, h])
-    # du = P^T do + kd dS
-    _, _, e_k = vectors()
-    du_s[...] = (matmul(p_s.T, do_s, cv) + rows(e_k, cv) * matmul(k_s, dst_s.T, cv)).astype(dtype)
-    plgpu.commit_smem()
-    # dk, first terms: (dP D)^T q + e^(G_C - G) dkd, dkd = u dS^T
-    dkd = matmul(un_s, dst_s, ck)
-    _, _, e_k = vectors()
-    kdv = e_k * jnp.sum(dkd * load_k(), axis=1)
-    dk = matmul(a_s.T, q_s, ck, init=dkd * rows(e_k, ck))
-    dG = dG - kdv
-    # dW = -du S^T (in place of W); dX; dB_v -> dv
-    t1_s[...] = (-matmul(du_s, st_s, ck)).astype(dtype)
-    plgpu.commit_smem()
-    dx_s[...] = (matmul(du_s, v_s.T, sq) + matmul(t1_s, bk_s.T, sq)).astype(dtype)
-    plgpu.commit_smem()
-    plgpu.copy_gmem_to_smem(v_r.at[bi, rows_t, h, vs], v_s, v_bar)   # v again, for dbeta
-    beta, _, _ = vectors()
-    dBv = matmul(x_s.T, du_s, cv)
-    emit(dBv * rows(beta, cv), out_v, dv_r.at[bi, rows_t, h, vs])
-    plgpu.barrier_wait(v_bar)
-    dbeta = jnp.sum(dBv * plgpu.load(v_s, layout=WGMMA).astype(F32), axis=1)
-    # dB_k = X^T dW
-    dBk = matmul(x_s.T, t1_s, ck)
-    beta, e_q, _ = vectors()
-    r = e_q * jnp.sum(dBk * load_k(), axis=1)
-    dk = dk + dBk * rows(beta * e_q, ck)
-    dG = dG + beta * r
-    dbeta = dbeta + r
-    # dL = -X^T dX X^T; M = (k k^T) D_excl; dM = beta dL (p_s is free again: it holds X^T dX)
-    p_s[...] = matmul(x_s.T, dx_s, sq).astype(dtype)
-    plgpu.commit_smem()
-    M = matmul(k_s, k_s.T, sq) * decay(True, True)
-    dL = -matmul(p_s, x_s.T, sq)
-    dbeta = dbeta + jnp.sum(dL * M, axis=1)
-    beta, _, _ = vectors()
-    dM = dL * rows(beta, sq)
-    dG = dG + jnp.sum(dM * M, axis=1)
-    a_s[...] = (dM * decay(True, True)).astype(dtype)
-    plgpu.commit_smem()
-    dk = dk + matmul(a_s, k_s, ck)
-    dk = dk + matmul(a_s.T, k_s, ck)
-    emit(dk, out_k, dk_r.at[vb, bi, rows_t, h])
-    # column sums of A = dP P + dM M from the transposed products:
-    # A^T = (u do^T) (k q^T) D^T + beta_j dL^T M^T
-    At = matmul(un_s, do_s.T, sq) * matmul(k_s, q_s.T, sq) * decay(False, False)
-    dG = dG - jnp.sum(At, axis=1)
-    p_s[...] = matmul(x_s, dx_s.T, sq).astype(dtype)
-    plgpu.commit_smem()
-    beta_cols = fresh(plgpu.load(bc_s, layout=COLS))
-    At = -matmul(p_s, x_s, sq) * cols(beta_cols, sq) * matmul(k_s, k_s.T, sq) * decay(False, True)
-    dG = dG - jnp.sum(At, axis=1)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    vec_s.at[0][...] = dG
-    vec_s.at[1][...] = dbeta
-    # the caller sums kdv over the chunk for the last token's dG, which also takes e^(G_C) sum(S dS)
-    # (this block's rows of S, folded onto the chunk's rows: bv = C)
-    vec_s.at[2][...] = kdv + _last_state_term(g_s, m_s, st_s, dst_s, C)
-    plgpu.commit_smem()
-    for idx, dst in enumerate((dg_r, db_r, kdv_r)):
-      plgpu.copy_smem_to_gmem(vec_s.at[idx], dst.at[vb, bi, h, rows_t])
+    def block(j):
+      """Value block j of this program: its partial dq, dk, dG, dbeta, kdv and its dv."""
+      slot, vb = j % slots, pv * blocks + j
+      v_b, do_b, st_b, dst_b = v_s.at[slot], do_s.at[slot], st_s.at[slot], dst_s.at[slot]
+      plgpu.barrier_wait(early.at[slot])
+      if 1 <= j < blocks - 1:   # into the slot block j - 1 has finished with
+        fetch(j + 1)
+      # r = B_v - B_k S^T = beta (v - e^G k S^T); u = X r
+      beta, e_q, _ = vectors()
+      ks = matmul(k_s, st_b.T, cv)
+      r_s[...] = (rows(beta, cv) * (plgpu.load(v_b, layout=WGMMA).astype(F32) - rows(e_q, cv) * ks)).astype(dtype)
+      plgpu.commit_smem()
+      un_s[...] = matmul(x_s, r_s, cv).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.barrier_wait(late.at[slot])
+      if j == 0:
+        plgpu.barrier_wait(q_bar)
+      # P, dP (issued together); rowsum(dP P) now, so neither lives on
+      P, dP = matmuls((sq, [(q_s, k_s.T)]), (sq, [(do_b, un_s.T)]))
+      D = decay(True, False)
+      P = P * D
+      p_s[...] = P.astype(dtype)
+      a_s[...] = (dP * D).astype(dtype)
+      plgpu.commit_smem()
+      dG = jnp.sum(dP * P, axis=1)
+      # dq = e^G (do S^T) + (dP D) k; its dG term
+      _, e_q, _ = vectors()
+      dqg = matmul(do_b, st_b, ck)
+      dG = dG + e_q * jnp.sum(plgpu.load(q_s, layout=WGMMA).astype(F32) * dqg, axis=1)
+      emit(dqg * rows(e_q, ck) + matmul(a_s, k_s, ck), out_k, dq_r.at[vb, bi, rows_t, h])
+      # du = P^T do + kd dS (issued together)
+      du_p, kdS = matmuls((cv, [(p_s.T, do_b)]), (cv, [(k_s, dst_b.T)]))
+      _, _, e_k = vectors()
+      du_s[...] = (du_p + rows(e_k, cv) * kdS).astype(dtype)
+      plgpu.commit_smem()
+      # dk, first terms: (dP D)^T q + e^(G_C - G) dkd, dkd = u dS^T
+      dkd = matmul(un_s, dst_b, ck)
+      _, _, e_k = vectors()
+      kdv = e_k * jnp.sum(dkd * load_k(), axis=1)
+      dk = matmul(a_s.T, q_s, ck, init=dkd * rows(e_k, ck))
+      dG = dG - kdv
+      # dX = du B_v^T + dW B_k^T = du r^T (dW = -du S^T); dB_v = X^T du -> dv (issued together)
+      dX, dBv = matmuls((sq, [(du_s, r_s.T)]), (cv, [(x_s.T, du_s)]))
+      dx_s[...] = dX.astype(dtype)
+      dbv_s[...] = dBv.astype(dtype)
+      plgpu.commit_smem()
+      beta, _, _ = vectors()
+      emit(dBv * rows(beta, cv), out_v, dv_r.at[bi, rows_t, h, pl.ds(vb * bv, bv)])
+      dbeta = jnp.sum(dBv * plgpu.load(v_b, layout=WGMMA).astype(F32), axis=1)
+      # dB_k = X^T dW = -dB_v S^T
+      dBk = -matmul(dbv_s, st_b, ck)
+      beta, e_q, _ = vectors()
+      r = e_q * jnp.sum(dBk * load_k(), axis=1)
+      dk = dk + dBk * rows(beta * e_q, ck)
+      dG = dG + beta * r
+      dbeta = dbeta + r
+      # dL = -X^T dX X^T; M = (k k^T) D_excl; dM = beta dL (p_s is free again: it holds X^T dX)
+      p_s[...] = matmul(x_s.T, dx_s, sq).astype(dtype)
+      plgpu.commit_smem()
+      kk, dL = matmuls((sq, [(k_s, k_s.T)]), (sq, [(p_s, x_s.T)]))
+      M = kk * decay(True, True)
+      dL = -dL
+      dbeta = dbeta + jnp.sum(dL * M, axis=1)
+      beta, _, _ = vectors()
+      dM = dL * rows(beta, sq)
+      dG = dG + jnp.sum(dM * M, axis=1)
+      a_s[...] = (dM * decay(True, True)).astype(dtype)
+      plgpu.commit_smem()
+      (dMk,) = matmuls((ck, [(a_s, k_s), (a_s.T, k_s)]))
+      emit(dk + dMk, out_k, dk_r.at[vb, bi, rows_t, h])
+      # column sums of A = dP P + dM M from the transposed products:
+      # A^T = (u do^T) (k q^T) D^T + beta_j dL^T M^T
+      ud, kq = matmuls((sq, [(un_s, do_b.T)]), (sq, [(k_s, q_s.T)]))
+      dG = dG - jnp.sum(ud * kq * decay(False, False), axis=1)
+      p_s[...] = matmul(x_s, dx_s.T, sq).astype(dtype)
+      plgpu.commit_smem()
+      dLt, kk = matmuls((sq, [(p_s, x_s)]), (sq, [(k_s, k_s.T)]))
+      beta_cols = fresh(plgpu.load(bc_s, layout=COLS))
+      dG = dG + jnp.sum(dLt * cols(beta_cols, sq) * kk * decay(False, True), axis=1)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      vec_s.at[0][...] = dG
+      vec_s.at[1][...] = dbeta
+      # the caller sums kdv over the chunk for the last token's dG, which also takes e^(G_C) sum(S dS)
+      # (this block's rows of S, folded onto the chunk's rows: bv = C)
+      vec_s.at[2][...] = kdv + _last_state_term(g_s, m_s, st_b, dst_b, C)
+      plgpu.commit_smem()
+      for idx, dst in enumerate((dg_r, db_r, kdv_r)):
+        plgpu.copy_smem_to_gmem(vec_s.at[idx], dst.at[vb, bi, h, rows_t])
+
+    for j in range(blocks):
+      block(j)
     plgpu.wait_smem_to_gmem(0)
 
   args = [q, k, v, G, b, X, states, dstates, do] + ([masks] if has_seg else [])
@@ -201,7 +255,7 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
   out_type = (partial_k, partial_k,
               jax.ShapeDtypeStruct((B, T_pad, Hv, V), dv_dtype), vec, vec, vec)
   outs = plgpu.kernel(
-      body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC, NVB), grid_names=("b", "h", "n", "v"),
+      body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC, NVB // blocks), grid_names=("b", "h", "n", "v"),
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
       kernel_name="chunk_grads_delta")(*args)
   return _vary_like(outs, args)

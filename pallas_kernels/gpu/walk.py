@@ -85,6 +85,18 @@ def matmul(a, b, shape, init=None):
   return out if init is None else init + out
 
 
+def matmuls(*specs):
+  """Several products issued before one wait, so the tensor cores pipeline them: each spec is
+  `(shape, [(a, b), ...])` and yields `sum(a @ b)` (float32, one accumulator per spec; the terms of a
+  spec chain in it). Returns the results as a tuple, past one optimisation barrier (see `matmul`)."""
+  def scoped(*accs):
+    for acc, (_, pairs) in zip(accs, specs):
+      for a, b in pairs:
+        plgpu.wgmma(acc, a, b)
+    return tuple(acc[...] for acc in accs)
+  return lax.optimization_barrier(pl.run_scoped(scoped, *(plgpu.ACC(shape, F32) for shape, _ in specs)))
+
+
 def _flat(x):
   """`[B, H, NC, C, D]` -> `[B, H, NC * C, D]` (free: a reshape of contiguous dims)."""
   return None if x is None else x.reshape(x.shape[:2] + (-1,) + x.shape[4:])
