@@ -41,7 +41,7 @@ from pallas_kernels.gpu import delta_grads, delta_prep, fused, walk
 
 STAGES = ("op fwd", "op fwd fused", "op fwd+bwd", "op fwd+bwd fused", "op fwd+bwd delta_backward",
           "op value+grad fused", "op value+grad delta_backward", "delta prep kernel",
-          "delta grads kernel", "delta grads kernel 1 block", "prep fwd", "walk o", "walk states", "reverse walk", "reverse + cotangents", "prep vjp")
+          "delta grads kernel", "delta grads kernel 2 blocks", "prep fwd", "walk o", "walk states", "reverse walk", "reverse + cotangents", "prep vjp")
 
 
 def _time(fn, args, iters: int, label: str = "") -> float:
@@ -122,9 +122,9 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
       "delta grads kernel": ((jax.jit(lambda *a: delta_grads.chunk_grads(
           *a, dtype=dtype, dv_dtype=dtype, partial_dtype=dtype, interpret=interpret)), grads_args)
                              if delta_kernels else None),
-      "delta grads kernel 1 block": ((jax.jit(lambda *a: delta_grads.chunk_grads(
+      "delta grads kernel 2 blocks": ((jax.jit(lambda *a: delta_grads.chunk_grads(
           *a, dtype=dtype, dv_dtype=dtype, partial_dtype=dtype, interpret=interpret,
-          blocks_per_program=1)), grads_args) if delta_kernels else None),
+          blocks_per_program=2)), grads_args) if delta_kernels else None),
       "prep fwd": (prep_fwd, args),
       "walk o": (jax.jit(lambda t: walk.forward(t, None, with_o=True, out_dtype=dtype,
                                                 interpret=interpret)[0]), (t,)),

@@ -19,9 +19,9 @@ the per-token terms of the first sum). The kernel forms u, dX and dB_k through r
 B_k tiles). Every product is a wgmma on 16-bit shared-memory operands, independent ones issued together; column
 sums come from the transposed products' own matmuls (`(dP)^T = u do^T`, `dL^T = -X dX^T X`; `k k^T` is
 symmetric). V splits into blocks of 64 columns: everything above is linear in (do, dS), so each block's
-dq, dk, dbeta and dG are partial sums that the caller adds up. One program takes every block of its chunk
-(`blocks_per_program`): q, k and X are read once, and the next block's v, S, do, dS are fetched while
-the current one computes.
+dq, dk, dbeta and dG are partial sums that the caller adds up. A program takes one block by default;
+with `blocks_per_program` > 1 it loops over several, reading q, k and X once and fetching the next
+block's v, S, do, dS while the current one computes (slower on the H200 as measured: NOTES v21).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def _scratch(C, K, bv, dtype, partial_dtype, dv_dtype, slots, has_seg):
 
 
 def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, interpret=None,
-                block_v: int = BLOCK_V, dv_dtype=F32, partial_dtype=F32, blocks_per_program: int | None = None):
+                block_v: int = BLOCK_V, dv_dtype=F32, partial_dtype=F32, blocks_per_program: int = 1):
   """Per-chunk gradients (module docstring). q, k `[B, T_pad, H, K]`, v `[B, T_pad, H_v, V]` (operand
   dtype); G, b `[B, H_v, T_pad]` float32 (chunk-local cumulative log-decay, beta); X `[B, H_v, T_pad, C]`,
   states, dstates `[B, H_v, NC, V, K]`, do `[B, H_v, T_pad, V]` (gradient of the unscaled o, chunk
@@ -80,7 +80,7 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
   owns its columns of dv): dq, dk in partial_dtype (16-bit halves their bytes; the caller adds them in
   float32), dG, dbeta, kdv float32. kdv's sum over a chunk is the last token's extra dG term,
   `sum(dkd * kd) + e^(G_C) sum(S * dS)` (per-token terms of the first, row sums of the block's S * dS
-  for the second). blocks_per_program: value blocks per program (a divisor of NVB; default all of them)."""
+  for the second). blocks_per_program: value blocks per program (a divisor of NVB)."""
   B, T_pad, H, K = q.shape
   Hv, V = v.shape[2:]
   NC = states.shape[2]
@@ -91,17 +91,14 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
     raise ValueError(f"value blocks of the chunk size ({C}) rows only; got {bv}")
   group = Hv // H
   has_seg = masks is not None
-  blocks = NVB if blocks_per_program is None else blocks_per_program
+  blocks = blocks_per_program
   if blocks < 1 or NVB % blocks:
     raise ValueError(f"blocks_per_program must divide the {NVB} value blocks; got {blocks}")
-  scratch = _scratch(C, K, bv, dtype, partial_dtype, dv_dtype, min(blocks, 2), has_seg)
-  if _smem_bytes(scratch) > SMEM_BYTES and blocks > 1:
-    if blocks_per_program is not None:
-      raise ValueError(f"blocks_per_program={blocks} needs {_smem_bytes(scratch)} bytes of shared memory "
-                       f"(at most {SMEM_BYTES}); use 1")
-    blocks = 1   # float32 staging tiles: the second slot does not fit
-    scratch = _scratch(C, K, bv, dtype, partial_dtype, dv_dtype, 1, has_seg)
   slots = min(blocks, 2)
+  scratch = _scratch(C, K, bv, dtype, partial_dtype, dv_dtype, slots, has_seg)
+  if _smem_bytes(scratch) > SMEM_BYTES:
+    raise ValueError(f"blocks_per_program={blocks} needs {_smem_bytes(scratch)} bytes of shared memory "
+                     f"(at most {SMEM_BYTES}); use 1")
 
   def body(*refs, q_s, k_s, v_s, do_s, st_s, dst_s, x_s, r_s, un_s, du_s, dbv_s, p_s, a_s, dx_s, out_k,
            out_v, vec_s, g_s, gc_s, b_s, bc_s, bar, q_bar, early, late, m_s=None):
@@ -119,17 +116,17 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
     for src, dst in copies:
       plgpu.copy_gmem_to_smem(src, dst, bar)
 
-    def fetch(j):
+    def fetch(j, with_q=False):
       """Block j's v, S (on `early`) and do, dS (on `late`) into slot j % 2."""
-      vs, slot = pl.ds((pv * blocks + j) * bv, bv), j % slots
+      vs, slot = pl.ds((pv * blocks + j) * bv, bv), lax.rem(j, slots)
       plgpu.copy_gmem_to_smem(v_r.at[bi, rows_t, h, vs], v_s.at[slot], early.at[slot])
       plgpu.copy_gmem_to_smem(st_r.at[bi, h, n, vs], st_s.at[slot], early.at[slot])
-      if j == 0:
+      if with_q:
         plgpu.copy_gmem_to_smem(q_r.at[bi, rows_t, hk], q_s, q_bar)
       plgpu.copy_gmem_to_smem(do_r.at[bi, h, rows_t, vs], do_s.at[slot], late.at[slot])
       plgpu.copy_gmem_to_smem(dst_r.at[bi, h, n, vs], dst_s.at[slot], late.at[slot])
 
-    fetch(0)
+    fetch(0, with_q=True)
     if blocks > 1:
       fetch(1)
     plgpu.barrier_wait(bar)
@@ -158,11 +155,13 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
 
     def block(j):
       """Value block j of this program: its partial dq, dk, dG, dbeta, kdv and its dv."""
-      slot, vb = j % slots, pv * blocks + j
+      slot, vb = lax.rem(j, slots), pv * blocks + j
       v_b, do_b, st_b, dst_b = v_s.at[slot], do_s.at[slot], st_s.at[slot], dst_s.at[slot]
       plgpu.barrier_wait(early.at[slot])
-      if 1 <= j < blocks - 1:   # into the slot block j - 1 has finished with
-        fetch(j + 1)
+      if blocks > 2:
+        @pl.when((j >= 1) & (j < blocks - 1))
+        def _prefetch():   # into the slot block j - 1 has finished with
+          fetch(j + 1)
       # r = B_v - B_k S^T = beta (v - e^G k S^T); u = X r
       beta, e_q, _ = vectors()
       ks = matmul(k_s, st_b.T, cv)
@@ -171,7 +170,7 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
       un_s[...] = matmul(x_s, r_s, cv).astype(dtype)
       plgpu.commit_smem()
       plgpu.barrier_wait(late.at[slot])
-      if j == 0:
+      if blocks == 1:
         plgpu.barrier_wait(q_bar)
       # P, dP (issued together); rowsum(dP P) now, so neither lives on
       P, dP = matmuls((sq, [(q_s, k_s.T)]), (sq, [(do_b, un_s.T)]))
@@ -245,8 +244,11 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
       for idx, dst in enumerate((dg_r, db_r, kdv_r)):
         plgpu.copy_smem_to_gmem(vec_s.at[idx], dst.at[vb, bi, h, rows_t])
 
-    for j in range(blocks):
-      block(j)
+    if blocks == 1:
+      block(0)
+    else:   # a loop, not unrolled: unrolled, the compiler interleaves the blocks and spills
+      plgpu.barrier_wait(q_bar)
+      lax.fori_loop(0, blocks, lambda j, c: (block(j), c)[1], None)
     plgpu.wait_smem_to_gmem(0)
 
   args = [q, k, v, G, b, X, states, dstates, do] + ([masks] if has_seg else [])
