@@ -107,6 +107,10 @@ def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_sta
 
   scale = K ** -0.5 if scale is None else scale
   q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
+  # the GPU kernels l2-normalise q, k themselves (no XLA pass over them); every other form here
+  l2_in_kernel = (qk_map is l2_normalize and form == "pallas" and _kernel_backend() == "gpu")
+  if l2_in_kernel:
+    q_raw, k_raw = _expand_heads(q32, Hv), _expand_heads(k32, Hv)
   if qk_map is not None:
     q32, k32 = qk_map(q32), qk_map(k32)
   q32, k32 = _expand_heads(q32, Hv), _expand_heads(k32, Hv)
@@ -133,11 +137,12 @@ def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_sta
     # they enter in that dtype and the gradients come back in it with no float32 round trip; per-channel
     # gates go through the XLA preparation, which keeps them float32 until its matmuls.
     sixteen = (lambda x: x) if per_channel else (lambda x: x.astype(compute_dtype))
+    q_in, k_in = (q_raw, k_raw) if l2_in_kernel else (q32, k32)
     o, final = gpu_kernels.chunked_attention(
-        sixteen(q32), sixteen(k32), sixteen(v32[..., :V]), g32, b32, scale=scale,
+        sixteen(q_in), sixteen(k_in), sixteen(v32[..., :V]), g32, b32, scale=scale,
         initial_state=None if h0 is None else h0[..., :V],
         segment_ids=segment_ids, chunk_size=chunk_size, compute_dtype=compute_dtype,
-        out_dtype=compute_dtype)
+        out_dtype=compute_dtype, qk_l2norm=l2_in_kernel)
     o = o.astype(jnp.float32)
     if v_extra:
       o_x, final_x = chunk_form(q32, k32, v32[..., V:], g32, b32, scale=scale,

@@ -36,8 +36,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import prep
 from pallas_kernels.gpu import delta_prep, walk
-from pallas_kernels.gpu.fused import (ROWS, SEG_ROWS, _decay_tile, _last_state_term, _row_scales,
-                                      local_cumsum, segment_vectors)
+from pallas_kernels.gpu.fused import (ROWS, SEG_ROWS, _decay_tile, _l2_normalize_grad, _l2_normalize_rows,
+                                      _last_state_term, _row_scales, local_cumsum, segment_vectors)
 from pallas_kernels.gpu.walk import BLOCK_V, COLS, F32, WGMMA, _vary_like, matmul, matmuls, smem
 
 
@@ -60,7 +60,7 @@ def _scratch(C, K, bv, dtype, partial_dtype, dv_dtype, slots, has_seg):
       dbv_s=smem((C, bv), dtype), p_s=smem((C, C), dtype), a_s=smem((C, C), dtype), dx_s=smem((C, C), dtype),
       out_k=(plgpu.SMEM((C, K), F32) if jnp.dtype(partial_dtype) == F32 else smem((C, K), partial_dtype)),
       out_v=plgpu.SMEM((C, bv), jnp.dtype(dv_dtype)),
-      vec_s=plgpu.SMEM((3, C), F32),
+      vec_s=plgpu.SMEM((3, C), F32), norm_s=plgpu.SMEM((2, C), F32),
       g_s=plgpu.SMEM((C,), F32), gc_s=plgpu.SMEM((C,), F32), b_s=plgpu.SMEM((C,), F32),
       bc_s=plgpu.SMEM((C,), F32), bar=plgpu.Barrier(num_arrivals=6 + SEG_ROWS * has_seg),
       q_bar=plgpu.Barrier(), early=plgpu.Barrier(num_arrivals=2, num_barriers=slots),
@@ -71,7 +71,8 @@ def _scratch(C, K, bv, dtype, partial_dtype, dv_dtype, slots, has_seg):
 
 
 def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, interpret=None,
-                block_v: int = BLOCK_V, dv_dtype=F32, partial_dtype=F32, blocks_per_program: int = 1):
+                block_v: int = BLOCK_V, dv_dtype=F32, partial_dtype=F32, blocks_per_program: int = 1,
+                qk_l2norm: bool = False):
   """Per-chunk gradients (module docstring). q, k `[B, T_pad, H, K]`, v `[B, T_pad, H_v, V]` (operand
   dtype); G, b `[B, H_v, T_pad]` float32 (chunk-local cumulative log-decay, beta); X `[B, H_v, T_pad, C]`,
   states, dstates `[B, H_v, NC, V, K]`, do `[B, H_v, T_pad, V]` (gradient of the unscaled o, chunk
@@ -80,7 +81,9 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
   owns its columns of dv): dq, dk in partial_dtype (16-bit halves their bytes; the caller adds them in
   float32), dG, dbeta, kdv float32. kdv's sum over a chunk is the last token's extra dG term,
   `sum(dkd * kd) + e^(G_C) sum(S * dS)` (per-token terms of the first, row sums of the block's S * dS
-  for the second). blocks_per_program: value blocks per program (a divisor of NVB)."""
+  for the second). blocks_per_program: value blocks per program (a divisor of NVB). qk_l2norm: q and k
+  are l2-normalised on load (as `delta_prep.prepare(..., qk_l2norm=True)`) and dq, dk are the gradients
+  of the raw q, k (the norm's gradient applied to each partial sum: it is linear)."""
   B, T_pad, H, K = q.shape
   Hv, V = v.shape[2:]
   NC = states.shape[2]
@@ -101,7 +104,7 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
                      f"(at most {SMEM_BYTES}); use 1")
 
   def body(*refs, q_s, k_s, v_s, do_s, st_s, dst_s, x_s, r_s, un_s, du_s, dbv_s, p_s, a_s, dx_s, out_k,
-           out_v, vec_s, g_s, gc_s, b_s, bc_s, bar, q_bar, early, late, m_s=None):
+           out_v, vec_s, norm_s, g_s, gc_s, b_s, bc_s, bar, q_bar, early, late, m_s=None):
     q_r, k_r, v_r, g_r, b_r, x_r, st_r, dst_r, do_r = refs[:9]
     m_r = refs[9] if has_seg else None
     dq_r, dk_r, dv_r, dg_r, db_r, kdv_r = refs[9 + has_seg:]
@@ -130,6 +133,15 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
     if blocks > 1:
       fetch(1)
     plgpu.barrier_wait(bar)
+    if qk_l2norm:
+      norm_s.at[1][...] = _l2_normalize_rows(k_s, C)
+      plgpu.commit_smem()
+
+    def wait_q():
+      plgpu.barrier_wait(q_bar)
+      if qk_l2norm:
+        norm_s.at[0][...] = _l2_normalize_rows(q_s, C)
+        plgpu.commit_smem()
 
     rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
     cols = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])
@@ -171,7 +183,7 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
       plgpu.commit_smem()
       plgpu.barrier_wait(late.at[slot])
       if blocks == 1:
-        plgpu.barrier_wait(q_bar)
+        wait_q()
       # P, dP (issued together); rowsum(dP P) now, so neither lives on
       P, dP = matmuls((sq, [(q_s, k_s.T)]), (sq, [(do_b, un_s.T)]))
       D = decay(True, False)
@@ -184,7 +196,10 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
       _, e_q, _ = vectors()
       dqg = matmul(do_b, st_b, ck)
       dG = dG + e_q * jnp.sum(plgpu.load(q_s, layout=WGMMA).astype(F32) * dqg, axis=1)
-      emit(dqg * rows(e_q, ck) + matmul(a_s, k_s, ck), out_k, dq_r.at[vb, bi, rows_t, h])
+      dq = dqg * rows(e_q, ck) + matmul(a_s, k_s, ck)
+      if qk_l2norm:
+        dq = _l2_normalize_grad(dq, q_s, fresh(plgpu.load(norm_s.at[0], layout=ROWS)))
+      emit(dq, out_k, dq_r.at[vb, bi, rows_t, h])
       # du = P^T do + kd dS (issued together)
       du_p, kdS = matmuls((cv, [(p_s.T, do_b)]), (cv, [(k_s, dst_b.T)]))
       _, _, e_k = vectors()
@@ -224,7 +239,10 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
       a_s[...] = (dM * decay(True, True)).astype(dtype)
       plgpu.commit_smem()
       (dMk,) = matmuls((ck, [(a_s, k_s), (a_s.T, k_s)]))
-      emit(dk + dMk, out_k, dk_r.at[vb, bi, rows_t, h])
+      dk = dk + dMk
+      if qk_l2norm:
+        dk = _l2_normalize_grad(dk, k_s, fresh(plgpu.load(norm_s.at[1], layout=ROWS)))
+      emit(dk, out_k, dk_r.at[vb, bi, rows_t, h])
       # column sums of A = dP P + dM M from the transposed products:
       # A^T = (u do^T) (k q^T) D^T + beta_j dL^T M^T
       ud, kq = matmuls((sq, [(un_s, do_b.T)]), (sq, [(k_s, q_s.T)]))
@@ -247,7 +265,7 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
     if blocks == 1:
       block(0)
     else:   # a loop, not unrolled: unrolled, the compiler interleaves the blocks and spills
-      plgpu.barrier_wait(q_bar)
+      wait_q()
       lax.fori_loop(0, blocks, lambda j, c: (block(j), c)[1], None)
     plgpu.wait_smem_to_gmem(0)
 
@@ -264,7 +282,7 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
 
 
 def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
-             scale: float = 1.0, sequence_pieces: int | None = None, saved=None):
+             scale: float = 1.0, sequence_pieces: int | None = None, saved=None, qk_l2norm: bool = False):
   """`(dq, dk, dv, dg, dbeta, dh0)` of the delta family's op (no or scalar decay) for `do: [B, T, H_v, V]`
   (of o scaled by `scale`) and `dfinal: None | [B, H_v, K, V]`: the preparation kernel (with X), the
   two walks of walk.py, then `chunk_grads`; XLA adds the partial sums, the last-token terms of dG (the
@@ -280,7 +298,8 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
   group = Hv // H
   if saved is None:
     t, X = delta_prep.prepare(q, k, v, g, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
-                              interpret=interpret, with_inverse=True, chunk_multiple=multiple)
+                              interpret=interpret, with_inverse=True, chunk_multiple=multiple,
+                              qk_l2norm=qk_l2norm)
     _, states, _, transitions = walk.forward(t, h0, with_o=False, with_states=True, out_dtype=dtype,
                                              interpret=interpret, sequence_pieces=sequence_pieces,
                                              return_transitions=True)
@@ -296,7 +315,7 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
   flat = lambda x: x.reshape(x.shape[:2] + (T_pad, x.shape[-1]))
   dq, dk, dv, dG, dbeta, kdv = chunk_grads(pad(q), pad(k), pad(v), G, b, flat(X), states, dstates,
                                            flat(do_c), dtype=dtype, masks=masks, interpret=interpret,
-                                           dv_dtype=v.dtype, partial_dtype=dtype)
+                                           dv_dtype=v.dtype, partial_dtype=dtype, qk_l2norm=qk_l2norm)
   dq, dk, dG, dbeta, kdv = (x.astype(F32).sum(0) for x in (dq, dk, dG, dbeta, kdv))
   last = jnp.sum(kdv.reshape(B, Hv, NC, C), axis=-1)   # with e^(G_C) sum(S dS) (chunk_grads)
   dG = dG.reshape(B, Hv, NC, C).at[..., -1].add(last)

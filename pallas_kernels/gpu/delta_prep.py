@@ -34,7 +34,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import prep
-from pallas_kernels.gpu.fused import (ROWS, SEG_ROWS, _decay_tile, _last_state_term, _row_scales,
+from pallas_kernels.gpu.fused import (ROWS, SEG_ROWS, _decay_tile, _l2_normalize_rows, _row_scales,
                                       local_cumsum, segment_vectors)
 from pallas_kernels.gpu.walk import COLS, F32, WGMMA, _vary_like, matmul, smem
 
@@ -46,11 +46,12 @@ def serves(g, beta, segment_ids) -> bool:
 
 
 def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
-            with_inverse: bool = False, chunk_multiple: int = 1):
+            with_inverse: bool = False, chunk_multiple: int = 1, qk_l2norm: bool = False):
   """`prep.prepare(q, k, v, g, beta, segment_ids, ...)` with every matmul operand in `dtype` (16-bit),
   the tensors in `dtype` and `decay` float32; shapes as there (`[B, H_v, NC, C, ...]`). With
   `with_inverse`, `(tensors, X)`: also `X = (I + L)^-1` `[B, H_v, NC, C, C]` in `dtype` (for
-  `delta_grads`). chunk_multiple: T is padded to whole groups of this many chunks (as in prep.py)."""
+  `delta_grads`). chunk_multiple: T is padded to whole groups of this many chunks (as in prep.py).
+  qk_l2norm: q and k are l2-normalised in the kernel (over K, in float32) before anything reads them."""
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
   C = chunk_size
@@ -93,6 +94,9 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
                          (m_r.at[bi, r, rows_t], m_s.at[r]) for r in range(SEG_ROWS if has_seg else 0)):
       plgpu.copy_gmem_to_smem(src, dst, bar)
     plgpu.barrier_wait(bar)
+    if qk_l2norm:
+      _l2_normalize_rows(q_s, C)
+      _l2_normalize_rows(k_s, C)
 
     # Register budget (one warpgroup, 255 registers a thread; a float32 [64, 128] tile takes 64): k is
     # not held as float32 across the inversion but read again, L waits in shared memory (it is rounded

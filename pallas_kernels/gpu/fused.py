@@ -110,6 +110,29 @@ def _last_state_term(g_s, m_s, st_s, dst_s, C):
   return s_decay * total
 
 
+L2_EPS = 1e-6   # `x * rsqrt(sum(x^2) + eps)`, as linear_attention_jax.ops.l2_normalize
+
+
+def _l2_normalize_rows(ref, C):
+  """Normalises the rows of the 16-bit `[C, K]` shared-memory tile `ref` in place (float32 sums, then
+  rounded to the tile's dtype, as an XLA l2 norm before the kernel would round); returns the `[C]`
+  reciprocal norms (rows layout) for the gradient, `dx = r (dy - y rowsum(y dy))`."""
+  x = plgpu.load(ref, layout=WGMMA).astype(jnp.float32)
+  r = lax.rsqrt(jnp.sum(x * x, axis=1) + L2_EPS)
+  ref[...] = (x * lax.broadcast_in_dim(r, x.shape, [0])).astype(ref.dtype)
+  plgpu.commit_smem()
+  return r
+
+
+def _l2_normalize_grad(dy, y_ref, r):
+  """`dx` of `y = l2_normalize(x)` for the float32 `[C, K]` tile `dy`, `y` the normalised tile in shared
+  memory and `r` the rows' reciprocal norms."""
+  y = plgpu.load(y_ref, layout=WGMMA).astype(jnp.float32)
+  dot = jnp.sum(dy * y, axis=1)
+  rows = lambda x: lax.broadcast_in_dim(x, dy.shape, [0])
+  return rows(r) * (dy - y * rows(dot))
+
+
 def local_cumsum(g, B: int, T_pad: int, Hv: int, C: int):
   """`[B, H_v, T_pad]` float32: the cumulative log-decay from each chunk's start (zeros for no decay)."""
   if g is None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import vjp
@@ -108,6 +109,7 @@ class _Options:
   fused: bool = False
   sequence_pieces: int | None = None
   delta_backward: bool = False
+  qk_l2norm: bool = False   # only with the delta kernels (`_delta_kernels`): they normalise q, k on load
 
 
 def _forward(t, h0, *, options, with_o, with_states, out_dtype, token_o=False, scale=1.0):
@@ -142,7 +144,8 @@ def _fused_forward(q, k, v, g, beta, h0, segment_ids, *, options, chunk_size, co
     # the state entering every chunk (the backward then runs no forward walk)
     out = delta_prep.prepare(q, k, v, g, beta, chunk_size=chunk_size, dtype=compute_dtype,
                              segment_ids=segment_ids, interpret=options.interpret,
-                             with_inverse=residuals, chunk_multiple=_chunks_per_group(0, options))
+                             with_inverse=residuals, chunk_multiple=_chunks_per_group(0, options),
+                             qk_l2norm=options.qk_l2norm)
     t, X = out if residuals else (out, None)
     o, states, final = _forward(t, h0, options=options, with_o=True, with_states=residuals,
                                 out_dtype=out_dtype, token_o=True, scale=scale)
@@ -163,7 +166,8 @@ def _fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal, *, options, c
   if _delta_kernels(options, g, beta, segment_ids):
     return delta_grads.backward(q, k, v, g, beta, h0, do, dfinal, chunk_size=chunk_size,
                                 dtype=compute_dtype, segment_ids=segment_ids, interpret=options.interpret,
-                                scale=scale, sequence_pieces=options.sequence_pieces, saved=residuals)
+                                scale=scale, sequence_pieces=options.sequence_pieces, saved=residuals,
+                                qk_l2norm=options.qk_l2norm)
   if not _fused_serves(options, g, beta, segment_ids):
     return None
   return fused_kernel.backward(q, k, v, g, h0, do, dfinal, chunk_size=chunk_size, dtype=compute_dtype,
@@ -172,6 +176,7 @@ def _fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal, *, options, c
 
 
 def _kernel_prepare(q, k, v, g, beta, segment_ids, *, options, chunk_size, compute_dtype):
+  assert not options.qk_l2norm, "qk_l2norm is only set where the delta kernels run the whole op"
   if not (options.fused and delta_prep.serves(g, beta, segment_ids)):
     return None
   return delta_prep.prepare(q, k, v, g, beta, chunk_size=chunk_size, dtype=compute_dtype,
@@ -190,10 +195,16 @@ GPU_WALK = vjp.Walk(forward=_forward, backward=_backward, chunks_per_group=_chun
                     kernel_prepare=_kernel_prepare)
 
 
+def _l2_normalize(x):
+  """`x * rsqrt(sum(x^2) + eps)` over K in float32, back in x's dtype (XLA; differentiable)."""
+  x32 = x.astype(jnp.float32)
+  return (x32 * lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + fused_kernel.L2_EPS)).astype(x.dtype)
+
+
 def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None, segment_ids=None,
                       chunk_size: int = 64, compute_dtype=None, out_dtype=None, inverse_dtype=jnp.float32,
                       fused: bool = True, sequence_pieces: int | None = None, delta_backward: bool = True,
-                      interpret=None):
+                      qk_l2norm: bool = False, interpret=None):
   """Either family in chunked form, with the chunk walk as Mosaic GPU kernels; differentiable in
   q, k, v, g, beta and initial_state.
 
@@ -223,6 +234,10 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
       gradients in kernels (`delta_grads.py`: every chunk's gradients in parallel, no XLA vjp of the
       preparation; on the H200 gated_delta_rule's fwd+bwd at (4, 8192, 16, 128) takes 4.5 ms against
       6.7 ms with XLA's vjp, NOTES.md v10, v13). `False`: XLA's vjp of the preparation.
+    qk_l2norm: l2-normalise q and k over K first (`x * rsqrt(sum(x^2) + 1e-6)` in float32, rounded to
+      the inputs' dtype), gradients of the raw q, k. Where the delta kernels run (`fused`,
+      `delta_backward`, no or scalar decay) the preparation and gradient kernels do it on load, so no
+      XLA pass over q and k remains; elsewhere XLA does it before the kernels.
     interpret: None (the `interpret_kernels` context's parameters, else compiled) or a
       `plgpu.InterpretGPUParams`.
 
@@ -246,9 +261,13 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
   if jnp.dtype(out_dtype) not in sixteen_bit:
     raise ValueError(f"out_dtype must be bfloat16 or float16 (o leaves the kernels through a 16-bit "
                      f"tile; cast it afterwards); got {jnp.dtype(out_dtype).name}")
+  in_kernels = qk_l2norm and fused and delta_backward and delta_prep.serves(g, beta, segment_ids)
+  if qk_l2norm and not in_kernels:
+    q, k = _l2_normalize(q), _l2_normalize(k)
   static = vjp.Static(walk=GPU_WALK, options=_Options(interpret=interpret or None, fused=fused,
                                                       sequence_pieces=sequence_pieces,
-                                                      delta_backward=delta_backward),
+                                                      delta_backward=delta_backward,
+                                                      qk_l2norm=bool(in_kernels)),
                       chunk_size=chunk_size, compute_dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype),
                       inverse_dtype=None if inverse_dtype is None else jnp.dtype(inverse_dtype))
   return vjp.chunked_op(static, q, k, v, g, beta, scale=K ** -0.5 if scale is None else scale,

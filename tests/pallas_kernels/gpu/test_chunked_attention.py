@@ -358,20 +358,24 @@ def test_delta_backward_kernel_with_sequence_pieces():
   check("gated_delta_rule", inp, fused=True, delta_backward=True, pieces=3)
 
 
-@pytest.mark.parametrize("variant", ["linear_attention", "simple_gla", "gated_delta_rule", "gla"])
-def test_public_api_gradients_through_the_kernels(variant):
+@pytest.mark.parametrize("variant,l2", [("linear_attention", False), ("simple_gla", False),
+                                        ("gated_delta_rule", False), ("gla", False),
+                                        ("gated_delta_rule", True), ("delta_rule", True), ("kda", True)])
+def test_public_api_gradients_through_the_kernels(variant, l2):
   # linear_attention_jax.ops with impl="pallas" in the interpreter against impl="recurrent", float16 in
   # and out, grouped value heads: o and every gradient (the kernels receive q, k, v in the matmul dtype
-  # for no or scalar gates, float32 for per-channel ones).
+  # for no or scalar gates, float32 for per-channel ones). use_qk_l2norm: the delta kernels normalise
+  # q, k on load (no or scalar decay), XLA before the kernels otherwise (kda).
   from linear_attention_jax import ops
   inp = make_inputs(variant, B=1, T=100, H=1, Hv=2, K=64, V=64, seed=25)
   names = [n for n in ("q", "k", "v", "g", "beta") if inp.get(n) is not None]
   args = [jnp.asarray(inp[n], jnp.float16 if n in ("q", "k", "v") else jnp.float32) for n in names]
   fn = getattr(ops, variant)
+  kw = dict(use_qk_l2norm=True) if l2 else {}
   do = jnp.asarray(np.random.default_rng(3).normal(size=inp["v"].shape), jnp.float16)
 
   def run(impl):
-    o, vjp = jax.vjp(lambda *a: fn(*a, impl=impl)[0], *args)
+    o, vjp = jax.vjp(lambda *a: fn(*a, impl=impl, **kw)[0], *args)
     return o, vjp(do)
 
   with gpu.interpret_kernels():
@@ -434,3 +438,39 @@ def test_delta_gradient_programs_over_several_value_blocks_change_no_bit():
   # float32 staging tiles leave no room for a second slot: an error naming the shared memory
   with pytest.raises(ValueError, match="shared memory"):
     run(2, jnp.float32)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_l2_norm_on_load_in_the_delta_kernels_equals_xla_before_them(packed):
+  # qk_l2norm=True: the preparation and gradient kernels normalise q, k as they load them and return the
+  # gradients of the raw q, k; against the same kernels fed XLA-normalised q, k (o, final state and
+  # every gradient, initial state and final-state cotangent included).
+  from pallas_kernels.gpu import ops as gops
+  inp = make_inputs("gated_delta_rule", B=1, T=150, H=1, Hv=2, K=64, V=128, seed=41)
+  q, k, v = (jnp.asarray(inp[n] * 3.0, jnp.float16) for n in ("q", "k", "v"))
+  g, beta, h0 = (jnp.asarray(inp[n]) for n in ("g", "beta", "h0"))
+  seg = None
+  if packed:
+    seg = np.zeros((1, 150), np.int32)
+    seg[0, 40:100], seg[0, 100:] = 1, 2
+    seg = jnp.asarray(seg)
+  r = np.random.default_rng(6)
+  do = jnp.asarray(r.normal(size=v.shape), jnp.float16)
+  dfinal = jnp.asarray(r.normal(size=h0.shape), jnp.float32)
+
+  def run(fused_norm, *a):
+    q, k = a[:2]
+    if not fused_norm:
+      q, k = gops._l2_normalize(q), gops._l2_normalize(k)
+    o, final = gpu.chunked_attention(q, k, *a[2:5], initial_state=a[5], segment_ids=seg,
+                                     qk_l2norm=fused_norm, interpret=PARAMS)
+    return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(final * dfinal), (o, final)
+
+  outs = [jax.value_and_grad(lambda *a: run(fn, *a), argnums=range(6), has_aux=True)(q, k, v, g, beta, h0)
+          for fn in (True, False)]
+  (_, (o, final)), grads = outs[0]
+  (_, (ro, rfinal)), rgrads = outs[1]
+  assert rel_rms(o, ro) < 2e-3 and rel_rms(final, rfinal) < 2e-3
+  for name, a, b in zip("q k v g beta h0".split(), grads, rgrads):
+    assert a.dtype == b.dtype and bool(jnp.all(jnp.isfinite(a))), name
+    assert rel_rms(a, b) < 3e-3, (name, rel_rms(a, b))

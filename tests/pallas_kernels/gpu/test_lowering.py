@@ -93,15 +93,15 @@ def test_delta_preparation_kernel_exports_for_hopper(gated, D, packed):
   assert "chunk_prep_delta" in fwd and "chunk_walk_fwd" in fwd
 
 
-@pytest.mark.parametrize("D,packed", [(64, True), (128, False)])
-def test_delta_backward_kernel_exports_for_hopper(D, packed):
+@pytest.mark.parametrize("D,packed,l2", [(64, True, False), (128, False, True)])
+def test_delta_backward_kernel_exports_for_hopper(D, packed, l2):
   args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, dtype=jnp.float32),
           _spec(B, T, H, dtype=jnp.float32), _spec(B, H, D, D, dtype=jnp.float32))
   seg = jnp.zeros((B, T), jnp.int32).at[:, T // 3:].set(1) if packed else None
 
   def loss(q, k, v, g, beta, h0):
     o, final = gpu.chunked_attention(q, k, v, g, beta, initial_state=h0, segment_ids=seg,
-                                     delta_backward=True)
+                                     delta_backward=True, qk_l2norm=l2)
     return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
 
   with jax.sharding.use_abstract_mesh(H200):
@@ -112,6 +112,8 @@ def test_delta_backward_kernel_exports_for_hopper(D, packed):
   for name in ("chunk_prep_delta", "chunk_walk_fwd", "chunk_walk_bwd", "chunk_grads_delta"):
     assert name in bwd, name
   assert "chunk_walk_states" not in bwd
+  if l2:   # the kernels normalise q, k on load: no XLA reduction over them remains
+    assert "stablehlo.rsqrt" not in bwd
 
 
 def test_delta_walks_in_sequence_pieces_export_for_hopper():
