@@ -7,7 +7,9 @@ causal softmax attention (`jax.nn.dot_product_attention`, cuDNN on GPU). Inputs 
 shared/BENCHMARKS.md (experiments/common.py). Every contender is jitted and compiled, warmed up, then
 timed interleaved (iteration outer, contender inner) so drift hits all alike. The table gives the
 median milliseconds and the ratio to `--anchor` (median / anchor's median, same variant, shape and mode;
-> 1 is slower), with XLA's scratch memory and the device's peak memory (None on CPU). Writes
+> 1 is slower), the time as a multiple of the row's roofline floor (`--roofline`: ceilings measured in
+the same run, experiments/roofline.py), XLA's scratch memory and the device's peak memory (None on
+CPU). Writes
 `{workdir}/benchmark.json`, and `{workdir}/benchmark.png` with `--plot`.
 
 Example:
@@ -33,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from experiments import common
+from experiments import common, roofline
 from linear_attention_jax import ops
 
 try:
@@ -65,6 +67,7 @@ class Config:
   anchor: str = ""  # "" = "jla:<first jla impl>" when jla is installed, else impls[0]; or "softmax"
   seed: int = 0  # inputs for (shape, variant) come from numpy default_rng([seed, shape, variant])
   plot: bool = False  # write benchmark.png (needs matplotlib)
+  roofline: bool = True  # measure the copy bandwidth and matmul rate; report each time over its floor
 
   def __post_init__(self):
     common.check_variants(self.variants)
@@ -220,7 +223,8 @@ def _time(contenders: list[Contender], config: Config, desc: str):
     bar.close()
 
 
-def _rows(contenders: list[Contender], anchor: str) -> list[dict]:
+def _rows(contenders: list[Contender], anchor: str, ceilings: dict | None = None,
+          chunk_size: int = 64) -> list[dict]:
   medians = {(c.variant, c.shape, c.impl, c.mode): statistics.median(c.times_ms)
              for c in contenders if c.times_ms}
   rows = []
@@ -233,6 +237,11 @@ def _rows(contenders: list[Contender], anchor: str) -> list[dict]:
                  "status": c.status, "median_ms": ms, "times_ms": c.times_ms,
                  "ratio": None if ms is None or ref is None else ms / ref,
                  "temp_bytes": c.temp_bytes, "peak_bytes": c.peak_bytes})
+    if ceilings is not None and c.inputs is not None:
+      nbytes, flops = roofline.op_cost(c.variant, c.shape, c.mode, c.inputs, c.do, chunk_size=chunk_size)
+      floor = roofline.floor_ms(nbytes, flops, ceilings)
+      rows[-1].update(model_bytes=nbytes, model_flops=flops, floor_ms=floor,
+                      floor_multiple=None if ms is None else ms / floor)
   return rows
 
 
@@ -247,25 +256,33 @@ def run_benchmark(config: Config, workdir: str) -> dict:
     group = _contenders(config, shape, index, jla_ops, jla_status)
     _time(group, config, desc="B,T,H,K=" + ",".join(map(str, shape)))
     contenders += group
-  rows = _rows(contenders, anchor)
+  ceilings = roofline.measure_ceilings() if config.roofline else None
+  rows = _rows(contenders, anchor, ceilings, config.chunk_size)
   device = jax.devices()[0]
   print(f"{device.platform} ({device.device_kind}), jax {jax.__version__}, dtype={config.dtype}, "
         f"chunk_size={config.chunk_size}, median of {config.iters} after {config.warmup} warm-up")
   print(f"ratio = median / median of {anchor!r} (same variant, shape, mode); > 1 is slower. temp MiB: "
         "XLA's scratch for the contender; peak MiB: the device's high-water mark after its first call "
         "(cumulative over the run: JAX cannot reset it)")
+  if ceilings is not None:
+    print(f"ceilings measured in this run: copy {ceilings['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, bf16 "
+          f"matmul {ceilings['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s; x floor = median / (the op's bytes "
+          "or FLOPs at them, whichever is longer; experiments/roofline.py)")
   mib = lambda b: "-" if b is None else f"{b / 2**20:.1f}"
   print(common.format_table(
-      ("variant", "B,T,H,K", "impl", "mode", "median ms", "ratio", "temp MiB", "peak MiB", "note"),
+      ("variant", "B,T,H,K", "impl", "mode", "median ms", "ratio", "x floor", "temp MiB", "peak MiB", "note"),
       [(r["variant"], ",".join(map(str, r["shape"])), r["impl"], r["mode"],
         "-" if r["median_ms"] is None else f"{r['median_ms']:.3f}",
-        "-" if r["ratio"] is None else f"{r['ratio']:.2f}", mib(r["temp_bytes"]), mib(r["peak_bytes"]),
+        "-" if r["ratio"] is None else f"{r['ratio']:.2f}",
+        "-" if r.get("floor_multiple") is None else f"{r['floor_multiple']:.1f}",
+        mib(r["temp_bytes"]), mib(r["peak_bytes"]),
         "" if r["status"] == "ok" else r["status"][:48]) for r in rows]))
   for error in dict.fromkeys(r["status"] for r in rows if r["status"].startswith("error")):
     print(error)
   results = {"config": dataclasses.asdict(config), "anchor": anchor, "jax": jax.__version__,
              "device": f"{device.platform} ({device.device_kind})",
-             "peers": {"jla": jla_status} if "jla" in config.peers else {}, "rows": rows}
+             "peers": {"jla": jla_status} if "jla" in config.peers else {}, "ceilings": ceilings,
+             "rows": rows}
   results["path"] = common.write_json(workdir, "benchmark.json", results)
   print(f"wrote {results['path']}")
   if config.plot:
@@ -310,6 +327,8 @@ def _define_flags():
                       "'' = jla:<first jla impl> when jla is installed, else the first impl.")
   flags.DEFINE_integer("seed", d.seed, "Random seed.")
   flags.DEFINE_bool("plot", d.plot, "Write benchmark.png (needs matplotlib).")
+  flags.DEFINE_bool("roofline", d.roofline, "Measure the copy bandwidth and matmul rate in this run and "
+                    "report each time as a multiple of its floor (experiments/roofline.py).")
   flags.DEFINE_string("workdir", "runs/benchmark", "Where benchmark.json (and .png) are written.")
 
 
@@ -320,7 +339,7 @@ def main(argv):
   config = Config(variants=tuple(f.variants), impls=tuple(f.impls), shapes=parse_shapes(f.shapes),
                   dtype=f.dtype, modes=tuple(f.modes), warmup=f.warmup, iters=f.iters,
                   chunk_size=f.chunk_size, peers=tuple(f.peers), jla_impls=tuple(f.jla_impls),
-                  softmax=f.softmax, anchor=f.anchor, seed=f.seed, plot=f.plot)
+                  softmax=f.softmax, anchor=f.anchor, seed=f.seed, plot=f.plot, roofline=f.roofline)
   run_benchmark(config, f.workdir)
 
 

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from experiments import benchmark, common, equivalence
@@ -56,6 +58,31 @@ def test_benchmark_has_a_row_per_variant_impl_and_mode(tmp_path):
   assert sorted(r["mode"] for r in softmax) == sorted(config.modes)
   assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in softmax)
   assert os.path.exists(tmp_path / "benchmark.png") == plot
+  # and every timed row has its roofline floor from ceilings measured in the same run
+  assert results["ceilings"]["bandwidth_bytes_per_s"] > 0 and results["ceilings"]["matmul_flops_per_s"] > 0
+  for row in results["rows"]:
+    if row["status"] == "ok":
+      assert row["floor_ms"] > 0 and row["floor_multiple"] == row["median_ms"] / row["floor_ms"], row
+
+
+def test_roofline_model_gives_the_documented_gated_deltanet_floor():
+  # BENCHMARKS.md: Gated DeltaNet at (4, 8192, 16, 128) bf16 moves ~0.54 GB and does ~94 GFLOP forward
+  from experiments import roofline
+  B, T, H, K = 4, 8192, 16, 128
+  spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+  inputs = {"q": spec(B, T, H, K), "k": spec(B, T, H, K), "v": spec(B, T, H, K),
+            "g": spec(B, T, H, dtype=jnp.float32), "beta": spec(B, T, H)}
+  do = spec(B, T, H, K, dtype=jnp.float32)
+  nbytes, flops = roofline.op_cost("gated_delta_rule", (B, T, H, K), "fwd", inputs, do)
+  assert abs(nbytes / 0.54e9 - 1) < 0.01 and abs(flops / 94e9 - 1) < 0.01, (nbytes, flops)
+  both = roofline.op_cost("gated_delta_rule", (B, T, H, K), "fwd_bwd", inputs, do)
+  assert both[1] == 3 * flops and both[0] > 2 * nbytes
+  additive = roofline.op_cost("simple_gla", (B, T, H, K), "fwd", inputs, do)[1]
+  assert additive < flops       # the delta family's extra products
+  ceilings = {"bandwidth_bytes_per_s": 4.21e12, "matmul_flops_per_s": 817e12}
+  assert abs(roofline.floor_ms(nbytes, flops, ceilings) - 0.128) < 0.002   # memory-bound: 128 us
+  with pytest.raises(ValueError, match="mode"):
+    roofline.op_cost("gla", (B, T, H, K), "bwd", inputs, do)
 
 
 def test_benchmark_parses_shapes_and_rejects_bad_configs():
