@@ -232,8 +232,8 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
       an explicit number pads T to whole pieces of chunks).
     delta_backward: with `fused`, the delta family with no or scalar decay (packed or not) computes its
       gradients in kernels (`delta_grads.py`: every chunk's gradients in parallel, no XLA vjp of the
-      preparation; on the H200 gated_delta_rule's fwd+bwd at (4, 8192, 16, 128) takes 4.5 ms against
-      6.7 ms with XLA's vjp, NOTES.md v10, v13). `False`: XLA's vjp of the preparation.
+      preparation; on the H200 gated_delta_rule's value and gradients at (4, 8192, 16, 128) take 3.4 ms
+      against 7.5 ms with XLA's vjp, NOTES.md v10-v22). `False`: XLA's vjp of the preparation.
     qk_l2norm: l2-normalise q and k over K first (`x * rsqrt(sum(x^2) + 1e-6)` in float32, rounded to
       the inputs' dtype), gradients of the raw q, k. Where the delta kernels run (`fused`,
       `delta_backward`, no or scalar decay) the preparation and gradient kernels do it on load, so no
