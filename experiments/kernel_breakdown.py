@@ -37,11 +37,12 @@ from absl import app, flags
 
 from experiments import benchmark, common
 from pallas_kernels import gpu, prep, vjp
-from pallas_kernels.gpu import delta_grads, delta_prep, fused, walk
+from pallas_kernels.gpu import channel_prep, delta_grads, delta_prep, fused, walk
 
 STAGES = ("op fwd", "op fwd fused", "op fwd+bwd", "op fwd+bwd fused", "op fwd+bwd delta_backward",
           "op value+grad fused", "op value+grad delta_backward", "delta prep kernel",
-          "delta grads kernel", "delta grads kernel 2 blocks", "prep fwd", "walk o", "walk states", "reverse walk", "reverse + cotangents", "prep vjp")
+          "delta grads kernel", "delta grads kernel 2 blocks", "channel prep kernel", "op fwd channel kernel",
+          "prep fwd", "walk o", "walk states", "reverse walk", "reverse + cotangents", "prep vjp")
 
 
 def _time(fn, args, iters: int, label: str = "") -> float:
@@ -125,6 +126,12 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
       "delta grads kernel 2 blocks": ((jax.jit(lambda *a: delta_grads.chunk_grads(
           *a, dtype=dtype, dv_dtype=dtype, partial_dtype=dtype, interpret=interpret,
           blocks_per_program=2)), grads_args) if delta_kernels else None),
+      "channel prep kernel": ((jax.jit(lambda *a: channel_prep.prepare(
+          *a, chunk_size=64, dtype=dtype, interpret=interpret)), args)
+                              if channel_prep.serves(args[3], beta, None) else None),
+      "op fwd channel kernel": ((jax.jit(lambda *a: gpu.chunked_attention(
+          *a, sequence_pieces=sequence_pieces, channel_kernel=True, interpret=interpret)[0]), args)
+                                if channel_prep.serves(args[3], beta, None) else None),
       "prep fwd": (prep_fwd, args),
       "walk o": (jax.jit(lambda t: walk.forward(t, None, with_o=True, out_dtype=dtype,
                                                 interpret=interpret)[0]), (t,)),

@@ -13,7 +13,7 @@ from jax import lax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import vjp
-from pallas_kernels.gpu import delta_grads, delta_prep
+from pallas_kernels.gpu import channel_prep, delta_grads, delta_prep
 from pallas_kernels.gpu import fused as fused_kernel
 from pallas_kernels.gpu import walk
 
@@ -110,6 +110,7 @@ class _Options:
   sequence_pieces: int | None = None
   delta_backward: bool = False
   qk_l2norm: bool = False   # only with the delta kernels (`_delta_kernels`): they normalise q, k on load
+  channel_kernel: bool = False
 
 
 def _forward(t, h0, *, options, with_o, with_states, out_dtype, token_o=False, scale=1.0):
@@ -177,6 +178,10 @@ def _fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal, *, options, c
 
 def _kernel_prepare(q, k, v, g, beta, segment_ids, *, options, chunk_size, compute_dtype):
   assert not options.qk_l2norm, "qk_l2norm is only set where the delta kernels run the whole op"
+  if options.channel_kernel and channel_prep.serves(g, beta, segment_ids):   # gla, kda
+    return channel_prep.prepare(q, k, v, g, beta, chunk_size=chunk_size, dtype=compute_dtype,
+                                segment_ids=segment_ids, interpret=options.interpret,
+                                chunk_multiple=_chunks_per_group(0, options))
   if not (options.fused and delta_prep.serves(g, beta, segment_ids)):
     return None
   return delta_prep.prepare(q, k, v, g, beta, chunk_size=chunk_size, dtype=compute_dtype,
@@ -204,7 +209,7 @@ def _l2_normalize(x):
 def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None, segment_ids=None,
                       chunk_size: int = 64, compute_dtype=None, out_dtype=None, inverse_dtype=jnp.float32,
                       fused: bool = True, sequence_pieces: int | None = None, delta_backward: bool = True,
-                      qk_l2norm: bool = False, interpret=None):
+                      qk_l2norm: bool = False, channel_kernel: bool = False, interpret=None):
   """Either family in chunked form, with the chunk walk as Mosaic GPU kernels; differentiable in
   q, k, v, g, beta and initial_state.
 
@@ -238,6 +243,10 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
       the inputs' dtype), gradients of the raw q, k. Where the delta kernels run (`fused`,
       `delta_backward`, no or scalar decay) the preparation and gradient kernels do it on load, so no
       XLA pass over q and k remains; elsewhere XLA does it before the kernels.
+    channel_kernel: per-channel decay (gla, kda): the forward's chunk tensors from one kernel
+      (`channel_prep.py`: the decayed gram as one whole-tile product per merge level, every exponent
+      <= 0) instead of XLA's preparation; the backward still recomputes them in XLA for its vjp.
+      Off by default until it is measured on a Hopper GPU (NOTES.md v24).
     interpret: None (the `interpret_kernels` context's parameters, else compiled) or a
       `plgpu.InterpretGPUParams`.
 
@@ -267,7 +276,8 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
   static = vjp.Static(walk=GPU_WALK, options=_Options(interpret=interpret or None, fused=fused,
                                                       sequence_pieces=sequence_pieces,
                                                       delta_backward=delta_backward,
-                                                      qk_l2norm=bool(in_kernels)),
+                                                      qk_l2norm=bool(in_kernels),
+                                                      channel_kernel=channel_kernel),
                       chunk_size=chunk_size, compute_dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype),
                       inverse_dtype=None if inverse_dtype is None else jnp.dtype(inverse_dtype))
   return vjp.chunked_op(static, q, k, v, g, beta, scale=K ** -0.5 if scale is None else scale,

@@ -102,6 +102,8 @@ def test_benchmark_parses_shapes_and_rejects_bad_configs():
     ("kernel_breakdown.py", ["--variants=gated_delta_rule", "--shape=1,64,1,64", "--iters=1",
                              "--interpret", "--stages=op fwd,delta prep kernel,delta grads kernel"],
      "kernel_breakdown.json"),
+    ("kernel_breakdown.py", ["--variants=kda", "--shape=1,64,1,64", "--iters=1", "--interpret",
+                             "--stages=channel prep kernel,op fwd channel kernel"], "kernel_breakdown.json"),
 ])
 def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
   cmd = [sys.executable, os.path.join(ROOT, "experiments", script), f"--workdir={tmp_path}", *flags]
@@ -111,9 +113,11 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
   assert os.path.exists(tmp_path / output)
   assert f"wrote {tmp_path / output}" in done.stdout
   if script == "kernel_breakdown.py":  # a stage that fails is reported as NaN: none may here
+    stages = next(f for f in flags if f.startswith("--stages="))[len("--stages="):].split(",")
+    variant = next(f for f in flags if f.startswith("--variants="))[len("--variants="):]
     with open(tmp_path / output, encoding="utf-8") as f:
-      ms = json.load(f)["ms"]["gated_delta_rule"]
-    assert all(ms[s] > 0 for s in ("op fwd", "delta prep kernel", "delta grads kernel")), ms
+      ms = json.load(f)["ms"][variant]
+    assert all(ms[s] > 0 for s in stages), ms
 
 
 def test_kernel_breakdown_times_jla_alongside_when_asked(tmp_path):

@@ -153,3 +153,19 @@ def test_float32_inputs_fit_shared_memory(delta):
   with jax.sharding.use_abstract_mesh(H200):
     module = jax.export.export(jax.jit(jax.grad(loss, argnums=argnums)), platforms=["cuda"])(*args)
   assert ("chunk_grads_delta" if delta else "chunk_grads_fused") in module.mlir_module()
+
+
+@pytest.mark.parametrize("kind,D,packed", [("gla", 128, False), ("kda", 128, True), ("kda", 64, False)])
+def test_per_channel_preparation_kernel_exports_for_hopper(kind, D, packed):
+  # channel_kernel=True: the forward's chunk tensors from chunk_prep_channel (float16 selection products,
+  # integer bit masks, up to ~210 KB of shared memory at K = V = 128 for kda), then the walk
+  delta = kind == "kda"
+  args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D, dtype=jnp.float32),
+          _spec(B, T, H, dtype=jnp.float32) if delta else None)
+  seg = jnp.zeros((B, T), jnp.int32).at[:, T // 3:].set(1) if packed else None
+  fn = lambda q, k, v, g, beta: gpu.chunked_attention(q, k, v, g, beta, segment_ids=seg,
+                                                      channel_kernel=True)
+  with jax.sharding.use_abstract_mesh(H200):
+    fwd = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+  assert fwd.count("custom_call @mosaic_gpu") == 2
+  assert "chunk_prep_channel" in fwd and "chunk_walk_fwd" in fwd

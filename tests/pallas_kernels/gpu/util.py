@@ -23,9 +23,11 @@ F16_TOL = 4e-3
 BF16_TOL = 2e-2
 
 
-@functools.partial(jax.jit, static_argnames=("params", "dtype", "fused", "pieces", "delta_backward"),
+@functools.partial(jax.jit, static_argnames=("params", "dtype", "fused", "pieces", "delta_backward",
+                                             "channel_kernel"),
                    compiler_options=FAST_COMPILE)
-def run_with_grads(inp, do, dhT, seg, *, params, dtype, fused=False, pieces=None, delta_backward=False):
+def run_with_grads(inp, do, dhT, seg, *, params, dtype, fused=False, pieces=None, delta_backward=False,
+                   channel_kernel=False):
   """`(o, final_state, {name: gradient})` of the kernel op under cotangents `do`, `dhT`; q, k, v enter
   in `dtype`, g, beta and h0 in float32."""
   names = [n for n in NAMES if inp.get(n) is not None]
@@ -35,14 +37,15 @@ def run_with_grads(inp, do, dhT, seg, *, params, dtype, fused=False, pieces=None
     x = {n: xs[names.index(n)].astype(cast.get(n, jnp.float32)) if n in names else None for n in NAMES}
     return gpu.chunked_attention(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
                                  segment_ids=seg, fused=fused, sequence_pieces=pieces,
-                                 delta_backward=delta_backward, interpret=params)
+                                 delta_backward=delta_backward, channel_kernel=channel_kernel,
+                                 interpret=params)
 
   (o, hT), vjp = jax.vjp(f, *[jnp.asarray(inp[n], jnp.float32) for n in names])
   return o, hT, dict(zip(names, vjp((do.astype(o.dtype), dhT))))
 
 
 def check(variant, inp, *, seg=None, params=PARAMS, dtype=jnp.float16, tol=F16_TOL, seed=1,
-          fused=False, pieces=None, delta_backward=False):
+          fused=False, pieces=None, delta_backward=False, channel_kernel=False):
   """Asserts relative RMS errors <= tol for o, the final state and every gradient; returns them. The
   reference sees q, k, v rounded to `dtype` as the kernel does."""
   rng = np.random.default_rng(seed)
@@ -55,7 +58,7 @@ def check(variant, inp, *, seg=None, params=PARAMS, dtype=jnp.float16, tol=F16_T
   dhT = rng.normal(size=(B, Hv, K, V)).astype(np.float32)
   o, hT, grads = run_with_grads(inp, do, dhT, None if seg is None else jnp.asarray(seg), params=params,
                                 dtype=dtype, fused=fused, pieces=pieces,
-                                delta_backward=delta_backward)
+                                delta_backward=delta_backward, channel_kernel=channel_kernel)
   ref_inp = dict(inp, h0=np.zeros((B, Hv, K, V), np.float32) if inp.get("h0") is None else inp["h0"])
   ro, rhT, rgrads = _reference(variant, ref_inp, do, dhT, segment_ids=seg)
   errors = {"o": rel_rms(o, ro), "state": rel_rms(hT, rhT)}
