@@ -176,6 +176,16 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
         print(f"{variant}: check {label} (fast path vs reference path): relative RMS {max(errs):.2e}")
     except Exception as e:
       print(f"{variant}: fused check failed: {type(e).__name__}: {str(e)[:2000]}")
+  # the per-channel preparation kernel's o against XLA's preparation on these inputs
+  if channel_prep.serves(args[3], beta, None) and (not only or "channel check" in only):
+    try:
+      a = stages["op fwd channel kernel"][0](*args).astype(jnp.float32)
+      b = op(False)(*args).astype(jnp.float32)
+      err = float(jnp.sqrt(jnp.mean((a - b) ** 2) / (jnp.mean(b ** 2) + 1e-30)))
+      out["check channel o rel rms"] = err
+      print(f"{variant}: check channel kernel o (vs XLA's preparation): relative RMS {err:.2e}")
+    except Exception as e:
+      print(f"{variant}: channel check failed: {type(e).__name__}: {str(e)[:2000]}")
   return out
 
 
@@ -187,7 +197,8 @@ def _define_flags():
   flags.DEFINE_bool("interpret", False, "Run the kernels in the Mosaic GPU interpreter (any backend).")
   flags.DEFINE_bool("jla", False, "Also time jax-linear-attention's Mosaic GPU kernels (when installed).")
   flags.DEFINE_list("stages", [], "Only these stages (names as printed; 'fused check' for the fused "
-                    "path's agreement with the prepared one); empty: all.")
+                    "path's agreement with the prepared one, 'channel check' for the per-channel "
+                    "kernel's); empty: all.")
   flags.DEFINE_integer("sequence_pieces", None, "The walks' sequence pieces (default: their own "
                        "choice, `pallas_kernels.gpu.walk.pieces`).")
   flags.DEFINE_string("workdir", "runs/kernel_breakdown", "Where kernel_breakdown.json is written.")

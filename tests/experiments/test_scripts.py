@@ -103,7 +103,8 @@ def test_benchmark_parses_shapes_and_rejects_bad_configs():
                              "--interpret", "--stages=op fwd,delta prep kernel,delta grads kernel"],
      "kernel_breakdown.json"),
     ("kernel_breakdown.py", ["--variants=kda", "--shape=1,64,1,64", "--iters=1", "--interpret",
-                             "--stages=channel prep kernel,op fwd channel kernel"], "kernel_breakdown.json"),
+                             "--stages=channel prep kernel,op fwd channel kernel,channel check"],
+     "kernel_breakdown.json"),
 ])
 def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
   cmd = [sys.executable, os.path.join(ROOT, "experiments", script), f"--workdir={tmp_path}", *flags]
@@ -117,7 +118,9 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
     variant = next(f for f in flags if f.startswith("--variants="))[len("--variants="):]
     with open(tmp_path / output, encoding="utf-8") as f:
       ms = json.load(f)["ms"][variant]
-    assert all(ms[s] > 0 for s in stages), ms
+    assert all(ms[s] > 0 for s in stages if not s.endswith("check")), ms
+    if "channel check" in stages:
+      assert 0 <= ms["check channel o rel rms"] < 2e-2, ms
 
 
 def test_kernel_breakdown_times_jla_alongside_when_asked(tmp_path):
