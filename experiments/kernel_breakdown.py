@@ -42,7 +42,7 @@ from pallas_kernels.gpu import channel_prep, delta_grads, delta_prep, fused, wal
 STAGES = ("op fwd", "op fwd fused", "op fwd+bwd", "op fwd+bwd fused", "op fwd+bwd delta_backward",
           "op value+grad fused", "op value+grad delta_backward", "delta prep kernel",
           "delta grads kernel", "delta grads kernel 2 blocks", "channel prep kernel", "op fwd channel kernel",
-          "prep fwd", "walk o", "walk states", "reverse walk", "reverse + cotangents", "prep vjp")
+          "gram merge fwd+bwd", "gram levels fwd+bwd", "prep fwd", "walk o", "walk states", "reverse walk", "reverse + cotangents", "prep vjp")
 
 
 def _time(fn, args, iters: int, label: str = "") -> float:
@@ -59,6 +59,14 @@ def _time(fn, args, iters: int, label: str = "") -> float:
   if label:
     print(f"{label}: {statistics.median(times):.3f} ms (first call {compile_s:.1f} s)", flush=True)
   return statistics.median(times)
+
+
+def _gram_step(method):
+  """The per-channel decayed gram of q and k and its gradient (XLA; `prep.decayed_gram`'s `method`)."""
+  def loss(a, b, G):
+    M = prep.decayed_gram(a, b, G, inclusive=True, dtype=jnp.bfloat16, method=method)
+    return jnp.sum(M * 1e-3)
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
 def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 0, jla_ops=None,
@@ -107,6 +115,13 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
     G = fused.local_cumsum(args[3], B, T, H, 64)
     flat = lambda a: a.reshape(a.shape[:2] + (T, a.shape[-1]))
     return (args[0], args[1], args[2], G, jnp.swapaxes(beta, 1, 2), flat(X), st, dst, flat(do_c))
+  per_channel = args[3] is not None and args[3].ndim == 4
+
+  def gram_args():
+    """prep.decayed_gram's inputs as prep.prepare forms them for q, k (chunks of 64, float32)."""
+    chunks = lambda x: prep.to_chunks(x.astype(jnp.float32), 64, T)
+    return chunks(args[0]), chunks(args[1]), jnp.cumsum(chunks(args[3]), axis=3)
+
   stages = {
       "op fwd": (op(False), args),
       "op fwd fused": (op(True), args) if serves else None,
@@ -132,6 +147,8 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
       "op fwd channel kernel": ((jax.jit(lambda *a: gpu.chunked_attention(
           *a, sequence_pieces=sequence_pieces, channel_kernel=True, interpret=interpret)[0]), args)
                                 if channel_prep.serves(args[3], beta, None) else None),
+      "gram merge fwd+bwd": (_gram_step("merge"), gram_args) if per_channel else None,
+      "gram levels fwd+bwd": (_gram_step("levels"), gram_args) if per_channel else None,
       "prep fwd": (prep_fwd, args),
       "walk o": (jax.jit(lambda t: walk.forward(t, None, with_o=True, out_dtype=dtype,
                                                 interpret=interpret)[0]), (t,)),

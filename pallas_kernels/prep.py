@@ -220,7 +220,7 @@ def _unit_lower_inverse(L, dtype):
   return X.reshape(batch + (C, C))
 
 
-def decayed_gram(a, b, G, *, inclusive: bool, dtype=jnp.float32):
+def decayed_gram(a, b, G, *, inclusive: bool, dtype=jnp.float32, method: str = "merge"):
   """`M_ij = sum_c a_ic b_jc exp(G_ic - G_jc)` for j < i (and j == i if `inclusive`); zero above.
 
   `a, b, G: [..., C, K]` (C a power of two), G non-increasing along C. Built like a merge sort: the
@@ -228,7 +228,16 @@ def decayed_gram(a, b, G, *, inclusive: bool, dtype=jnp.float32):
   `(a_later * e^(G_later - G_r)) (b_earlier * e^(G_r - G_earlier))^T` with r the last token of the
   earlier block, so both exponents are <= 0: exact wherever the true value is representable, at any
   decay strength.
+
+  method: "merge" forms each level's blocks as batched `s x s` products (C K log2(C) / 2 multiply-adds
+  a row in all); "levels" forms each level as one whole `C x C` product, masked to the pairs of one
+  2s block (`(i XOR j) in [s, 2s)`), with the same reference tokens and exponents (C K log2(C) a row:
+  2x the FLOPs, in full-size matmuls; the form the GPU kernel `channel_prep.py` computes).
   """
+  if method == "levels":
+    return _decayed_gram_levels(a, b, G, inclusive=inclusive, dtype=dtype)
+  if method != "merge":
+    raise ValueError(f"method must be 'merge' or 'levels'; got {method!r}")
   C, K = a.shape[-2:]
   batch = a.shape[:-2]
   diag = jnp.sum(a * b, axis=-1) if inclusive else jnp.zeros(batch + (C,), jnp.float32)
@@ -245,3 +254,24 @@ def decayed_gram(a, b, G, *, inclusive: bool, dtype=jnp.float32):
     M = _join_blocks(pairs[..., 0, :, :], _gram(later, earlier, dtype), pairs[..., 1, :, :])
     s *= 2
   return M.reshape(batch + (C, C))
+
+
+def _decayed_gram_levels(a, b, G, *, inclusive: bool, dtype):
+  """`decayed_gram(..., method="levels")`: per level one masked whole-tile product (see there)."""
+  C, K = a.shape[-2:]
+  batch = a.shape[:-2]
+  i = np.arange(C)
+  M = (jnp.sum(a * b, axis=-1)[..., :, None] * np.eye(C, dtype=np.float32) if inclusive
+       else jnp.zeros(batch + (C, C), jnp.float32))
+  s = 1
+  while s < C:
+    nb = C // (2 * s)
+    # G at each row's reference token (the last token of the earlier half of its 2s block)
+    G_ref = jnp.broadcast_to(G.reshape(batch + (nb, 2 * s, K))[..., s - 1:s, :],
+                             batch + (nb, 2 * s, K)).reshape(batch + (C, K))
+    later = ((i & s) != 0)[:, None]
+    E = jnp.exp(jnp.where(later, G - G_ref, G_ref - G))   # every exponent <= 0
+    inside = ((i[:, None] ^ i[None, :]) >= s) & ((i[:, None] ^ i[None, :]) < 2 * s)
+    M = M + jnp.where(inside, _gram(jnp.where(later, a * E, 0.0), jnp.where(later, 0.0, b * E), dtype), 0.0)
+    s *= 2
+  return M

@@ -103,7 +103,8 @@ def test_benchmark_parses_shapes_and_rejects_bad_configs():
                              "--interpret", "--stages=op fwd,delta prep kernel,delta grads kernel"],
      "kernel_breakdown.json"),
     ("kernel_breakdown.py", ["--variants=kda", "--shape=1,64,1,64", "--iters=1", "--interpret",
-                             "--stages=channel prep kernel,op fwd channel kernel,channel check"],
+                             "--stages=channel prep kernel,op fwd channel kernel,channel check,"
+                             "gram merge fwd+bwd,gram levels fwd+bwd"],
      "kernel_breakdown.json"),
 ])
 def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
