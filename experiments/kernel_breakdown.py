@@ -42,7 +42,7 @@ from pallas_kernels.gpu import channel_prep, delta_grads, delta_prep, fused, wal
 STAGES = ("op fwd", "op fwd fused", "op fwd+bwd", "op fwd+bwd fused", "op fwd+bwd delta_backward",
           "op value+grad fused", "op value+grad delta_backward", "delta prep kernel",
           "delta grads kernel", "delta grads kernel 2 blocks", "channel prep kernel", "op fwd channel kernel",
-          "gram merge fwd+bwd", "gram levels fwd+bwd", "prep fwd", "walk o", "walk states", "reverse walk", "reverse + cotangents", "prep vjp")
+          "op fwd+bwd levels gram", "gram merge fwd+bwd", "gram levels fwd+bwd", "prep fwd", "walk o", "walk states", "reverse walk", "reverse + cotangents", "prep vjp")
 
 
 def _time(fn, args, iters: int, label: str = "") -> float:
@@ -147,6 +147,10 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
       "op fwd channel kernel": ((jax.jit(lambda *a: gpu.chunked_attention(
           *a, sequence_pieces=sequence_pieces, channel_kernel=True, interpret=interpret)[0]), args)
                                 if channel_prep.serves(args[3], beta, None) else None),
+      "op fwd+bwd levels gram": ((jax.jit(jax.grad(lambda *a: jnp.sum(gpu.chunked_attention(
+          *a, sequence_pieces=sequence_pieces, channel_kernel=True, gram_method="levels",
+          interpret=interpret)[0].astype(jnp.float32) * do_o), argnums=argnums)), args)
+                                 if per_channel else None),
       "gram merge fwd+bwd": (_gram_step("merge"), gram_args) if per_channel else None,
       "gram levels fwd+bwd": (_gram_step("levels"), gram_args) if per_channel else None,
       "prep fwd": (prep_fwd, args),

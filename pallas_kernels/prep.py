@@ -70,7 +70,7 @@ def canonical_segments(segment_ids):
 
 
 def prepare(q, k, v, g, beta, segment_ids, *, chunk_size: int, chunk_multiple: int = 1,
-            dtype=jnp.float32, inverse_dtype=None) -> ChunkTensors:
+            dtype=jnp.float32, inverse_dtype=None, gram_method: str = "merge") -> ChunkTensors:
   """The per-chunk tensors of one call (module docstring), in float32.
 
   Args:
@@ -86,6 +86,7 @@ def prepare(q, k, v, g, beta, segment_ids, *, chunk_size: int, chunk_multiple: i
     inverse_dtype: operand dtype of the many small matmuls of `(I + L)^-1` (None: `dtype`). On the
       H200 float32 is both exact and faster there than bfloat16 (no cast passes between the levels;
       pallas_kernels/gpu/NOTES.md); on a TPU bfloat16 is one MXU pass.
+    gram_method: how per-channel gates' decayed grams are formed (`decayed_gram`'s `method`).
   """
   B, T, H, K = q.shape
   Hv = v.shape[2]
@@ -133,9 +134,10 @@ def prepare(q, k, v, g, beta, segment_ids, *, chunk_size: int, chunk_multiple: i
       Ge, Gd = G[..., None], (G_last[..., None] - G)[..., None]
       decay = ones * jnp.exp(G_last)[..., None]
     else:  # per-channel gate: G [B, H, NC, C, K]
-      P = jnp.where(incl, decayed_gram(qc, kc, G, inclusive=True, dtype=dtype), 0.0)
+      P = jnp.where(incl, decayed_gram(qc, kc, G, inclusive=True, dtype=dtype, method=gram_method), 0.0)
       if bc is not None:
-        L = jnp.where(excl, decayed_gram(kc, kc, G, inclusive=False, dtype=dtype), 0.0)
+        L = jnp.where(excl, decayed_gram(kc, kc, G, inclusive=False, dtype=dtype, method=gram_method),
+                      0.0)
       Ge, Gd = G, G_last[..., None, :] - G
       decay = jnp.exp(G_last)
     qg, kg, kd = qc * jnp.exp(Ge), kc * jnp.exp(Ge), kc * jnp.exp(Gd)

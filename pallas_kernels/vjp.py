@@ -63,6 +63,7 @@ class Static:
   walk: the backend. options: the backend's own settings (block sizes, interpreter), passed through.
   chunk_size: C. compute_dtype: the matmul dtype of the per-chunk tensors. out_dtype: o's dtype.
   inverse_dtype: `prep.prepare`'s operand dtype of the matmuls of `(I + L)^-1` (None: compute_dtype).
+  gram_method: `prep.prepare`'s form of per-channel decayed grams ("merge" or "levels").
   scale: the read-out scale applied to o (`chunked_op` sets it).
   """
 
@@ -72,6 +73,7 @@ class Static:
   compute_dtype: Any
   out_dtype: Any
   inverse_dtype: Any = None
+  gram_method: str = "merge"
   scale: float = 1.0
 
 
@@ -79,7 +81,8 @@ def _prepare(static: Static, q, k, v, g, beta, segment_ids):
   NC = -(-q.shape[1] // static.chunk_size)
   return prep.prepare(q, k, v, g, beta, segment_ids, chunk_size=static.chunk_size,
                       chunk_multiple=static.walk.chunks_per_group(NC, static.options),
-                      dtype=static.compute_dtype, inverse_dtype=static.inverse_dtype)
+                      dtype=static.compute_dtype, inverse_dtype=static.inverse_dtype,
+                      gram_method=static.gram_method)
 
 
 def _cast(t: prep.ChunkTensors, dtype) -> prep.ChunkTensors:

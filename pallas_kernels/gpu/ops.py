@@ -209,7 +209,8 @@ def _l2_normalize(x):
 def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None, segment_ids=None,
                       chunk_size: int = 64, compute_dtype=None, out_dtype=None, inverse_dtype=jnp.float32,
                       fused: bool = True, sequence_pieces: int | None = None, delta_backward: bool = True,
-                      qk_l2norm: bool = False, channel_kernel: bool = False, interpret=None):
+                      qk_l2norm: bool = False, channel_kernel: bool = False, gram_method: str = "merge",
+                      interpret=None):
   """Either family in chunked form, with the chunk walk as Mosaic GPU kernels; differentiable in
   q, k, v, g, beta and initial_state.
 
@@ -247,6 +248,9 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
       (`channel_prep.py`: the decayed gram as one whole-tile product per merge level, every exponent
       <= 0) instead of XLA's preparation; the backward still recomputes them in XLA for its vjp.
       Off by default until it is measured on a Hopper GPU (NOTES.md v24).
+    gram_method: per-channel decay on the prepared path: XLA's decayed grams as "merge" (batched
+      s x s blocks per level) or "levels" (one masked C x C product per level; `prep.decayed_gram`),
+      forward and backward. "merge" until the H200 says which is faster (NOTES.md v25).
     interpret: None (the `interpret_kernels` context's parameters, else compiled) or a
       `plgpu.InterpretGPUParams`.
 
@@ -270,6 +274,8 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
   if jnp.dtype(out_dtype) not in sixteen_bit:
     raise ValueError(f"out_dtype must be bfloat16 or float16 (o leaves the kernels through a 16-bit "
                      f"tile; cast it afterwards); got {jnp.dtype(out_dtype).name}")
+  if gram_method not in ("merge", "levels"):
+    raise ValueError(f"gram_method must be 'merge' or 'levels'; got {gram_method!r}")
   in_kernels = qk_l2norm and fused and delta_backward and delta_prep.serves(g, beta, segment_ids)
   if qk_l2norm and not in_kernels:
     q, k = _l2_normalize(q), _l2_normalize(k)
@@ -279,6 +285,7 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
                                                       qk_l2norm=bool(in_kernels),
                                                       channel_kernel=channel_kernel),
                       chunk_size=chunk_size, compute_dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype),
-                      inverse_dtype=None if inverse_dtype is None else jnp.dtype(inverse_dtype))
+                      inverse_dtype=None if inverse_dtype is None else jnp.dtype(inverse_dtype),
+                      gram_method=gram_method)
   return vjp.chunked_op(static, q, k, v, g, beta, scale=K ** -0.5 if scale is None else scale,
                         initial_state=initial_state, segment_ids=segment_ids)

@@ -104,7 +104,7 @@ def test_benchmark_parses_shapes_and_rejects_bad_configs():
      "kernel_breakdown.json"),
     ("kernel_breakdown.py", ["--variants=kda", "--shape=1,64,1,64", "--iters=1", "--interpret",
                              "--stages=channel prep kernel,op fwd channel kernel,channel check,"
-                             "gram merge fwd+bwd,gram levels fwd+bwd"],
+                             "gram merge fwd+bwd,gram levels fwd+bwd,op fwd+bwd levels gram"],
      "kernel_breakdown.json"),
 ])
 def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):

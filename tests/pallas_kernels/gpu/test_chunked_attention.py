@@ -547,3 +547,18 @@ def test_per_channel_preparation_kernel_serves_per_channel_gates_only():
   assert channel_prep.serves(jnp.zeros((1, 8, 2, 4)), jnp.zeros((1, 8, 2)), jnp.zeros((1, 8), jnp.int32))
   assert not channel_prep.serves(jnp.zeros((1, 8, 2)), None, None)
   assert not channel_prep.serves(None, jnp.zeros((1, 8, 2)), None)
+
+
+@pytest.mark.parametrize("variant,gates,packed", [("gla", "strong", True), ("kda", "normal", False)])
+def test_per_channel_prepared_path_with_the_levels_gram_matches_the_float64_loop(variant, gates, packed):
+  # gram_method="levels": XLA's decayed grams as one masked whole-tile product per level, forward and
+  # (through XLA's vjp) backward, with the per-channel preparation kernel in the forward
+  inp = make_inputs(variant, B=1, T=150, H=1, Hv=2, K=64, V=64, gates=gates, seed=28)
+  seg = None
+  if packed:
+    seg = np.zeros((1, 150), np.int32)
+    seg[0, 50:64], seg[0, 64:120], seg[0, 120:] = 2, 5, 1
+  check(variant, inp, seg=seg, fused=True, channel_kernel=True, gram_method="levels")
+  with pytest.raises(ValueError, match="gram_method"):
+    gpu.chunked_attention(*(jnp.zeros((1, 64, 1, 64), jnp.bfloat16),) * 3, gram_method="direct",
+                          interpret=PARAMS)
