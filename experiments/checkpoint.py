@@ -35,6 +35,13 @@ class Checkpointer:
     self.every = every
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
+    # The manager deletes a killed run's temporary folders in a background thread, awaited only by its
+    # next save; a second manager opened on the same directory before that (a restart, a check of the
+    # latest step) starts its own deletion of the same folders and one of the two fails. Waiting here
+    # makes the deletion part of opening the directory.
+    await_cleanup = getattr(self.manager, "_maybe_await_cleanup_tmp_directory", None)
+    if await_cleanup is not None:
+      await_cleanup()
 
   def latest_step(self) -> int | None:
     """The newest finalised step, or None."""

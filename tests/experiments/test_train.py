@@ -116,9 +116,11 @@ def test_a_save_killed_before_its_rename_leaves_nothing_restorable(tmp_path, mon
   ckpt_dir = os.path.join(workdir, "checkpoints")
   assert "3.orbax-checkpoint-tmp" in os.listdir(ckpt_dir) and "3" not in os.listdir(ckpt_dir)
   monkeypatch.undo()
-  # Then restore finds no checkpoint: a new run starts from step 0
+  # Then restore finds no checkpoint, and opening the directory has already removed the leftover (so a
+  # second manager opened next does not race the first one's deletion of it): a new run starts from 0
   with Checkpointer(ckpt_dir, every=3, keep=2) as ckpt:
     assert ckpt.latest_step() is None and ckpt.all_steps() == []
+    assert not any("orbax-checkpoint-tmp" in name for name in os.listdir(ckpt_dir))
   summary = train.train_and_evaluate(config, workdir, progress=False)
   assert summary["checkpoint_steps"] == [3, 6] and sorted(losses(workdir)) == list(range(1, 7))
 
