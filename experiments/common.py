@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -94,6 +96,19 @@ def call(variant: str, inputs: dict, **options):
   if variant in DELTA_VARIANTS:
     options["use_qk_l2norm"] = True
   return getattr(ops, variant)(*args, **options)
+
+
+def median_ms(fn, args, *, warmup: int, iters: int) -> float:
+  """The median wall time of `fn(*args)` in ms over `iters` calls, after one call (compilation) and
+  `warmup` more; each call is waited for."""
+  for _ in range(1 + warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - start) * 1e3)
+  return statistics.median(times)
 
 
 def format_table(header, rows) -> str:

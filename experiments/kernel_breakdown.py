@@ -22,7 +22,6 @@ Example:
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 
@@ -49,16 +48,10 @@ def _time(fn, args, iters: int, label: str = "") -> float:
   start = time.perf_counter()
   jax.block_until_ready(fn(*args))  # compile
   compile_s = time.perf_counter() - start
-  for _ in range(2):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - start) * 1e3)
+  ms = common.median_ms(fn, args, warmup=1, iters=iters)
   if label:
-    print(f"{label}: {statistics.median(times):.3f} ms (first call {compile_s:.1f} s)", flush=True)
-  return statistics.median(times)
+    print(f"{label}: {ms:.3f} ms (first call {compile_s:.1f} s)", flush=True)
+  return ms
 
 
 def _gram_step(method):

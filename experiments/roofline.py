@@ -19,8 +19,6 @@ floor.
 from __future__ import annotations
 
 import math
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -56,18 +54,6 @@ def op_cost(variant: str, shape, mode: str, inputs: dict, do, *, chunk_size: int
   return float(nbytes), flops * (FWD_BWD_FLOPS if mode == "fwd_bwd" else 1.0)
 
 
-def _median_ms(fn, args, warmup: int, iters: int) -> float:
-  jax.block_until_ready(fn(*args))
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(times)
-
-
 def measure_ceilings(*, copy_elements: int | None = None, matmul_n: int | None = None, warmup: int = 2,
                      iters: int = 10) -> dict:
   """The device's copy bandwidth (bf16 `x + 1`: read + write, bytes/s) and bf16 matmul rate (FLOP/s),
@@ -78,9 +64,9 @@ def measure_ceilings(*, copy_elements: int | None = None, matmul_n: int | None =
   if copy_elements < 1 or matmul_n < 1:
     raise ValueError(f"copy_elements and matmul_n must be positive; got {copy_elements}, {matmul_n}")
   x = jnp.ones((copy_elements,), jnp.bfloat16)
-  copy_ms = _median_ms(jax.jit(lambda x: x + 1), (x,), warmup, iters)
+  copy_ms = common.median_ms(jax.jit(lambda x: x + 1), (x,), warmup=warmup, iters=iters)
   a = jnp.full((matmul_n, matmul_n), 0.5, jnp.bfloat16)
-  matmul_ms = _median_ms(jax.jit(lambda a, b: a @ b), (a, a), warmup, iters)
+  matmul_ms = common.median_ms(jax.jit(lambda a, b: a @ b), (a, a), warmup=warmup, iters=iters)
   return {"bandwidth_bytes_per_s": 2 * copy_elements * 2 / (copy_ms * 1e-3),
           "matmul_flops_per_s": 2.0 * matmul_n**3 / (matmul_ms * 1e-3),
           "copy_elements": copy_elements, "matmul_n": matmul_n}

@@ -35,6 +35,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import prep
+from pallas_kernels.gpu.delta_prep import unit_lower_inverse
 from pallas_kernels.gpu.fused import ROWS, SEG_ROWS, _segment_masks, segment_vectors
 from pallas_kernels.gpu.walk import F32, WGMMA, _vary_like, matmul, matmuls, smem
 
@@ -186,17 +187,7 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
     keep = (i_sq > j_sq) if same is None else (i_sq > j_sq) & same
     l_s[...] = (jnp.where(keep, M, 0.0) * rows(beta_rows(), sq)).astype(dtype)
     plgpu.commit_smem()
-    apart = i_sq ^ j_sq
-    X = jnp.where(apart == 0, 1.0, 0.0).astype(F32)
-    for s in levels:
-      inside = (apart < 2 * s) & (apart >= s)
-      e_s[...] = jnp.where(inside, plgpu.load(l_s, layout=WGMMA), 0.0).astype(dtype)
-      x_s[...] = X.astype(dtype)
-      plgpu.commit_smem()
-      y_s[...] = matmul(x_s, e_s, sq).astype(dtype)
-      plgpu.commit_smem()
-      X = X - matmul(y_s, x_s, sq)
-    x_s[...] = X.astype(dtype)
+    unit_lower_inverse(l_s, x_s, e_s, y_s)
     # beta k e^G and beta v replace k and v (their other uses are done); w = X (beta k e^G), u = X (beta v)
     e_q = jnp.exp(load_G())
     if carry is not None:

@@ -45,6 +45,28 @@ def serves(g, beta, segment_ids) -> bool:
   return beta is not None and (g is None or g.ndim == 3)
 
 
+def unit_lower_inverse(l_s, x_s, e_s, y_s):
+  """`X = (I + L)^-1` of the strictly lower `[C, C]` tile `l_s` into `x_s` (the operand dtype) by block
+  doubling on whole tiles (module docstring); `e_s`, `y_s` are scratch tiles of the same shape. X stays
+  float32 in registers between the levels."""
+  C = l_s.shape[0]
+  sq = (C, C)
+  apart = (plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
+           ^ plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA))   # i XOR j
+  X = jnp.where(apart == 0, 1.0, 0.0).astype(F32)
+  s = 1
+  while s < C:
+    inside = (apart < 2 * s) & (apart >= s)   # same 2s block, different s blocks
+    e_s[...] = jnp.where(inside, plgpu.load(l_s, layout=WGMMA), 0.0).astype(e_s.dtype)
+    x_s[...] = X.astype(x_s.dtype)
+    plgpu.commit_smem()
+    y_s[...] = matmul(x_s, e_s, sq).astype(y_s.dtype)
+    plgpu.commit_smem()
+    X = X - matmul(y_s, x_s, sq)
+    s *= 2
+  x_s[...] = X.astype(x_s.dtype)
+
+
 def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
             with_inverse: bool = False, chunk_multiple: int = 1, qk_l2norm: bool = False):
   """`prep.prepare(q, k, v, g, beta, segment_ids, ...)` with every matmul operand in `dtype` (16-bit),
@@ -64,11 +86,6 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
   b = jnp.swapaxes(jnp.pad(beta.astype(F32), [(0, 0), (0, T_pad - T), (0, 0)]), 1, 2)   # [B, H_v, T]
   has_seg = segment_ids is not None
   masks = segment_vectors(segment_ids, C, T_pad) if has_seg else None
-  levels = []
-  s = 1
-  while s < C:
-    levels.append(s)
-    s *= 2
 
   scratch = dict(
       q_s=smem((C, K), dtype), k_s=smem((C, K), dtype), v_s=smem((C, V), dtype),
@@ -124,19 +141,7 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
     emit(load(q_s) * rows(q_scale, ck), qg_r.at[bi, h, rows_t])
     emit(load(k_s) * rows(k_scale, ck), kd_r.at[bi, h, rows_t])
 
-    # (I + L)^-1 by block doubling on whole tiles
-    apart = (plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
-             ^ plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA))   # i XOR j
-    X = jnp.where(apart == 0, 1.0, 0.0).astype(F32)
-    for s in levels:
-      inside = (apart < 2 * s) & (apart >= s)   # same 2s block, different s blocks
-      e_s[...] = jnp.where(inside, plgpu.load(l_s, layout=WGMMA), 0.0).astype(dtype)
-      x_s[...] = X.astype(dtype)
-      plgpu.commit_smem()
-      y_s[...] = matmul(x_s, e_s, sq).astype(dtype)
-      plgpu.commit_smem()
-      X = X - matmul(y_s, x_s, sq)
-    x_s[...] = X.astype(dtype)
+    unit_lower_inverse(l_s, x_s, e_s, y_s)
     if with_inverse:
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(x_s, x_r.at[bi, h, rows_t])
