@@ -16,10 +16,10 @@ it, both from the two walks; `X = (I + L)^-1` from `delta_prep`; `B_k = beta k e
 
 and the last token's dG also takes `sum(dkd kd) + e^(G_C) sum(S dS)` (the caller adds it; `kdv` holds
 the per-token terms of the first sum). The kernel forms u, dX and dB_k through r and dB_v (no W, dW or
-B_k tiles). Every product is a wgmma on 16-bit shared-memory operands, independent ones issued together; column
-sums come from the transposed products' own matmuls (`(dP)^T = u do^T`, `dL^T = -X dX^T X`; `k k^T` is
-symmetric). V splits into blocks of 64 columns: everything above is linear in (do, dS), so each block's
-dq, dk, dbeta and dG are partial sums that the caller adds up. A program takes one block by default;
+B_k tiles). Every product is a wgmma on 16-bit shared-memory operands, independent ones issued
+together; the column sums of A are cross-warp reductions of the tiles already in registers. V splits
+into blocks of 64 columns: everything above is linear in (do, dS), so each block's dq, dk, dbeta and dG
+are partial sums that the caller adds up. A program takes one block by default;
 with `blocks_per_program` > 1 it loops over several, reading q, k and X once and fetching the next
 block's v, S, do, dS while the current one computes (slower on the H200 as measured: NOTES v21).
 """
@@ -38,7 +38,7 @@ from pallas_kernels import prep
 from pallas_kernels.gpu import delta_prep, walk
 from pallas_kernels.gpu.fused import (ROWS, SEG_ROWS, _decay_tile, _l2_normalize_grad, _l2_normalize_rows,
                                       _last_state_term, _row_scales, local_cumsum, segment_vectors)
-from pallas_kernels.gpu.walk import BLOCK_V, COLS, F32, WGMMA, _vary_like, matmul, matmuls, smem
+from pallas_kernels.gpu.walk import BLOCK_V, F32, WGMMA, _vary_like, matmul, matmuls, smem
 
 
 SMEM_BYTES = 227 * 1024   # an H100/H200 block's shared memory
@@ -60,9 +60,9 @@ def _scratch(C, K, bv, dtype, partial_dtype, dv_dtype, slots, has_seg):
       dbv_s=smem((C, bv), dtype), p_s=smem((C, C), dtype), a_s=smem((C, C), dtype), dx_s=smem((C, C), dtype),
       out_k=(plgpu.SMEM((C, K), F32) if jnp.dtype(partial_dtype) == F32 else smem((C, K), partial_dtype)),
       out_v=plgpu.SMEM((C, bv), jnp.dtype(dv_dtype)),
-      vec_s=plgpu.SMEM((3, C), F32), norm_s=plgpu.SMEM((2, C), F32),
+      vec_s=plgpu.SMEM((3, C), F32), col_s=plgpu.SMEM((2, C), F32), norm_s=plgpu.SMEM((2, C), F32),
       g_s=plgpu.SMEM((C,), F32), gc_s=plgpu.SMEM((C,), F32), b_s=plgpu.SMEM((C,), F32),
-      bc_s=plgpu.SMEM((C,), F32), bar=plgpu.Barrier(num_arrivals=6 + SEG_ROWS * has_seg),
+      bar=plgpu.Barrier(num_arrivals=5 + SEG_ROWS * has_seg),
       q_bar=plgpu.Barrier(), early=plgpu.Barrier(num_arrivals=2, num_barriers=slots),
       late=plgpu.Barrier(num_arrivals=2, num_barriers=slots))
   if has_seg:
@@ -104,7 +104,7 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
                      f"(at most {SMEM_BYTES}); use 1")
 
   def body(*refs, q_s, k_s, v_s, do_s, st_s, dst_s, x_s, r_s, un_s, du_s, dbv_s, p_s, a_s, dx_s, out_k,
-           out_v, vec_s, norm_s, g_s, gc_s, b_s, bc_s, bar, q_bar, early, late, m_s=None):
+           out_v, vec_s, col_s, norm_s, g_s, gc_s, b_s, bar, q_bar, early, late, m_s=None):
     q_r, k_r, v_r, g_r, b_r, x_r, st_r, dst_r, do_r = refs[:9]
     m_r = refs[9] if has_seg else None
     dq_r, dk_r, dv_r, dg_r, db_r, kdv_r = refs[9 + has_seg:]
@@ -114,7 +114,7 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
     # what u needs first (k, X, the vectors, then each block's v and S); q, do and dS arrive while u is
     # formed
     copies = [(k_r.at[bi, rows_t, hk], k_s), (x_r.at[bi, h, rows_t], x_s), (g_r.at[bi, h, rows_t], g_s),
-              (g_r.at[bi, h, rows_t], gc_s), (b_r.at[bi, h, rows_t], b_s), (b_r.at[bi, h, rows_t], bc_s)]
+              (g_r.at[bi, h, rows_t], gc_s), (b_r.at[bi, h, rows_t], b_s)]
     copies += [(m_r.at[bi, r, rows_t], m_s.at[r]) for r in range(SEG_ROWS if has_seg else 0)]
     for src, dst in copies:
       plgpu.copy_gmem_to_smem(src, dst, bar)
@@ -144,7 +144,6 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
         plgpu.commit_smem()
 
     rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
-    cols = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])
     sq, ck, cv = (C, C), (C, K), (C, bv)
     # Register budget: one warpgroup holds 255 registers a thread; a float32 [64, 128] tile takes 64 of
     # them. Only dk and a few [C] vectors live across the body; the decay masks, k and the products
@@ -190,8 +189,12 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
       P = P * D
       p_s[...] = P.astype(dtype)
       a_s[...] = (dP * D).astype(dtype)
+      # dG takes rowsum(A) - colsum(A), A = dP P + dM M: the column sums are cross-warp reductions,
+      # parked in shared memory until the end (a [C] vector in the column layout costs 16 registers)
+      A = dP * P
+      col_s.at[0][...] = jnp.sum(A, axis=0)
       plgpu.commit_smem()
-      dG = jnp.sum(dP * P, axis=1)
+      dG = jnp.sum(A, axis=1)
       # dq = e^G (do S^T) + (dP D) k; its dG term
       _, e_q, _ = vectors()
       dqg = matmul(do_b, st_b, ck)
@@ -235,7 +238,9 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
       dbeta = dbeta + jnp.sum(dL * M, axis=1)
       beta, _, _ = vectors()
       dM = dL * rows(beta, sq)
-      dG = dG + jnp.sum(dM * M, axis=1)
+      A = dM * M
+      col_s.at[1][...] = jnp.sum(A, axis=0)
+      dG = dG + jnp.sum(A, axis=1)
       a_s[...] = (dM * decay(True, True)).astype(dtype)
       plgpu.commit_smem()
       (dMk,) = matmuls((ck, [(a_s, k_s), (a_s.T, k_s)]))
@@ -243,15 +248,9 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
       if qk_l2norm:
         dk = _l2_normalize_grad(dk, k_s, fresh(plgpu.load(norm_s.at[1], layout=ROWS)))
       emit(dk, out_k, dk_r.at[vb, bi, rows_t, h])
-      # column sums of A = dP P + dM M from the transposed products:
-      # A^T = (u do^T) (k q^T) D^T + beta_j dL^T M^T
-      ud, kq = matmuls((sq, [(un_s, do_b.T)]), (sq, [(k_s, q_s.T)]))
-      dG = dG - jnp.sum(ud * kq * decay(False, False), axis=1)
-      p_s[...] = matmul(x_s, dx_s.T, sq).astype(dtype)
+      # the column sums of A, read back one per row
       plgpu.commit_smem()
-      dLt, kk = matmuls((sq, [(p_s, x_s)]), (sq, [(k_s, k_s.T)]))
-      beta_cols = fresh(plgpu.load(bc_s, layout=COLS))
-      dG = dG + jnp.sum(dLt * cols(beta_cols, sq) * kk * decay(False, True), axis=1)
+      dG = dG - plgpu.load(col_s.at[0], layout=ROWS) - plgpu.load(col_s.at[1], layout=ROWS)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       vec_s.at[0][...] = dG
       vec_s.at[1][...] = dbeta

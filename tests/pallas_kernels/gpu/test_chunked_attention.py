@@ -334,7 +334,8 @@ def test_delta_backward_kernel_matches_the_float64_loop(variant, gates, H, K, V,
   if packed:
     seg = np.zeros((1, 150), np.int32)
     seg[0, 10:64], seg[0, 64:90], seg[0, 90:] = 3, 1, 2
-  check(variant, inp, seg=seg, fused=True, delta_backward=True)
+  # errors are ~5e-4 here: a tolerance of 1.5e-3 (not float16's 4e-3) fails a 1% error in one term of dg
+  check(variant, inp, seg=seg, fused=True, delta_backward=True, tol=1.5e-3)
 
 
 @pytest.mark.parametrize("variant,pieces,packed,fused", [
