@@ -60,6 +60,8 @@ class Config:
   modes: tuple[str, ...] = MODES  # "fwd" (o) and/or "fwd_bwd" (gradients of every float input)
   warmup: int = 2  # untimed rounds over all contenders after compilation
   iters: int = 5  # timed rounds; the median is reported
+  warm_s: float | None = None  # seconds of untimed rounds before timing (at least `warmup` rounds;
+  # None: 2 on a GPU, which idles at low clocks during the compiles, 0 elsewhere)
   chunk_size: int = 64  # chunk length for this library's and jla's chunked forms
   peers: tuple[str, ...] = PEERS  # other libraries to time when installed (rows say "not installed")
   jla_impls: tuple[str, ...] = ("chunked",)  # jla implementations: chunked, mosaic_gpu, reference
@@ -83,8 +85,9 @@ class Config:
     labels = set(self.impls) | {f"jla:{i}" for i in self.jla_impls} | {"softmax"}
     if self.anchor and self.anchor not in labels:
       raise ValueError(f"anchor must be '' or one of {sorted(labels)}; got {self.anchor!r}")
-    if self.warmup < 0 or self.iters < 1:
-      raise ValueError(f"need warmup >= 0 and iters >= 1; got {self.warmup=} {self.iters=}")
+    if self.warmup < 0 or self.iters < 1 or (self.warm_s is not None and self.warm_s < 0):
+      raise ValueError(f"need warmup >= 0, iters >= 1 and warm_s >= 0; got {self.warmup=} "
+                       f"{self.iters=} {self.warm_s=}")
 
 
 def parse_shapes(text: str) -> tuple[tuple[int, int, int, int], ...]:
@@ -213,11 +216,18 @@ def _time(contenders: list[Contender], config: Config, desc: str):
     stats = device.memory_stats()
     c.peak_bytes = None if stats is None else stats.get("peak_bytes_in_use")
     tick()
-  for round_ in range(rounds):
+  warm_s = config.warm_s if config.warm_s is not None else (2.0 if device.platform == "gpu" else 0.0)
+  start, warm_rounds = time.perf_counter(), 0
+  while live and (warm_rounds < config.warmup or time.perf_counter() - start < warm_s):
     for c in live:
-      ms = c.run()
-      if round_ >= config.warmup:
-        c.times_ms.append(ms)
+      c.run()
+    warm_rounds += 1
+    if warm_rounds <= config.warmup:
+      for _ in live:
+        tick()
+  for _ in range(config.iters):
+    for c in live:
+      c.times_ms.append(c.run())
       tick()
   if bar is not None:
     bar.close()
@@ -319,6 +329,8 @@ def _define_flags():
   flags.DEFINE_list("modes", list(d.modes), "fwd and/or fwd_bwd.")
   flags.DEFINE_integer("warmup", d.warmup, "Untimed rounds after compilation.")
   flags.DEFINE_integer("iters", d.iters, "Timed rounds; the median is reported.")
+  flags.DEFINE_float("warm_s", d.warm_s, "Seconds of untimed rounds before timing (at least --warmup "
+                     "rounds), so the timed ones run at steady clocks; default 2 on a GPU, 0 elsewhere.")
   flags.DEFINE_integer("chunk_size", d.chunk_size, "Chunk length of the chunked forms.")
   flags.DEFINE_list("peers", list(d.peers), f"Peers to time when installed: {PEERS}.")
   flags.DEFINE_list("jla_impls", list(d.jla_impls), f"jla implementations: {JLA_IMPLS}.")
@@ -337,7 +349,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   f = flags.FLAGS
   config = Config(variants=tuple(f.variants), impls=tuple(f.impls), shapes=parse_shapes(f.shapes),
-                  dtype=f.dtype, modes=tuple(f.modes), warmup=f.warmup, iters=f.iters,
+                  dtype=f.dtype, modes=tuple(f.modes), warmup=f.warmup, iters=f.iters, warm_s=f.warm_s,
                   chunk_size=f.chunk_size, peers=tuple(f.peers), jla_impls=tuple(f.jla_impls),
                   softmax=f.softmax, anchor=f.anchor, seed=f.seed, plot=f.plot, roofline=f.roofline)
   run_benchmark(config, f.workdir)

@@ -40,7 +40,8 @@ from pallas_kernels.gpu import channel_prep, delta_grads, delta_prep, fused, wal
 
 STAGES = ("op fwd", "op fwd fused", "op fwd+bwd", "op fwd+bwd fused", "op fwd+bwd delta_backward",
           "op value+grad fused", "op value+grad delta_backward", "delta prep kernel",
-          "delta grads kernel", "delta grads kernel 2 blocks", "channel prep kernel", "op fwd channel kernel",
+          "delta grads kernel", "op value+grad delta pair", "delta grads pair kernel",
+          "delta grads kernel 2 blocks", "channel prep kernel", "op fwd channel kernel",
           "op fwd+bwd levels gram", "gram merge fwd+bwd", "gram levels fwd+bwd", "prep fwd", "walk o", "walk states", "reverse walk", "reverse + cotangents", "prep vjp")
 
 
@@ -82,9 +83,9 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
   states = states_fn(t)
   cot = jax.tree.map(lambda a: jnp.full(a.shape, 1e-2, jnp.float32), prepare(*args))
   do_o = jnp.asarray(rng.standard_normal(x["v"].shape), jnp.float32)
-  forward = lambda use_fused, delta_backward=False: lambda *a: gpu.chunked_attention(
+  forward = lambda use_fused, delta_backward=False, warpgroups=1: lambda *a: gpu.chunked_attention(
       *a, fused=use_fused, sequence_pieces=sequence_pieces, delta_backward=delta_backward,
-      interpret=interpret)[0]
+      delta_warpgroups=warpgroups, interpret=interpret)[0]
   op = lambda use_fused: jax.jit(forward(use_fused))
   argnums = tuple(i for i, a in enumerate(args) if a is not None)
   op_grad = lambda use_fused, delta_backward=False: jax.jit(jax.grad(
@@ -92,8 +93,8 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
       argnums=argnums))
   # value and gradients (a training step): the forward cannot be dropped as dead code, as it can
   # under jax.grad when the backward recomputes everything it needs
-  op_value_grad = lambda use_fused, delta_backward=False: jax.jit(jax.value_and_grad(
-      lambda *a: jnp.sum(forward(use_fused, delta_backward)(*a).astype(jnp.float32) * do_o),
+  op_value_grad = lambda use_fused, delta_backward=False, warpgroups=1: jax.jit(jax.value_and_grad(
+      lambda *a: jnp.sum(forward(use_fused, delta_backward, warpgroups)(*a).astype(jnp.float32) * do_o),
       argnums=argnums))
   serves = fused.serves(args[3], beta, None) or delta_prep.serves(args[3], beta, None)
   delta_kernels = beta is not None and delta_prep.serves(args[3], beta, None)
@@ -131,6 +132,11 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
       "delta grads kernel": ((jax.jit(lambda *a: delta_grads.chunk_grads(
           *a, dtype=dtype, dv_dtype=dtype, partial_dtype=dtype, interpret=interpret)), grads_args)
                              if delta_kernels else None),
+      "op value+grad delta pair": ((op_value_grad(True, True, 2), args) if delta_kernels
+                                   and delta_grads.pair_serves(D, 64, dtype, dtype) else None),
+      "delta grads pair kernel": ((jax.jit(lambda *a: delta_grads.chunk_grads_pair(
+          *a, dtype=dtype, interpret=interpret)), grads_args)
+                                  if delta_kernels and delta_grads.pair_serves(D, 64, dtype, dtype) else None),
       "delta grads kernel 2 blocks": ((jax.jit(lambda *a: delta_grads.chunk_grads(
           *a, dtype=dtype, dv_dtype=dtype, partial_dtype=dtype, interpret=interpret,
           blocks_per_program=2)), grads_args) if delta_kernels else None),
@@ -190,6 +196,17 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
         print(f"{variant}: check {label} (fast path vs reference path): relative RMS {max(errs):.2e}")
     except Exception as e:
       print(f"{variant}: fused check failed: {type(e).__name__}: {str(e)[:2000]}")
+  # the two-warpgroup delta gradients against one warpgroup per value block on these inputs
+  if stages["op value+grad delta pair"] is not None and (not only or "pair check" in only):
+    try:
+      a, b = op_value_grad(True, True, 2)(*args), op_value_grad(True, True, 1)(*args)
+      errs = [float(jnp.sqrt(jnp.mean((x.astype(jnp.float32) - y.astype(jnp.float32))**2)
+                             / (jnp.mean(y.astype(jnp.float32)**2) + 1e-30)))
+              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+      out["check pair rel rms"] = max(errs)
+      print(f"{variant}: check pair (two warpgroups vs one per block): relative RMS {max(errs):.2e}")
+    except Exception as e:
+      print(f"{variant}: pair check failed: {type(e).__name__}: {str(e)[:2000]}")
   # the per-channel preparation kernel's o against XLA's preparation on these inputs
   if channel_prep.serves(args[3], beta, None) and (not only or "channel check" in only):
     try:
@@ -212,7 +229,7 @@ def _define_flags():
   flags.DEFINE_bool("jla", False, "Also time jax-linear-attention's Mosaic GPU kernels (when installed).")
   flags.DEFINE_list("stages", [], "Only these stages (names as printed; 'fused check' for the fused "
                     "path's agreement with the prepared one, 'channel check' for the per-channel "
-                    "kernel's); empty: all.")
+                    "kernel's, 'pair check' for the two-warpgroup delta gradients'); empty: all.")
   flags.DEFINE_integer("sequence_pieces", None, "The walks' sequence pieces (default: their own "
                        "choice, `pallas_kernels.gpu.walk.pieces`).")
   flags.DEFINE_string("workdir", "runs/kernel_breakdown", "Where kernel_breakdown.json is written.")

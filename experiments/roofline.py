@@ -19,6 +19,7 @@ floor.
 from __future__ import annotations
 
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -55,18 +56,26 @@ def op_cost(variant: str, shape, mode: str, inputs: dict, do, *, chunk_size: int
 
 
 def measure_ceilings(*, copy_elements: int | None = None, matmul_n: int | None = None, warmup: int = 2,
-                     iters: int = 10) -> dict:
+                     iters: int = 10, warm_s: float | None = None) -> dict:
   """The device's copy bandwidth (bf16 `x + 1`: read + write, bytes/s) and bf16 matmul rate (FLOP/s),
-  medians; sizes default to 2^28 elements and 8192^2 on a GPU, 2^22 and 512 elsewhere."""
+  medians; sizes default to 2^28 elements and 8192^2 on a GPU, 2^22 and 512 elsewhere. warm_s: seconds
+  of matmuls run first (default 1 on a GPU, 0 elsewhere), so the GPU leaves its idle clocks first."""
   on_gpu = jax.default_backend() == "gpu"
   copy_elements = copy_elements or (2**28 if on_gpu else 2**22)
   matmul_n = matmul_n or (8192 if on_gpu else 512)
+  warm_s = (1.0 if on_gpu else 0.0) if warm_s is None else warm_s
   if copy_elements < 1 or matmul_n < 1:
     raise ValueError(f"copy_elements and matmul_n must be positive; got {copy_elements}, {matmul_n}")
+  a = jnp.full((matmul_n, matmul_n), 0.5, jnp.bfloat16)
+  mm = jax.jit(lambda a, b: a @ b)
+  start = time.perf_counter()
+  while True:
+    jax.block_until_ready(mm(a, a))
+    if time.perf_counter() - start >= warm_s:
+      break
   x = jnp.ones((copy_elements,), jnp.bfloat16)
   copy_ms = common.median_ms(jax.jit(lambda x: x + 1), (x,), warmup=warmup, iters=iters)
-  a = jnp.full((matmul_n, matmul_n), 0.5, jnp.bfloat16)
-  matmul_ms = common.median_ms(jax.jit(lambda a, b: a @ b), (a, a), warmup=warmup, iters=iters)
+  matmul_ms = common.median_ms(mm, (a, a), warmup=warmup, iters=iters)
   return {"bandwidth_bytes_per_s": 2 * copy_elements * 2 / (copy_ms * 1e-3),
           "matmul_flops_per_s": 2.0 * matmul_n**3 / (matmul_ms * 1e-3),
           "copy_elements": copy_elements, "matmul_n": matmul_n}

@@ -453,7 +453,7 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
       out_s={f"{jnp.dtype(t).name}_{n}": (plgpu.SMEM((C, n), F32) if jnp.dtype(t) == F32
                                           else smem((C, n), t))
              for t, n in zip(grad_dtypes, (K, K, V))},
-      vec_s=plgpu.SMEM((3, C), F32), bar=plgpu.Barrier(num_arrivals=8 + SEG_ROWS * has_seg))
+      vec_s=plgpu.SMEM((2, C), F32), bar=plgpu.Barrier(num_arrivals=8 + SEG_ROWS * has_seg))
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
 
@@ -481,19 +481,19 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
     i = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
     j = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
     diff = rows(G_rows, sq) - lax.broadcast_in_dim(G_cols, sq, [1])     # G_i - G_j
-    lower = i >= j
+    lower, upper = i >= j, i <= j
     q_scale, k_decay = jnp.exp(G_rows), jnp.exp(G_last - G_rows)
     if has_seg:
       same, carry, to_last, _ = _segment_masks(m_s, None, C)
-      lower = lower & same
+      lower, upper = lower & same, upper & same
       q_scale, k_decay = q_scale * carry, k_decay * to_last
     D = jnp.exp(jnp.where(lower, diff, -jnp.inf))
     P = matmul(q_s, k_s.T, sq) * D
     dP = matmul(do_s, v_s.T, sq) * scale
-    # row and column sums of dP P now, so the [C, C] tiles need not stay live; the column sums (a
-    # cross-warp reduction) wait in shared memory, to be read back one per row
-    A_rows = jnp.sum(dP * P, axis=1)
-    vec_s.at[2][...] = jnp.sum(dP * P, axis=0)
+    A_rows = jnp.sum(dP * P, axis=1)   # row sums now: the [C, C] tiles need not stay live
+    # (dP P)^T from its own matmuls: the column sums of dP P are the row sums of its transpose
+    A_cols = jnp.sum((matmul(v_s, do_s.T, sq) * scale) * matmul(k_s, q_s.T, sq) * jnp.exp(
+        jnp.where(upper, -diff, -jnp.inf)), axis=1)
     p_s[...] = P.astype(dtype)
     dpd_s[...] = (dP * D).astype(dtype)
     kd_s[...] = (plgpu.load(k_s, layout=WGMMA).astype(F32) * rows(k_decay, ck)).astype(dtype)
@@ -519,7 +519,7 @@ def backward_chunks(q, k, v, G, states, dstates, do, *, dtype, masks=None, inter
     # dv = P^T do + kd dS
     emit(matmul(p_s.T, do_s, (C, V)) * scale + matmul(kd_s, dst_s.T, (C, V)), 2, dv_r.at[b, rows_t, h])
     # dG = ... + rowsum(dP P) - colsum(dP P) - kd . (v dS^T)
-    dG = dG + A_rows - plgpu.load(vec_s.at[2], layout=ROWS) - kdv
+    dG = dG + A_rows - A_cols - kdv
     vec_s.at[0][...] = dG
     # the caller sums kdv over the chunk for the last token's dG, which also takes e^(G_C) sum(S dS):
     # that sum is added here, row by row of S (the states are in shared memory already)

@@ -111,6 +111,7 @@ class _Options:
   delta_backward: bool = False
   qk_l2norm: bool = False   # only with the delta kernels (`_delta_kernels`): they normalise q, k on load
   channel_kernel: bool = False
+  delta_warpgroups: int = 1   # 2: the delta gradients in chunk_grads_pair where it serves
 
 
 def _forward(t, h0, *, options, with_o, with_states, out_dtype, token_o=False, scale=1.0):
@@ -168,7 +169,7 @@ def _fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal, *, options, c
     return delta_grads.backward(q, k, v, g, beta, h0, do, dfinal, chunk_size=chunk_size,
                                 dtype=compute_dtype, segment_ids=segment_ids, interpret=options.interpret,
                                 scale=scale, sequence_pieces=options.sequence_pieces, saved=residuals,
-                                qk_l2norm=options.qk_l2norm)
+                                qk_l2norm=options.qk_l2norm, warpgroups=options.delta_warpgroups)
   if not _fused_serves(options, g, beta, segment_ids):
     return None
   return fused_kernel.backward(q, k, v, g, h0, do, dfinal, chunk_size=chunk_size, dtype=compute_dtype,
@@ -210,7 +211,7 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
                       chunk_size: int = 64, compute_dtype=None, out_dtype=None, inverse_dtype=jnp.float32,
                       fused: bool = True, sequence_pieces: int | None = None, delta_backward: bool = True,
                       qk_l2norm: bool = False, channel_kernel: bool = False, gram_method: str = "merge",
-                      interpret=None):
+                      delta_warpgroups: int = 1, interpret=None):
   """Either family in chunked form, with the chunk walk as Mosaic GPU kernels; differentiable in
   q, k, v, g, beta and initial_state.
 
@@ -244,6 +245,11 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
       the inputs' dtype), gradients of the raw q, k. Where the delta kernels run (`fused`,
       `delta_backward`, no or scalar decay) the preparation and gradient kernels do it on load, so no
       XLA pass over q and k remains; elsewhere XLA does it before the kernels.
+    delta_warpgroups: with the delta gradient kernels and V = 128 (two value blocks), 16-bit v and
+      operands: 2 computes both blocks in one program of two warpgroups that share q, k and X and add
+      their partial dq, dk, dg and dbeta in shared memory (`delta_grads.chunk_grads_pair`); 1 (or any
+      other call) one warpgroup per block, the partial sums added by XLA. 1 until the pair is measured
+      on a Hopper GPU (NOTES.md v27).
     channel_kernel: per-channel decay (gla, kda): the forward's chunk tensors from one kernel
       (`channel_prep.py`: the decayed gram as one whole-tile product per merge level, every exponent
       <= 0) instead of XLA's preparation; the backward still recomputes them in XLA for its vjp.
@@ -274,6 +280,8 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
   if jnp.dtype(out_dtype) not in sixteen_bit:
     raise ValueError(f"out_dtype must be bfloat16 or float16 (o leaves the kernels through a 16-bit "
                      f"tile; cast it afterwards); got {jnp.dtype(out_dtype).name}")
+  if delta_warpgroups not in (1, 2):
+    raise ValueError(f"delta_warpgroups must be 1 or 2; got {delta_warpgroups!r}")
   if gram_method not in ("merge", "levels"):
     raise ValueError(f"gram_method must be 'merge' or 'levels'; got {gram_method!r}")
   in_kernels = qk_l2norm and fused and delta_backward and delta_prep.serves(g, beta, segment_ids)
@@ -283,7 +291,8 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
                                                       sequence_pieces=sequence_pieces,
                                                       delta_backward=delta_backward,
                                                       qk_l2norm=bool(in_kernels),
-                                                      channel_kernel=channel_kernel),
+                                                      channel_kernel=channel_kernel,
+                                                      delta_warpgroups=delta_warpgroups),
                       chunk_size=chunk_size, compute_dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype),
                       inverse_dtype=None if inverse_dtype is None else jnp.dtype(inverse_dtype),
                       gram_method=gram_method)

@@ -102,6 +102,9 @@ def test_benchmark_parses_shapes_and_rejects_bad_configs():
     ("kernel_breakdown.py", ["--variants=gated_delta_rule", "--shape=1,64,1,64", "--iters=1",
                              "--interpret", "--stages=op fwd,delta prep kernel,delta grads kernel"],
      "kernel_breakdown.json"),
+    ("kernel_breakdown.py", ["--variants=gated_delta_rule", "--shape=1,64,1,128", "--iters=1",
+                             "--interpret", "--stages=delta grads pair kernel,op value+grad delta pair,"
+                             "pair check"], "kernel_breakdown.json"),
     ("kernel_breakdown.py", ["--variants=kda", "--shape=1,64,1,64", "--iters=1", "--interpret",
                              "--stages=channel prep kernel,op fwd channel kernel,channel check,"
                              "gram merge fwd+bwd,gram levels fwd+bwd,op fwd+bwd levels gram"],
@@ -122,6 +125,8 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
     assert all(ms[s] > 0 for s in stages if not s.endswith("check")), ms
     if "channel check" in stages:
       assert 0 <= ms["check channel o rel rms"] < 2e-2, ms
+    if "pair check" in stages:
+      assert 0 <= ms["check pair rel rms"] < 1e-2, ms
 
 
 def test_kernel_breakdown_times_jla_alongside_when_asked(tmp_path):

@@ -169,3 +169,25 @@ def test_per_channel_preparation_kernel_exports_for_hopper(kind, D, packed):
     fwd = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
   assert fwd.count("custom_call @mosaic_gpu") == 2
   assert "chunk_prep_channel" in fwd and "chunk_walk_fwd" in fwd
+
+
+@pytest.mark.parametrize("l2,packed", [(True, False), (False, True)])
+def test_delta_gradients_in_two_warpgroups_export_for_hopper(l2, packed):
+  # delta_warpgroups=2 (V = 128): the gradients come from the two-warpgroup kernel, not chunk_grads_delta
+  D = 128
+  args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, dtype=jnp.float32),
+          _spec(B, T, H, dtype=jnp.float32), _spec(B, H, D, D, dtype=jnp.float32))
+  seg = jnp.zeros((B, T), jnp.int32).at[:, T // 3:].set(1) if packed else None
+
+  def loss(q, k, v, g, beta, h0):
+    o, final = gpu.chunked_attention(q, k, v, g, beta, initial_state=h0, segment_ids=seg,
+                                     qk_l2norm=l2, delta_warpgroups=2)
+    return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
+
+  with jax.sharding.use_abstract_mesh(H200):
+    bwd = jax.export.export(jax.jit(jax.grad(loss, argnums=range(6))), platforms=["cuda"])(*args)
+  bwd = bwd.mlir_module()
+  assert bwd.count("custom_call @mosaic_gpu") == 4
+  # every mention of the gradient kernel is the pair's
+  assert "chunk_grads_delta_pair" in bwd
+  assert bwd.count("chunk_grads_delta") == bwd.count("chunk_grads_delta_pair")

@@ -1,0 +1,93 @@
+"""The delta family's gradients with both value blocks in one program of two warpgroups
+(`delta_grads.chunk_grads_pair`, `chunked_attention(..., delta_warpgroups=2)`) in the Mosaic GPU
+interpreter: against one warpgroup per block (`chunk_grads`, partial sums added outside) with the race
+detector on, and end to end against the float64 loop."""
+
+import jax.numpy as jnp
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import numpy as np
+import pytest
+from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+from pallas_kernels.gpu import delta_grads
+from tests.ops.conftest import make_inputs, rel_rms
+from tests.pallas_kernels.gpu.util import check
+
+RACES = plgpu.InterpretGPUParams(detect_races=True)
+
+
+def _grads_args(r, *, B=1, T=128, H=1, Hv=2, K=64, C=64):
+  """chunk_grads' inputs (float16 operands): T a multiple of C, V = 2 value blocks of C."""
+  f16 = lambda *shape, s=0.5: jnp.asarray(r.normal(size=shape) * s, jnp.float16)
+  NC, V = T // C, 2 * C
+  G = jnp.cumsum(jnp.asarray(-r.uniform(0, 0.3, (B, Hv, NC, C)), jnp.float32), -1).reshape(B, Hv, T)
+  return (f16(B, T, H, K, s=1.0), f16(B, T, H, K, s=1.0), f16(B, T, Hv, V), G,
+          jnp.asarray(r.uniform(0, 1, (B, Hv, T)), jnp.float32), f16(B, Hv, T, C, s=0.2),
+          f16(B, Hv, NC, V, K), f16(B, Hv, NC, V, K), f16(B, Hv, T, V))
+
+
+@pytest.mark.parametrize("l2,packed", [(False, False), (True, True)])
+def test_pair_equals_one_warpgroup_per_block_with_no_race(l2, packed):
+  # The two warpgroups share q, k, X (and normalise q, k once, for both) and hand their partial dq, dk,
+  # dG, dbeta, kdv over in shared memory: the same gradients as one warpgroup per value block with the
+  # partials added outside, and the race detector finds no unsynchronised access to shared memory.
+  r = np.random.default_rng(5)
+  args = _grads_args(r)
+  masks = None
+  if packed:
+    from pallas_kernels.gpu.fused import segment_vectors
+    seg = np.zeros((1, 128), np.int32)
+    seg[0, 30:70], seg[0, 70:] = 1, 2
+    masks = segment_vectors(jnp.asarray(seg), 64, 128)
+  one = delta_grads.chunk_grads(*args, dtype=jnp.float16, masks=masks, interpret=RACES,
+                                dv_dtype=jnp.float16, partial_dtype=jnp.float32, qk_l2norm=l2)
+  pair = delta_grads.chunk_grads_pair(*args, dtype=jnp.float16, masks=masks, interpret=RACES, qk_l2norm=l2)
+  assert not gpu_callbacks.get_races().races_found
+  names = ("dq", "dk", "dv", "dG", "dbeta", "kdv")
+  for name, a, b in zip(names, one, pair):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    if name != "dv":
+      assert b.shape[0] == 1
+      a = a.sum(0, keepdims=True)
+    assert a.shape == b.shape and np.isfinite(b).all(), name
+    # dq, dk: float16 once (the second block's partial rounded before the sum); dG: its column sums
+    # from transposed products with a float16 operand, against cross-warp reductions
+    assert rel_rms(b, a) < {"dq": 1.5e-3, "dk": 1.5e-3, "dG": 2e-3}.get(name, 1e-6), name
+
+
+def test_pair_rejects_what_it_cannot_serve():
+  r = np.random.default_rng(0)
+  args = list(_grads_args(r))
+  with pytest.raises(ValueError, match="V = 128"):
+    delta_grads.chunk_grads_pair(*args[:2], args[2][..., :64], *args[3:6], args[6][..., :64, :],
+                                 args[7][..., :64, :], args[8][..., :64], dtype=jnp.float16)
+  with pytest.raises(ValueError, match="16-bit"):
+    delta_grads.chunk_grads_pair(*args[:2], args[2].astype(jnp.float32), *args[3:], dtype=jnp.float16)
+  assert delta_grads.pair_serves(128, 64, jnp.bfloat16, jnp.bfloat16)
+  assert not delta_grads.pair_serves(64, 64, jnp.bfloat16, jnp.bfloat16)
+  assert not delta_grads.pair_serves(128, 64, jnp.float32, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("variant,gates,H,K,packed,h0", [
+    ("gated_delta_rule", "normal", 1, 64, False, True),     # grouped value heads (H_v = 2)
+    ("delta_rule", "normal", 2, 128, True, True),
+    ("gated_delta_rule", "strong", 2, 64, True, False)])
+def test_pair_matches_the_float64_loop(variant, gates, H, K, packed, h0):
+  # delta_warpgroups=2 end to end: o, final state and every gradient against the float64 loop (T = 150:
+  # padded to 3 chunks; runs changing inside a chunk and on its boundary)
+  inp = make_inputs(variant, B=1, T=150, H=H, Hv=2, K=K, V=128, gates=gates, seed=23)
+  if not h0:
+    inp["h0"] = None
+  seg = None
+  if packed:
+    seg = np.zeros((1, 150), np.int32)
+    seg[0, 10:64], seg[0, 64:90], seg[0, 90:] = 3, 1, 2
+  check(variant, inp, seg=seg, fused=True, delta_backward=True, delta_warpgroups=2, tol=1.5e-3)
+
+
+def test_public_option_is_checked():
+  from pallas_kernels import gpu
+  x = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="delta_warpgroups"):
+    gpu.chunked_attention(x, x, x, beta=jnp.zeros((1, 64, 1)), delta_warpgroups=3,
+                          interpret=plgpu.InterpretGPUParams())
