@@ -236,6 +236,8 @@ def _define_flags():
 
 
 def main(argv):
+  # the interpreter's two-warpgroup kernel needs three CPU threads in XLA's pool (chunk_grads_pair)
+  os.environ["NPROC"] = str(max(4, int(os.environ.get("NPROC") or 0)))
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   f = flags.FLAGS

@@ -372,7 +372,12 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
   (warpgroup 1 stages its partial, warpgroup 0 adds its own and writes the sum), so no partial sums reach
   device memory. Same inputs and outputs as `chunk_grads` with one partial (leading dimension 1); dv
   in the operand dtype. The column sums of `A = dP P + dM M` come from transposed products (as rows), not
-  cross-warp reductions, whose scratch the two warpgroups would share."""
+  cross-warp reductions, whose scratch the two warpgroups would share.
+
+  In the Mosaic GPU interpreter the two warpgroups run as separate computations on XLA's CPU thread
+  pool, which needs at least three threads (launcher + two warpgroups). That pool has one thread per
+  core unless the environment variable `NPROC` says otherwise, so a 2-core machine hangs without
+  `NPROC >= 3`, set before JAX's CPU backend starts (tests/conftest.py sets 4)."""
   B, T_pad, H, K = q.shape
   Hv, V = v.shape[2:]
   NC = states.shape[2]

@@ -249,7 +249,8 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
       operands: 2 computes both blocks in one program of two warpgroups that share q, k and X and add
       their partial dq, dk, dg and dbeta in shared memory (`delta_grads.chunk_grads_pair`); 1 (or any
       other call) one warpgroup per block, the partial sums added by XLA. 1 until the pair is measured
-      on a Hopper GPU (NOTES.md v27).
+      on a Hopper GPU (NOTES.md v27). In the interpreter the pair needs three threads in XLA's CPU
+      pool (`NPROC >= 3` on a 2-core machine; `chunk_grads_pair`).
     channel_kernel: per-channel decay (gla, kda): the forward's chunk tensors from one kernel
       (`channel_prep.py`: the decayed gram as one whole-tile product per merge level, every exponent
       <= 0) instead of XLA's preparation; the backward still recomputes them in XLA for its vjp.
