@@ -70,6 +70,31 @@ def _scratch(C, K, bv, dtype, partial_dtype, dv_dtype, slots, has_seg):
   return scratch
 
 
+def _dbk_term(dbv, st, k_s, vectors, ck):
+  """`dB_k = X^T dW = -dB_v S^T` (`dbv`: dB_v staged in shared memory) and `r = e^G rowsum(dB_k k)`,
+  which dG (times beta) and dbeta take; dk takes `dB_k beta e^G`."""
+  dBk = -matmul(dbv, st, ck)
+  beta, e_q, _ = vectors()
+  r = e_q * jnp.sum(dBk * plgpu.load(k_s, layout=WGMMA).astype(F32), axis=1)
+  return dBk, beta, e_q, r
+
+
+def _dl_and_m(x_s, dx, k_s, tmp, decay, dtype, sq):
+  """`dL = -X^T dX X^T` (X^T dX staged in `tmp`) and `M = (k k^T) D_excl`."""
+  tmp[...] = matmul(x_s.T, dx, sq).astype(dtype)
+  plgpu.commit_smem()
+  kk, dL = matmuls((sq, [(k_s, k_s.T)]), (sq, [(tmp, x_s.T)]))
+  return -dL, kk * decay(True, True)
+
+
+def _dm_k(dM, a, k_s, decay, dtype, ck):
+  """dk's `(dM D_excl) k + (dM D_excl)^T k`, with `dM D_excl` staged in `a`."""
+  a[...] = (dM * decay(True, True)).astype(dtype)
+  plgpu.commit_smem()
+  (dMk,) = matmuls((ck, [(a, k_s), (a.T, k_s)]))
+  return dMk
+
+
 def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, interpret=None,
                 block_v: int = BLOCK_V, dv_dtype=F32, partial_dtype=F32, blocks_per_program: int = 1,
                 qk_l2norm: bool = False):
@@ -222,29 +247,19 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
       beta, _, _ = vectors()
       emit(dBv * rows(beta, cv), out_v, dv_r.at[bi, rows_t, h, pl.ds(vb * bv, bv)])
       dbeta = jnp.sum(dBv * plgpu.load(v_b, layout=WGMMA).astype(F32), axis=1)
-      # dB_k = X^T dW = -dB_v S^T
-      dBk = -matmul(dbv_s, st_b, ck)
-      beta, e_q, _ = vectors()
-      r = e_q * jnp.sum(dBk * load_k(), axis=1)
+      dBk, beta, e_q, r = _dbk_term(dbv_s, st_b, k_s, vectors, ck)
       dk = dk + dBk * rows(beta * e_q, ck)
       dG = dG + beta * r
       dbeta = dbeta + r
-      # dL = -X^T dX X^T; M = (k k^T) D_excl; dM = beta dL (p_s is free again: it holds X^T dX)
-      p_s[...] = matmul(x_s.T, dx_s, sq).astype(dtype)
-      plgpu.commit_smem()
-      kk, dL = matmuls((sq, [(k_s, k_s.T)]), (sq, [(p_s, x_s.T)]))
-      M = kk * decay(True, True)
-      dL = -dL
+      # dM = beta dL (p_s is free again: it stages X^T dX)
+      dL, M = _dl_and_m(x_s, dx_s, k_s, p_s, decay, dtype, sq)
       dbeta = dbeta + jnp.sum(dL * M, axis=1)
       beta, _, _ = vectors()
       dM = dL * rows(beta, sq)
       A = dM * M
       col_s.at[1][...] = jnp.sum(A, axis=0)
       dG = dG + jnp.sum(A, axis=1)
-      a_s[...] = (dM * decay(True, True)).astype(dtype)
-      plgpu.commit_smem()
-      (dMk,) = matmuls((ck, [(a_s, k_s), (a_s.T, k_s)]))
-      dk = dk + dMk
+      dk = dk + _dm_k(dM, a_s, k_s, decay, dtype, ck)
       if qk_l2norm:
         dk = _l2_normalize_grad(dk, k_s, fresh(plgpu.load(norm_s.at[1], layout=ROWS)))
       emit(dk, out_k, dk_r.at[vb, bi, rows_t, h])
@@ -532,10 +547,7 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
     v_b[...] = (dBv * rows(beta, cv)).astype(dtype)        # dv, staged in v's tile
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(v_b, dv_r.at[bi, rows_t, h, vs])
-    # dB_k = X^T dW = -dB_v S^T
-    dBk = -matmul(buf, st_b, ck)
-    beta, e_q, _ = vectors()
-    r = e_q * jnp.sum(dBk * load_k(), axis=1)
+    dBk, beta, e_q, r = _dbk_term(buf, st_b, k_s, vectors, ck)
     dk = dk + dBk * rows(beta * e_q, ck)
     dG = dG + beta * r
     dbeta = dbeta + r
@@ -546,20 +558,13 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
     dLt, kk = matmuls((sq, [(p_b, x_s)]), (sq, [(k_s, k_s.T)]))
     beta_cols = fresh(plgpu.load(bc_s, layout=COLS))
     dG = dG + jnp.sum(dLt * cols(beta_cols, sq) * kk * decay(False, True), axis=1)
-    # dL = -X^T dX X^T; M = (k k^T) D_excl; dM = beta dL
-    p_b[...] = matmul(x_s.T, du_b, sq).astype(dtype)
-    plgpu.commit_smem()
-    kk, dL = matmuls((sq, [(k_s, k_s.T)]), (sq, [(p_b, x_s.T)]))
-    M = kk * decay(True, True)
-    dL = -dL
+    # dM = beta dL (du's tile holds dX)
+    dL, M = _dl_and_m(x_s, du_b, k_s, p_b, decay, dtype, sq)
     dbeta = dbeta + jnp.sum(dL * M, axis=1)
     beta, _, _ = vectors()
     dM = dL * rows(beta, sq)
     dG = dG + jnp.sum(dM * M, axis=1)
-    a_b[...] = (dM * decay(True, True)).astype(dtype)
-    plgpu.commit_smem()
-    (dMk,) = matmuls((ck, [(a_b, k_s), (a_b.T, k_s)]))
-    dk = dk + dMk
+    dk = dk + _dm_k(dM, a_b, k_s, decay, dtype, ck)
     if qk_l2norm:
       dk = _l2_normalize_grad(dk, k_s, fresh(plgpu.load(norm_s.at[1], layout=ROWS)))
     write_sum(dk, DK_STAGED, dk_r.at[0, bi, rows_t, h], done=OUT_FREE)

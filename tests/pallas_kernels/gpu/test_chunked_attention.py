@@ -319,12 +319,16 @@ def test_delta_preparation_kernel_serves_scalar_or_no_decay_only():
   assert not delta_prep.serves(None, None, None)
 
 
-@pytest.mark.parametrize("variant,gates,H,K,V,packed,h0", [
-    ("delta_rule", "normal", 1, 64, 64, False, True),
-    ("gated_delta_rule", "normal", 1, 64, 128, False, True),    # two value blocks: partial sums
-    ("gated_delta_rule", "strong", 2, 64, 64, False, False),
-    ("gated_delta_rule", "normal", 1, 128, 64, True, True)])
-def test_delta_backward_kernel_matches_the_float64_loop(variant, gates, H, K, V, packed, h0):
+@pytest.mark.parametrize("variant,gates,H,K,V,packed,h0,warpgroups", [
+    ("delta_rule", "normal", 1, 64, 64, False, True, 1),
+    ("gated_delta_rule", "normal", 1, 64, 128, False, True, 1),    # two value blocks: partial sums
+    ("gated_delta_rule", "strong", 2, 64, 64, False, False, 1),
+    ("gated_delta_rule", "normal", 1, 128, 64, True, True, 1),
+    # both value blocks in one program of two warpgroups (delta_grads.chunk_grads_pair)
+    ("gated_delta_rule", "normal", 1, 64, 128, False, True, 2),    # grouped value heads (H_v = 2)
+    ("delta_rule", "normal", 2, 128, 128, True, True, 2),
+    ("gated_delta_rule", "strong", 2, 64, 128, True, False, 2)])
+def test_delta_backward_kernel_matches_the_float64_loop(variant, gates, H, K, V, packed, h0, warpgroups):
   # delta_backward=True: every chunk's gradients in one kernel (dq, dk, dv, dbeta, dg, dh0), from the
   # preparation kernel's X and the two walks, with no XLA vjp of the preparation.
   inp = make_inputs(variant, B=1, T=150, H=H, Hv=2, K=K, V=V, gates=gates, seed=22)
@@ -335,7 +339,7 @@ def test_delta_backward_kernel_matches_the_float64_loop(variant, gates, H, K, V,
     seg = np.zeros((1, 150), np.int32)
     seg[0, 10:64], seg[0, 64:90], seg[0, 90:] = 3, 1, 2
   # errors are ~5e-4 here: a tolerance of 1.5e-3 (not float16's 4e-3) fails a 1% error in one term of dg
-  check(variant, inp, seg=seg, fused=True, delta_backward=True, tol=1.5e-3)
+  check(variant, inp, seg=seg, fused=True, delta_backward=True, tol=1.5e-3, delta_warpgroups=warpgroups)
 
 
 @pytest.mark.parametrize("variant,pieces,packed,fused", [

@@ -1,7 +1,7 @@
 """The delta family's gradients with both value blocks in one program of two warpgroups
 (`delta_grads.chunk_grads_pair`, `chunked_attention(..., delta_warpgroups=2)`) in the Mosaic GPU
 interpreter: against one warpgroup per block (`chunk_grads`, partial sums added outside) with the race
-detector on, and end to end against the float64 loop."""
+detector on (end to end against the float64 loop: test_chunked_attention.py's delta backward test)."""
 
 import jax.numpy as jnp
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -10,8 +10,7 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
 from pallas_kernels.gpu import delta_grads
-from tests.ops.conftest import make_inputs, rel_rms
-from tests.pallas_kernels.gpu.util import check
+from tests.ops.conftest import rel_rms
 
 RACES = plgpu.InterpretGPUParams(detect_races=True)
 
@@ -66,23 +65,6 @@ def test_pair_rejects_what_it_cannot_serve():
   assert delta_grads.pair_serves(128, 64, jnp.bfloat16, jnp.bfloat16)
   assert not delta_grads.pair_serves(64, 64, jnp.bfloat16, jnp.bfloat16)
   assert not delta_grads.pair_serves(128, 64, jnp.float32, jnp.bfloat16)
-
-
-@pytest.mark.parametrize("variant,gates,H,K,packed,h0", [
-    ("gated_delta_rule", "normal", 1, 64, False, True),     # grouped value heads (H_v = 2)
-    ("delta_rule", "normal", 2, 128, True, True),
-    ("gated_delta_rule", "strong", 2, 64, True, False)])
-def test_pair_matches_the_float64_loop(variant, gates, H, K, packed, h0):
-  # delta_warpgroups=2 end to end: o, final state and every gradient against the float64 loop (T = 150:
-  # padded to 3 chunks; runs changing inside a chunk and on its boundary)
-  inp = make_inputs(variant, B=1, T=150, H=H, Hv=2, K=K, V=128, gates=gates, seed=23)
-  if not h0:
-    inp["h0"] = None
-  seg = None
-  if packed:
-    seg = np.zeros((1, 150), np.int32)
-    seg[0, 10:64], seg[0, 64:90], seg[0, 90:] = 3, 1, 2
-  check(variant, inp, seg=seg, fused=True, delta_backward=True, delta_warpgroups=2, tol=1.5e-3)
 
 
 def test_public_option_is_checked():
