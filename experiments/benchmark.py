@@ -62,6 +62,7 @@ class Config:
   iters: int = 5  # timed rounds; the median is reported
   warm_s: float | None = None  # seconds of untimed rounds before timing (at least `warmup` rounds;
   # None: 2 on a GPU, which idles at low clocks during the compiles, 0 elsewhere)
+  stream: int = 0  # > 1: each round also times this many calls issued back to back (host dispatch hidden)
   chunk_size: int = 64  # chunk length for this library's and jla's chunked forms
   peers: tuple[str, ...] = PEERS  # other libraries to time when installed (rows say "not installed")
   jla_impls: tuple[str, ...] = ("chunked",)  # jla implementations: chunked, mosaic_gpu, reference
@@ -74,6 +75,8 @@ class Config:
   def __post_init__(self):
     common.check_variants(self.variants)
     common.dtype_of(self.dtype)
+    if self.stream < 0:
+      raise ValueError(f"stream must be >= 0; got {self.stream}")
     bad = {"impls": [i for i in self.impls if i not in ops.IMPLS],
            "modes": [m for m in self.modes if m not in MODES] + ([] if self.modes else ["(none)"]),
            "peers": [p for p in self.peers if p not in PEERS],
@@ -123,6 +126,7 @@ class Contender:
   compiled: object = None
   args: tuple = ()
   times_ms: list = dataclasses.field(default_factory=list)
+  stream_ms: list = dataclasses.field(default_factory=list)  # per call, in streams of `Config.stream`
   temp_bytes: int | None = None
   peak_bytes: int | None = None
 
@@ -144,10 +148,13 @@ class Contender:
     self.args = (self.inputs, self.do)
     return jax.grad(lambda x, do: jnp.sum(self.forward(x).astype(jnp.float32) * do))
 
-  def run(self) -> float:
+  def run(self, calls: int = 1) -> float:
+    """Milliseconds per call of `calls` calls issued back to back and waited for together (1: one
+    call, waited for; more: the host's dispatch overlaps the device's work, so this is the device's
+    time per call once the host keeps ahead of it)."""
     start = time.perf_counter()
-    jax.block_until_ready(self.compiled(*self.args))
-    return (time.perf_counter() - start) * 1e3
+    jax.block_until_ready([self.compiled(*self.args) for _ in range(calls)])
+    return (time.perf_counter() - start) * 1e3 / calls
 
 
 def _contenders(config: Config, shape, shape_index: int, jla_ops, jla_status: str) -> list[Contender]:
@@ -228,6 +235,8 @@ def _time(contenders: list[Contender], config: Config, desc: str):
   for _ in range(config.iters):
     for c in live:
       c.times_ms.append(c.run())
+      if config.stream > 1:
+        c.stream_ms.append(c.run(config.stream))
       tick()
   if bar is not None:
     bar.close()
@@ -237,6 +246,8 @@ def _rows(contenders: list[Contender], anchor: str, ceilings: dict | None = None
           chunk_size: int = 64) -> list[dict]:
   medians = {(c.variant, c.shape, c.impl, c.mode): statistics.median(c.times_ms)
              for c in contenders if c.times_ms}
+  streams = {(c.variant, c.shape, c.impl, c.mode): statistics.median(c.stream_ms)
+             for c in contenders if c.stream_ms}
   rows = []
   for c in contenders:
     ms = medians.get((c.variant, c.shape, c.impl, c.mode))
@@ -247,6 +258,12 @@ def _rows(contenders: list[Contender], anchor: str, ceilings: dict | None = None
                  "status": c.status, "median_ms": ms, "times_ms": c.times_ms,
                  "ratio": None if ms is None or ref is None else ms / ref,
                  "temp_bytes": c.temp_bytes, "peak_bytes": c.peak_bytes})
+    stream = streams.get((c.variant, c.shape, c.impl, c.mode))
+    stream_ref = (next((m for (v, s, i, mode), m in streams.items() if v == "softmax" and s == c.shape
+                        and mode == c.mode), None) if anchor == "softmax"
+                  else streams.get((c.variant, c.shape, anchor, c.mode)))
+    rows[-1].update(stream_ms=stream, stream_times_ms=c.stream_ms,
+                    stream_ratio=None if stream is None or stream_ref is None else stream / stream_ref)
     if ceilings is not None and c.inputs is not None:
       nbytes, flops = roofline.op_cost(c.variant, c.shape, c.mode, c.inputs, c.do, chunk_size=chunk_size)
       floor = roofline.floor_ms(nbytes, flops, ceilings)
@@ -278,15 +295,21 @@ def run_benchmark(config: Config, workdir: str) -> dict:
     print(f"ceilings measured in this run: copy {ceilings['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, bf16 "
           f"matmul {ceilings['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s; x floor = median / (the op's bytes "
           "or FLOPs at them, whichever is longer; experiments/roofline.py)")
+  if config.stream > 1:
+    print(f"stream ms: the median over rounds of the time per call of {config.stream} calls issued back "
+          "to back and waited for together (the host's dispatch hidden behind the device's work); "
+          "s.ratio: its ratio to the anchor's")
   mib = lambda b: "-" if b is None else f"{b / 2**20:.1f}"
+  fmt = lambda x, spec: "-" if x is None else format(x, spec)
+  streamed = config.stream > 1
   print(common.format_table(
-      ("variant", "B,T,H,K", "impl", "mode", "median ms", "ratio", "x floor", "temp MiB", "peak MiB", "note"),
+      ("variant", "B,T,H,K", "impl", "mode", "median ms", "ratio")
+      + (("stream ms", "s.ratio") if streamed else ()) + ("x floor", "temp MiB", "peak MiB", "note"),
       [(r["variant"], ",".join(map(str, r["shape"])), r["impl"], r["mode"],
-        "-" if r["median_ms"] is None else f"{r['median_ms']:.3f}",
-        "-" if r["ratio"] is None else f"{r['ratio']:.2f}",
-        "-" if r.get("floor_multiple") is None else f"{r['floor_multiple']:.1f}",
-        mib(r["temp_bytes"]), mib(r["peak_bytes"]),
-        "" if r["status"] == "ok" else r["status"][:48]) for r in rows]))
+        fmt(r["median_ms"], ".3f"), fmt(r["ratio"], ".2f"))
+       + ((fmt(r["stream_ms"], ".3f"), fmt(r["stream_ratio"], ".2f")) if streamed else ())
+       + (fmt(r.get("floor_multiple"), ".1f"), mib(r["temp_bytes"]), mib(r["peak_bytes"]),
+          "" if r["status"] == "ok" else r["status"][:48]) for r in rows]))
   for error in dict.fromkeys(r["status"] for r in rows if r["status"].startswith("error")):
     print(error)
   results = {"config": dataclasses.asdict(config), "anchor": anchor, "jax": jax.__version__,
@@ -329,6 +352,9 @@ def _define_flags():
   flags.DEFINE_list("modes", list(d.modes), "fwd and/or fwd_bwd.")
   flags.DEFINE_integer("warmup", d.warmup, "Untimed rounds after compilation.")
   flags.DEFINE_integer("iters", d.iters, "Timed rounds; the median is reported.")
+  flags.DEFINE_integer("stream", d.stream, "> 1: each round also times this many calls issued back to "
+                       "back and waited for together, per call (the device's time once the host's "
+                       "dispatch hides behind it); reported as 'stream ms' with its own ratio.")
   flags.DEFINE_float("warm_s", d.warm_s, "Seconds of untimed rounds before timing (at least --warmup "
                      "rounds), so the timed ones run at steady clocks; default 2 on a GPU, 0 elsewhere.")
   flags.DEFINE_integer("chunk_size", d.chunk_size, "Chunk length of the chunked forms.")
@@ -350,6 +376,7 @@ def main(argv):
   f = flags.FLAGS
   config = Config(variants=tuple(f.variants), impls=tuple(f.impls), shapes=parse_shapes(f.shapes),
                   dtype=f.dtype, modes=tuple(f.modes), warmup=f.warmup, iters=f.iters, warm_s=f.warm_s,
+                  stream=f.stream,
                   chunk_size=f.chunk_size, peers=tuple(f.peers), jla_impls=tuple(f.jla_impls),
                   softmax=f.softmax, anchor=f.anchor, seed=f.seed, plot=f.plot, roofline=f.roofline)
   run_benchmark(config, f.workdir)

@@ -111,7 +111,7 @@ class _Options:
   delta_backward: bool = False
   qk_l2norm: bool = False   # only with the delta kernels (`_delta_kernels`): they normalise q, k on load
   channel_kernel: bool = False
-  delta_warpgroups: int = 1   # 2: the delta gradients in chunk_grads_pair where it serves
+  delta_warpgroups: int = 2   # 2: the delta gradients in chunk_grads_pair where it serves
 
 
 def _forward(t, h0, *, options, with_o, with_states, out_dtype, token_o=False, scale=1.0):
@@ -211,7 +211,7 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
                       chunk_size: int = 64, compute_dtype=None, out_dtype=None, inverse_dtype=jnp.float32,
                       fused: bool = True, sequence_pieces: int | None = None, delta_backward: bool = True,
                       qk_l2norm: bool = False, channel_kernel: bool = False, gram_method: str = "merge",
-                      delta_warpgroups: int = 1, interpret=None):
+                      delta_warpgroups: int = 2, interpret=None):
   """Either family in chunked form, with the chunk walk as Mosaic GPU kernels; differentiable in
   q, k, v, g, beta and initial_state.
 
@@ -246,11 +246,12 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
       `delta_backward`, no or scalar decay) the preparation and gradient kernels do it on load, so no
       XLA pass over q and k remains; elsewhere XLA does it before the kernels.
     delta_warpgroups: with the delta gradient kernels and V = 128 (two value blocks), 16-bit v and
-      operands: 2 computes both blocks in one program of two warpgroups that share q, k and X and add
-      their partial dq, dk, dg and dbeta in shared memory (`delta_grads.chunk_grads_pair`); 1 (or any
-      other call) one warpgroup per block, the partial sums added by XLA. 1 until the pair is measured
-      on a Hopper GPU (NOTES.md v27). In the interpreter the pair needs three threads in XLA's CPU
-      pool (`NPROC >= 3` on a 2-core machine; `chunk_grads_pair`).
+      operands: 2 (default) computes both blocks in one program of two warpgroups that share q, k and X
+      and add their partial dq, dk, dg and dbeta in shared memory (`delta_grads.chunk_grads_pair`; on
+      the H200 gated_delta_rule's value and gradients at (4, 8192, 16, 128) take 2.9 ms against 3.5 ms
+      with 1, NOTES.md v27); 1 (and every call the pair does not serve) one warpgroup per block, the
+      partial sums added by XLA. In the interpreter the pair needs three threads in XLA's CPU pool
+      (`NPROC >= 3` on a 2-core machine; `chunk_grads_pair`).
     channel_kernel: per-channel decay (gla, kda): the forward's chunk tensors from one kernel
       (`channel_prep.py`: the decayed gram as one whole-tile product per merge level, every exponent
       <= 0) instead of XLA's preparation; the backward still recomputes them in XLA for its vjp.

@@ -37,7 +37,7 @@ def test_benchmark_has_a_row_per_variant_impl_and_mode(tmp_path):
   plot = importlib.util.find_spec("matplotlib") is not None
   # Given a scalar-gated additive and a per-channel delta variant at a tiny shape
   config = benchmark.Config(variants=("simple_gla", "kda"), shapes=((1, 16, 2, 8),), dtype="float32",
-                            warmup=0, iters=2, chunk_size=8, plot=plot)
+                            warmup=0, iters=2, chunk_size=8, plot=plot, stream=3)
   # When every contender is timed
   results = benchmark.run_benchmark(config, str(tmp_path))
   # Then the JSON holds the rows: one timed row per (variant, impl, mode), jla's say whether it ran
@@ -50,10 +50,12 @@ def test_benchmark_has_a_row_per_variant_impl_and_mode(tmp_path):
       for impl in config.impls:
         row = rows[(variant, impl, mode)]
         assert row["status"] == "ok" and row["median_ms"] > 0 and len(row["times_ms"]) == 2, row
+        # and the streamed timing (3 calls back to back, per call) has its own rounds and median
+        assert len(row["stream_times_ms"]) == 2 and row["stream_ms"] > 0, row
       jla = rows[(variant, "jla:chunked", mode)]
       assert jla["status"] == ("ok" if jla_installed else "not installed"), jla
       anchor = rows[(variant, results["anchor"], mode)]
-      assert anchor["ratio"] == 1.0
+      assert anchor["ratio"] == 1.0 and anchor["stream_ratio"] == 1.0
   softmax = [r for r in results["rows"] if r["variant"] == "softmax"]
   assert sorted(r["mode"] for r in softmax) == sorted(config.modes)
   assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in softmax)
@@ -91,6 +93,8 @@ def test_benchmark_parses_shapes_and_rejects_bad_configs():
     benchmark.Config(variants=("softmax",))
   with pytest.raises(ValueError, match="anchor"):
     benchmark.Config(anchor="jla:triton")
+  with pytest.raises(ValueError, match="stream"):
+    benchmark.Config(stream=-1)
   with pytest.raises(ValueError, match="impls"):
     equivalence.Config(impls=("recurrent",))
 
