@@ -38,8 +38,9 @@ from experiments import benchmark, common
 from pallas_kernels import gpu, prep, vjp
 from pallas_kernels.gpu import channel_prep, delta_grads, delta_prep, fused, walk
 
-STAGES = ("op fwd", "op fwd fused", "op fwd+bwd", "op fwd+bwd fused", "op fwd+bwd delta_backward",
-          "op value+grad fused", "op value+grad delta_backward", "delta prep kernel",
+STAGES = ("op fwd", "op fwd fused", "op fwd fused pair", "op fwd+bwd", "op fwd+bwd fused",
+          "op fwd+bwd delta_backward", "op value+grad fused", "op value+grad fused pair",
+          "op value+grad delta_backward", "delta prep kernel",
           "delta grads kernel", "op value+grad delta pair", "delta grads pair kernel",
           "delta grads kernel 2 blocks", "channel prep kernel", "op fwd channel kernel",
           "op fwd+bwd levels gram", "gram merge fwd+bwd", "gram levels fwd+bwd", "prep fwd", "walk o", "walk states", "reverse walk", "reverse + cotangents", "prep vjp")
@@ -83,19 +84,19 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
   states = states_fn(t)
   cot = jax.tree.map(lambda a: jnp.full(a.shape, 1e-2, jnp.float32), prepare(*args))
   do_o = jnp.asarray(rng.standard_normal(x["v"].shape), jnp.float32)
-  forward = lambda use_fused, delta_backward=False, warpgroups=1: lambda *a: gpu.chunked_attention(
+  forward = lambda use_fused, delta_backward=False, warpgroups=1, fwd_wg=1: lambda *a: gpu.chunked_attention(
       *a, fused=use_fused, sequence_pieces=sequence_pieces, delta_backward=delta_backward,
-      delta_warpgroups=warpgroups, interpret=interpret)[0]
-  op = lambda use_fused: jax.jit(forward(use_fused))
+      delta_warpgroups=warpgroups, forward_warpgroups=fwd_wg, interpret=interpret)[0]
+  op = lambda use_fused, fwd_wg=1: jax.jit(forward(use_fused, fwd_wg=fwd_wg))
   argnums = tuple(i for i, a in enumerate(args) if a is not None)
   op_grad = lambda use_fused, delta_backward=False: jax.jit(jax.grad(
       lambda *a: jnp.sum(forward(use_fused, delta_backward)(*a).astype(jnp.float32) * do_o),
       argnums=argnums))
   # value and gradients (a training step): the forward cannot be dropped as dead code, as it can
   # under jax.grad when the backward recomputes everything it needs
-  op_value_grad = lambda use_fused, delta_backward=False, warpgroups=1: jax.jit(jax.value_and_grad(
-      lambda *a: jnp.sum(forward(use_fused, delta_backward, warpgroups)(*a).astype(jnp.float32) * do_o),
-      argnums=argnums))
+  op_value_grad = lambda use_fused, delta_backward=False, warpgroups=1, fwd_wg=1: jax.jit(jax.value_and_grad(
+      lambda *a: jnp.sum(forward(use_fused, delta_backward, warpgroups, fwd_wg)(*a).astype(jnp.float32)
+                         * do_o), argnums=argnums))
   serves = fused.serves(args[3], beta, None) or delta_prep.serves(args[3], beta, None)
   delta_kernels = beta is not None and delta_prep.serves(args[3], beta, None)
 
@@ -119,11 +120,14 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
   stages = {
       "op fwd": (op(False), args),
       "op fwd fused": (op(True), args) if serves else None,
+      "op fwd fused pair": (op(True, 2), args) if fused.serves(args[3], beta, None) else None,
       "op fwd+bwd": (op_grad(False), args),
       "op fwd+bwd fused": (op_grad(True), args) if serves else None,
       "op fwd+bwd delta_backward": ((op_grad(True, True), args) if beta is not None
                                     and delta_prep.serves(args[3], beta, None) else None),
       "op value+grad fused": (op_value_grad(True), args) if serves else None,
+      "op value+grad fused pair": ((op_value_grad(True, fwd_wg=2), args) if fused.serves(args[3], beta, None)
+                                   else None),
       "op value+grad delta_backward": ((op_value_grad(True, True), args) if beta is not None
                                        and delta_prep.serves(args[3], beta, None) else None),
       "delta prep kernel": (jax.jit(lambda *a: delta_prep.prepare(
@@ -207,6 +211,17 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
       print(f"{variant}: check pair (two warpgroups vs one per block): relative RMS {max(errs):.2e}")
     except Exception as e:
       print(f"{variant}: pair check failed: {type(e).__name__}: {str(e)[:2000]}")
+  # the fused additive forward in two warpgroups against one, value and gradients
+  if stages["op value+grad fused pair"] is not None and (not only or "forward pair check" in only):
+    try:
+      a, b = op_value_grad(True, fwd_wg=2)(*args), op_value_grad(True)(*args)
+      errs = [float(jnp.sqrt(jnp.mean((x.astype(jnp.float32) - y.astype(jnp.float32))**2)
+                             / (jnp.mean(y.astype(jnp.float32)**2) + 1e-30)))
+              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+      out["check forward pair rel rms"] = max(errs)
+      print(f"{variant}: check forward pair (two warpgroups vs one): relative RMS {max(errs):.2e}")
+    except Exception as e:
+      print(f"{variant}: forward pair check failed: {type(e).__name__}: {str(e)[:2000]}")
   # the per-channel preparation kernel's o against XLA's preparation on these inputs
   if channel_prep.serves(args[3], beta, None) and (not only or "channel check" in only):
     try:
@@ -229,7 +244,8 @@ def _define_flags():
   flags.DEFINE_bool("jla", False, "Also time jax-linear-attention's Mosaic GPU kernels (when installed).")
   flags.DEFINE_list("stages", [], "Only these stages (names as printed; 'fused check' for the fused "
                     "path's agreement with the prepared one, 'channel check' for the per-channel "
-                    "kernel's, 'pair check' for the two-warpgroup delta gradients'); empty: all.")
+                    "kernel's, 'pair check' for the two-warpgroup delta gradients', 'forward pair check' for the "
+                    "two-warpgroup fused forward's); empty: all.")
   flags.DEFINE_integer("sequence_pieces", None, "The walks' sequence pieces (default: their own "
                        "choice, `pallas_kernels.gpu.walk.pieces`).")
   flags.DEFINE_string("workdir", "runs/kernel_breakdown", "Where kernel_breakdown.json is written.")

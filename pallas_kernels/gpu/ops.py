@@ -112,6 +112,7 @@ class _Options:
   qk_l2norm: bool = False   # only with the delta kernels (`_delta_kernels`): they normalise q, k on load
   channel_kernel: bool = False
   delta_warpgroups: int = 2   # 2: the delta gradients in chunk_grads_pair where it serves
+  forward_warpgroups: int = 1   # 2: the fused additive forward in fused._forward_walk_pair
 
 
 def _forward(t, h0, *, options, with_o, with_states, out_dtype, token_o=False, scale=1.0):
@@ -158,7 +159,8 @@ def _fused_forward(q, k, v, g, beta, h0, segment_ids, *, options, chunk_size, co
   o, states, final = fused_kernel.forward(q, k, v, g, h0, chunk_size=chunk_size, dtype=compute_dtype,
                                           out_dtype=out_dtype, segment_ids=segment_ids,
                                           interpret=options.interpret, with_states=residuals,
-                                          sequence_pieces=options.sequence_pieces, scale=scale)
+                                          sequence_pieces=options.sequence_pieces, scale=scale,
+                                          warpgroups=options.forward_warpgroups)
   out = (o[:, :q.shape[1]], final)
   return (out, states) if residuals else out
 
@@ -211,7 +213,7 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
                       chunk_size: int = 64, compute_dtype=None, out_dtype=None, inverse_dtype=jnp.float32,
                       fused: bool = True, sequence_pieces: int | None = None, delta_backward: bool = True,
                       qk_l2norm: bool = False, channel_kernel: bool = False, gram_method: str = "merge",
-                      delta_warpgroups: int = 2, interpret=None):
+                      delta_warpgroups: int = 2, forward_warpgroups: int = 1, interpret=None):
   """Either family in chunked form, with the chunk walk as Mosaic GPU kernels; differentiable in
   q, k, v, g, beta and initial_state.
 
@@ -252,6 +254,10 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
       with 1, NOTES.md v27); 1 (and every call the pair does not serve) one warpgroup per block, the
       partial sums added by XLA. In the interpreter the pair needs three threads in XLA's CPU pool
       (`NPROC >= 3` on a 2-core machine; `chunk_grads_pair`).
+    forward_warpgroups: the fused additive forward (`fused`, no or scalar decay): 2 runs its walk in two
+      warpgroups per program, one carrying the state and one forming P, q e^G and o
+      (`fused._forward_walk_pair`); 1 in one. 1 until the pair is measured on a Hopper GPU
+      (NOTES.md v28). In the interpreter the pair needs `NPROC >= 3`, as `delta_warpgroups`.
     channel_kernel: per-channel decay (gla, kda): the forward's chunk tensors from one kernel
       (`channel_prep.py`: the decayed gram as one whole-tile product per merge level, every exponent
       <= 0) instead of XLA's preparation; the backward still recomputes them in XLA for its vjp.
@@ -282,8 +288,9 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
   if jnp.dtype(out_dtype) not in sixteen_bit:
     raise ValueError(f"out_dtype must be bfloat16 or float16 (o leaves the kernels through a 16-bit "
                      f"tile; cast it afterwards); got {jnp.dtype(out_dtype).name}")
-  if delta_warpgroups not in (1, 2):
-    raise ValueError(f"delta_warpgroups must be 1 or 2; got {delta_warpgroups!r}")
+  for name, value in (("delta_warpgroups", delta_warpgroups), ("forward_warpgroups", forward_warpgroups)):
+    if value not in (1, 2):
+      raise ValueError(f"{name} must be 1 or 2; got {value!r}")
   if gram_method not in ("merge", "levels"):
     raise ValueError(f"gram_method must be 'merge' or 'levels'; got {gram_method!r}")
   in_kernels = qk_l2norm and fused and delta_backward and delta_prep.serves(g, beta, segment_ids)
@@ -294,7 +301,8 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
                                                       delta_backward=delta_backward,
                                                       qk_l2norm=bool(in_kernels),
                                                       channel_kernel=channel_kernel,
-                                                      delta_warpgroups=delta_warpgroups),
+                                                      delta_warpgroups=delta_warpgroups,
+                                                      forward_warpgroups=forward_warpgroups),
                       chunk_size=chunk_size, compute_dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype),
                       inverse_dtype=None if inverse_dtype is None else jnp.dtype(inverse_dtype),
                       gram_method=gram_method)
