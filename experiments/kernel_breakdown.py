@@ -38,8 +38,9 @@ from experiments import benchmark, common
 from pallas_kernels import gpu, prep, vjp
 from pallas_kernels.gpu import channel_prep, delta_grads, delta_prep, fused, walk
 
-STAGES = ("op fwd", "op fwd fused", "op fwd fused pair", "op fwd+bwd", "op fwd+bwd fused",
-          "op fwd+bwd delta_backward", "op value+grad fused", "op value+grad fused pair",
+STAGES = ("op fwd", "op fwd fused", "op fwd fused pair", "op fwd fused streamed", "op fwd+bwd",
+          "op fwd+bwd fused", "op fwd+bwd delta_backward", "op value+grad fused",
+          "op value+grad fused pair", "op value+grad fused streamed",
           "op value+grad delta_backward", "delta prep kernel",
           "delta grads kernel", "op value+grad delta pair", "delta grads pair kernel",
           "delta grads kernel 2 blocks", "channel prep kernel", "op fwd channel kernel",
@@ -121,6 +122,7 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
       "op fwd": (op(False), args),
       "op fwd fused": (op(True), args) if serves else None,
       "op fwd fused pair": (op(True, 2), args) if fused.serves(args[3], beta, None) else None,
+      "op fwd fused streamed": (op(True, 3), args) if fused.serves(args[3], beta, None) else None,
       "op fwd+bwd": (op_grad(False), args),
       "op fwd+bwd fused": (op_grad(True), args) if serves else None,
       "op fwd+bwd delta_backward": ((op_grad(True, True), args) if beta is not None
@@ -128,6 +130,8 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
       "op value+grad fused": (op_value_grad(True), args) if serves else None,
       "op value+grad fused pair": ((op_value_grad(True, fwd_wg=2), args) if fused.serves(args[3], beta, None)
                                    else None),
+      "op value+grad fused streamed": ((op_value_grad(True, fwd_wg=3), args)
+                                       if fused.serves(args[3], beta, None) else None),
       "op value+grad delta_backward": ((op_value_grad(True, True), args) if beta is not None
                                        and delta_prep.serves(args[3], beta, None) else None),
       "delta prep kernel": (jax.jit(lambda *a: delta_prep.prepare(
@@ -211,17 +215,20 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
       print(f"{variant}: check pair (two warpgroups vs one per block): relative RMS {max(errs):.2e}")
     except Exception as e:
       print(f"{variant}: pair check failed: {type(e).__name__}: {str(e)[:2000]}")
-  # the fused additive forward in two warpgroups against one, value and gradients
-  if stages["op value+grad fused pair"] is not None and (not only or "forward pair check" in only):
+  # the fused additive forward in two (pair) or three (streamed) warpgroups against one, value and
+  # gradients
+  for name, wgs in (("pair", 2), ("streamed", 3)):
+    if stages["op value+grad fused pair"] is None or (only and f"forward {name} check" not in only):
+      continue
     try:
-      a, b = op_value_grad(True, fwd_wg=2)(*args), op_value_grad(True)(*args)
+      a, b = op_value_grad(True, fwd_wg=wgs)(*args), op_value_grad(True)(*args)
       errs = [float(jnp.sqrt(jnp.mean((x.astype(jnp.float32) - y.astype(jnp.float32))**2)
                              / (jnp.mean(y.astype(jnp.float32)**2) + 1e-30)))
               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
-      out["check forward pair rel rms"] = max(errs)
-      print(f"{variant}: check forward pair (two warpgroups vs one): relative RMS {max(errs):.2e}")
+      out[f"check forward {name} rel rms"] = max(errs)
+      print(f"{variant}: check forward {name} ({wgs} warpgroups vs one): relative RMS {max(errs):.2e}")
     except Exception as e:
-      print(f"{variant}: forward pair check failed: {type(e).__name__}: {str(e)[:2000]}")
+      print(f"{variant}: forward {name} check failed: {type(e).__name__}: {str(e)[:2000]}")
   # the per-channel preparation kernel's o against XLA's preparation on these inputs
   if channel_prep.serves(args[3], beta, None) and (not only or "channel check" in only):
     try:
@@ -245,15 +252,16 @@ def _define_flags():
   flags.DEFINE_list("stages", [], "Only these stages (names as printed; 'fused check' for the fused "
                     "path's agreement with the prepared one, 'channel check' for the per-channel "
                     "kernel's, 'pair check' for the two-warpgroup delta gradients', 'forward pair check' for the "
-                    "two-warpgroup fused forward's); empty: all.")
+                    "two-warpgroup fused forward's, 'forward streamed check' the"
+                    " three-warpgroup one's); empty: all.")
   flags.DEFINE_integer("sequence_pieces", None, "The walks' sequence pieces (default: their own "
                        "choice, `pallas_kernels.gpu.walk.pieces`).")
   flags.DEFINE_string("workdir", "runs/kernel_breakdown", "Where kernel_breakdown.json is written.")
 
 
 def main(argv):
-  # the interpreter's two-warpgroup kernel needs three CPU threads in XLA's pool (chunk_grads_pair)
-  os.environ["NPROC"] = str(max(4, int(os.environ.get("NPROC") or 0)))
+  # the interpreter runs each warpgroup of a multi-warpgroup kernel on XLA's CPU pool (tests/conftest.py)
+  os.environ["NPROC"] = str(max(6, int(os.environ.get("NPROC") or 0)))
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   f = flags.FLAGS

@@ -1,17 +1,18 @@
 """Session-wide setup for the suite.
 
 The Mosaic GPU interpreter runs each warpgroup of a multi-warpgroup kernel
-(`delta_grads.chunk_grads_pair`) as a separate computation, and each of them blocks in its barrier
+(`delta_grads.chunk_grads_pair`, `fused._forward_walk_pair`, `fused._forward_walk_streamed`) as a
+separate computation, and each of them blocks in its barrier
 waits. These computations, and the one that launched them, run on XLA's CPU thread pool. That pool
 has one thread per core (the `NPROC` environment variable overrides the count). On a 2-core machine
 the launcher and one blocked warpgroup fill the pool. The warpgroup the blocked one waits for then
 never starts, and the suite hangs.
 
-Four threads leave room for the launcher and two warpgroups. The environment variable also reaches
+Six threads leave room for the launcher and three warpgroups, with two to spare. The environment variable also reaches
 the scripts that tests run as subprocesses. It is set here, before any test initialises JAX's CPU
 backend.
 """
 
 import os
 
-os.environ["NPROC"] = str(max(4, int(os.environ.get("NPROC") or 0)))
+os.environ["NPROC"] = str(max(6, int(os.environ.get("NPROC") or 0)))

@@ -372,7 +372,7 @@ def _pair_scratch(C, K, bv, dtype, has_seg):
       q_bar=plgpu.Barrier(), early=plgpu.Barrier(num_arrivals=2, num_barriers=2),
       late=plgpu.Barrier(num_arrivals=2, num_barriers=2),
       # warpgroup 0 -> 1: k normalised, q normalised, out_k free again; 1 -> 0: its dq, dk, vectors staged
-      sync=plgpu.Barrier(num_barriers=6))
+      sync=plgpu.Barrier(num_barriers=6), done=plgpu.Barrier(num_arrivals=2))
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
   return scratch
@@ -392,7 +392,7 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
   In the Mosaic GPU interpreter the two warpgroups run as separate computations on XLA's CPU thread
   pool, which needs at least three threads (launcher + two warpgroups). That pool has one thread per
   core unless the environment variable `NPROC` says otherwise, so a 2-core machine hangs without
-  `NPROC >= 3`, set before JAX's CPU backend starts (tests/conftest.py sets 4)."""
+  `NPROC >= 3`, set before JAX's CPU backend starts (tests/conftest.py sets 6)."""
   B, T_pad, H, K = q.shape
   Hv, V = v.shape[2:]
   NC = states.shape[2]
@@ -411,7 +411,7 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
   K_NORMED, Q_NORMED, DQ_STAGED, OUT_FREE, DK_STAGED, VEC_STAGED = range(6)
 
   def body(*refs, q_s, k_s, x_s, out_k, v_s, do_s, st_s, dst_s, buf_s, p_s, a_s, du_s, vec_s, norm_s,
-           g_s, gc_s, b_s, bc_s, bar, q_bar, early, late, sync, m_s=None):
+           g_s, gc_s, b_s, bc_s, bar, q_bar, early, late, sync, done, m_s=None):
     q_r, k_r, v_r, g_r, b_r, x_r, st_r, dst_r, do_r = refs[:9]
     m_r = refs[9] if has_seg else None
     dq_r, dk_r, dv_r, dg_r, db_r, kdv_r = refs[9 + has_seg:]
@@ -586,6 +586,8 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
         plgpu.copy_smem_to_gmem(vec_s.at[0, idx], dst.at[0, bi, h, rows_t])
 
     plgpu.wait_smem_to_gmem(0)
+    plgpu.barrier_arrive(done)   # neither warpgroup exits while the other still issues products
+    plgpu.barrier_wait(done)
 
   args = [q, k, v, G, b, X, states, dstates, do] + ([masks] if has_seg else [])
   vec = jax.ShapeDtypeStruct((1, B, Hv, T_pad), F32)

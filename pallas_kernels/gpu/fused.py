@@ -176,10 +176,11 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=No
   padded to a multiple). With more than one, a first walk of every piece from a zero state gives its
   end state, `walk.chain_pieces` the state entering each piece, and the main walk runs all pieces in
   parallel. warpgroups: 2 runs the main walk (with o) in two warpgroups per program
-  (`_forward_walk_pair`): one carries the state, the other forms P, q e^G and o.
+  (`_forward_walk_pair`): one carries the state, the other forms P, q e^G and o; 3 adds a third that
+  only fetches, into as many input stages as shared memory holds (`_forward_walk_streamed`).
   """
-  if warpgroups not in (1, 2):
-    raise ValueError(f"warpgroups must be 1 or 2; got {warpgroups!r}")
+  if warpgroups not in (1, 2, 3):
+    raise ValueError(f"warpgroups must be 1, 2 or 3; got {warpgroups!r}")
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
   C = chunk_size
@@ -199,10 +200,11 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=No
     h0 = chain_pieces(h0, ends, lambda x, p: decay[:, :, p, None, None] * x)
   elif h0 is not None:
     h0 = h0[:, :, None]
-  if with_o and warpgroups == 2:
-    o, states, finals = _forward_walk_pair(q, k, v, G, masks, h0, chunk_size=C, dtype=dtype,
-                                           out_dtype=out_dtype, interpret=interpret, bv=bv, S=S,
-                                           scale=scale, with_states=with_states)
+  if with_o and warpgroups > 1:
+    specialised = _forward_walk_pair if warpgroups == 2 else _forward_walk_streamed
+    o, states, finals = specialised(q, k, v, G, masks, h0, chunk_size=C, dtype=dtype,
+                                    out_dtype=out_dtype, interpret=interpret, bv=bv, S=S,
+                                    scale=scale, with_states=with_states)
   else:
     o, states, finals = walk_(h0, with_o=with_o, with_states=with_states)
   return o, states, jnp.swapaxes(finals[:, :, -1], -1, -2)
@@ -343,12 +345,12 @@ def _forward_walk_pair(q, k, v, G, masks, h0, *, chunk_size, dtype, out_dtype, i
       o_s=smem((2, C, bv), out_dtype), state_s=plgpu.SMEM((bv, K), F32),
       in_bar=plgpu.Barrier(num_arrivals=5 + SEG_ROWS * has_seg, num_barriers=2),
       state_bar=plgpu.Barrier(), h_ready=plgpu.Barrier(num_barriers=2),
-      in_free=plgpu.Barrier(num_barriers=2))
+      in_free=plgpu.Barrier(num_barriers=2), done=plgpu.Barrier(num_arrivals=2))
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((2, SEG_ROWS, C), F32)
 
   def body(*refs, q_s, k_s, v_s, g_s, gc_s, kd_s, qg_s, p_s, h_s, o_s, state_s, in_bar, state_bar,
-           h_ready, in_free, m_s=None):
+           h_ready, in_free, done, m_s=None):
     refs = list(refs)
     take = lambda present=True: refs.pop(0) if present else None
     q_r, k_r, v_r, g_r, m_r, h0_r = take(), take(), take(), take(), take(has_seg), take(has_h0)
@@ -440,6 +442,9 @@ def _forward_walk_pair(q, k, v, G, masks, h0, *, chunk_size, dtype, out_dtype, i
       lax.fori_loop(0, NCs, step, 0)
       plgpu.wait_smem_to_gmem(0)
 
+    plgpu.barrier_arrive(done)   # neither warpgroup exits while the other still issues products
+    plgpu.barrier_wait(done)
+
   args = [q, k, v, G] + ([masks] if has_seg else []) + ([h0] if has_h0 else [])
   out_type = [jax.ShapeDtypeStruct((B, T_pad, Hv, V), out_dtype)] + (
       [jax.ShapeDtypeStruct((B, Hv, NC, V, K), dtype)] if with_states else []) + [
@@ -449,6 +454,189 @@ def _forward_walk_pair(q, k, v, G, masks, h0, *, chunk_size, dtype, out_dtype, i
       grid_names=("b", "h", "v", "s"), num_threads=2, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
       kernel_name="chunk_walk_fused_fwd_pair")(*args)
+  outs = list(_vary_like(outs, args))
+  o = outs.pop(0)
+  states = outs.pop(0) if with_states else None
+  return o, states, outs.pop(0)
+
+
+def _streamed_scratch(C, K, bv, dtype, out_dtype, has_seg, stages):
+  """Shared memory of `_forward_walk_streamed`: `stages` input slots (q, k, v, G twice, masks), the
+  state's `v e^(G_C - G)` tile, P, two state slots, two output slots, the float32 state tile."""
+  scratch = dict(
+      q_s=smem((stages, C, K), dtype), k_s=smem((stages, C, K), dtype),
+      v_s=smem((stages, C, bv), dtype), g_s=plgpu.SMEM((stages, C), F32),
+      gc_s=plgpu.SMEM((stages, C), F32), vd_s=smem((C, bv), dtype), p_s=smem((C, C), dtype),
+      h_s=smem((2, bv, K), dtype), o_s=smem((2, C, bv), out_dtype), state_s=plgpu.SMEM((bv, K), F32),
+      in_bar=plgpu.Barrier(num_arrivals=5 + SEG_ROWS * has_seg, num_barriers=stages),
+      in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages), state_bar=plgpu.Barrier(),
+      h_ready=plgpu.Barrier(num_barriers=2), h_free=plgpu.Barrier(num_barriers=2),
+      done=plgpu.Barrier(num_arrivals=3))
+  if has_seg:
+    scratch["m_s"] = plgpu.SMEM((stages, SEG_ROWS, C), F32)
+  return scratch
+
+
+def streamed_stages(C, K, bv, dtype, out_dtype, has_seg) -> int:
+  """The deepest input pipeline (2 to 4 slots) whose shared memory fits a block."""
+  from pallas_kernels.gpu.delta_grads import SMEM_BYTES, _smem_bytes
+  for stages in (4, 3, 2):
+    if _smem_bytes(_streamed_scratch(C, K, bv, dtype, out_dtype, has_seg, stages)) <= SMEM_BYTES:
+      return stages
+  raise ValueError(f"the streamed forward does not fit {SMEM_BYTES} bytes of shared memory "
+                   f"(C={C}, K={K}, block_v={bv}, {jnp.dtype(dtype).name})")
+
+
+def _forward_walk_streamed(q, k, v, G, masks, h0, *, chunk_size, dtype, out_dtype, interpret, bv, S,
+                           scale, with_states):
+  """`_forward_walk` with o, in three warpgroups per program:
+
+  - warpgroup 2 only fetches: chunk n's tiles into input slot `n % stages` (2-4 slots, as many as
+    shared memory holds), once warpgroups 0 and 1 have both freed that slot (`in_free`);
+  - warpgroup 0 carries the state `S^T` in registers: per chunk it publishes the state entering the
+    chunk in `h_s[n % 2]` (`h_ready`; it waits for warpgroup 1 to free that slot, `h_free`) and runs
+    `S^T <- e^(G_C) S^T + (v e^(G_C - G))^T k`;
+  - warpgroup 1 forms `P = (q k^T) e^(G_i - G_j)` while the state is on its way, then
+    `o^T = (S^T q^T) e^(G_j) + v^T P^T`: the decay of the carried state scales o's columns after the
+    product instead of forming `q e^G` as a tile.
+
+  The fetches run up to `stages` chunks ahead of the computation. Every barrier's waiter sees each of
+  its phases before the next can complete (a slot is refilled only after both readers freed it), and
+  every warpgroup waits for the others before it exits (`done`). The roundings differ from the one- and
+  two-warpgroup walks: `v e^(G_C - G)` instead of `k e^(G_C - G)` is rounded to the operand dtype, and
+  `q e^G` not at all. Needs `NPROC >= 4` in the interpreter on a 2-core machine."""
+  B, T_pad, H, K = q.shape
+  Hv, V = v.shape[2:]
+  C = chunk_size
+  NC = T_pad // C
+  NCs = NC // S
+  group = Hv // H
+  has_h0 = h0 is not None
+  has_seg = masks is not None
+  stages = streamed_stages(C, K, bv, dtype, out_dtype, has_seg)
+  scratch = _streamed_scratch(C, K, bv, dtype, out_dtype, has_seg, stages)
+
+  def body(*refs, q_s, k_s, v_s, g_s, gc_s, vd_s, p_s, h_s, o_s, state_s, in_bar, in_free, state_bar,
+           h_ready, h_free, done, m_s=None):
+    refs = list(refs)
+    take = lambda present=True: refs.pop(0) if present else None
+    q_r, k_r, v_r, g_r, m_r, h0_r = take(), take(), take(), take(), take(has_seg), take(has_h0)
+    o_r, states_r, final_r = take(), take(with_states), take()
+    b, h, vs = _program(bv)
+    piece, wg = lax.axis_index("s"), lax.axis_index("wg")
+    hk = lax.div(h, group)
+    rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
+    cols = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])
+    sq = (C, C)
+
+    @pl.when(wg == 2)
+    def _fetch():
+      def issue(n):
+        slot, rows_n = lax.rem(n, stages), pl.ds((piece * NCs + n) * C, C)
+        bar = in_bar.at[slot]
+        plgpu.copy_gmem_to_smem(k_r.at[b, rows_n, hk], k_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(v_r.at[b, rows_n, h, vs], v_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(g_r.at[b, h, rows_n], g_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(q_r.at[b, rows_n, hk], q_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(g_r.at[b, h, rows_n], gc_s.at[slot], bar)
+        for i in range(SEG_ROWS if has_seg else 0):
+          plgpu.copy_gmem_to_smem(m_r.at[b, i, rows_n], m_s.at[slot, i], bar)
+
+      for n in range(min(stages, NCs)):
+        issue(n)
+
+      def refill(n, carry):
+        plgpu.barrier_wait(in_free.at[lax.rem(n, stages)])   # chunk n is done with its slot
+        issue(n + stages)
+        return carry
+
+      if NCs > stages:
+        lax.fori_loop(0, NCs - stages, refill, 0)
+      for n in range(max(NCs - stages, 0), NCs):   # the frees the loop did not wait for
+        plgpu.barrier_wait(in_free.at[n % stages])
+
+    def state_decays(slot):
+      """(v's row scale e^(G_C - G), the state's decay e^(G_C)) of a chunk."""
+      G_rows = plgpu.load(g_s.at[slot], layout=ROWS)
+      G_last = g_s[slot, C - 1]
+      v_row, s_decay = jnp.exp(G_last - G_rows), jnp.exp(G_last)
+      if has_seg:  # a token's write survives to the chunk's end within its run only
+        _, _, to_last, carry_last = _segment_masks(m_s, slot, C)
+        v_row, s_decay = v_row * to_last, s_decay * carry_last
+      return v_row, s_decay
+
+    @pl.when(wg == 0)
+    def _state():
+      s_t = _initial(h0_r.at[b, h, piece, vs] if has_h0 else None, state_s, state_bar, bv, K)
+
+      def step(n, s_t):
+        slot, hs = lax.rem(n, stages), lax.rem(n, 2)
+        plgpu.barrier_wait(in_bar.at[slot])
+        v_row, s_decay = state_decays(slot)
+        vd_s[...] = (plgpu.load(v_s.at[slot], layout=WGMMA).astype(F32) * rows(v_row, (C, bv))).astype(dtype)
+
+        @pl.when(n >= 2)
+        def _():
+          plgpu.barrier_wait(h_free.at[hs])   # warpgroup 1 is done with chunk n - 2's state
+
+        if with_states:
+          plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # the store of chunk n - 2's state read h_s
+        h_s.at[hs][...] = s_t.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(h_ready.at[hs])
+        if with_states:
+          plgpu.copy_smem_to_gmem(h_s.at[hs], states_r.at[b, h, piece * NCs + n, vs])
+        s_t = matmul(vd_s.T, k_s.at[slot], (bv, K), init=s_t * s_decay)
+        plgpu.barrier_arrive(in_free.at[slot])
+        return s_t
+
+      s_t = lax.fori_loop(0, NCs, step, s_t)
+      for n in range(max(NCs - 2, 0), NCs):   # the frees the loop did not wait for
+        plgpu.barrier_wait(h_free.at[n % 2])
+      _store_last(s_t, state_s, final_r.at[b, h, piece, vs])
+
+    @pl.when(wg == 1)
+    def _output():
+      def step(n, carry):
+        slot, hs = lax.rem(n, stages), lax.rem(n, 2)
+        plgpu.barrier_wait(in_bar.at[slot])
+        G_rows = plgpu.load(g_s.at[slot], layout=ROWS)
+        G_cols = plgpu.load(gc_s.at[slot], layout=COLS)
+        causal = (plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
+                  >= plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA))
+        q_col = jnp.exp(G_cols)   # what the carried state contributes to each token (o's columns)
+        if has_seg:   # pairs of one run only; the carried state reaches its own run
+          causal = causal & _segment_masks(m_s, slot, C)[0]
+          q_col = q_col * plgpu.load(m_s.at[slot, 2], layout=COLS)
+        expo = jnp.where(causal, rows(G_rows, sq) - cols(G_cols, sq), -jnp.inf)
+        p_s[...] = (matmul(q_s.at[slot], k_s.at[slot].T, sq) * jnp.exp(expo)).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.barrier_wait(h_ready.at[hs])
+        o_t = matmul(h_s.at[hs], q_s.at[slot].T, (bv, C)) * cols(q_col, (bv, C))
+        plgpu.barrier_arrive(h_free.at[hs])
+        o_t = matmul(v_s.at[slot].T, p_s.T, (bv, C), init=o_t)
+        plgpu.barrier_arrive(in_free.at[slot])
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # chunk n - 2's o left o_s[hs]
+        o_s.at[hs].T[...] = (o_t * scale).astype(out_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s.at[hs], o_r.at[b, pl.ds((piece * NCs + n) * C, C), h, vs])
+        return carry
+
+      lax.fori_loop(0, NCs, step, 0)
+      plgpu.wait_smem_to_gmem(0)
+
+    plgpu.barrier_arrive(done)   # no warpgroup exits while another still issues products
+    plgpu.barrier_wait(done)
+
+  args = [q, k, v, G] + ([masks] if has_seg else []) + ([h0] if has_h0 else [])
+  out_type = [jax.ShapeDtypeStruct((B, T_pad, Hv, V), out_dtype)] + (
+      [jax.ShapeDtypeStruct((B, Hv, NC, V, K), dtype)] if with_states else []) + [
+      jax.ShapeDtypeStruct((B, Hv, S, V, K), F32)]
+  outs = plgpu.kernel(
+      body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, Hv, V // bv, S),
+      grid_names=("b", "h", "v", "s"), num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
+      kernel_name="chunk_walk_fused_fwd_streamed")(*args)
   outs = list(_vary_like(outs, args))
   o = outs.pop(0)
   states = outs.pop(0) if with_states else None

@@ -288,9 +288,10 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
   if jnp.dtype(out_dtype) not in sixteen_bit:
     raise ValueError(f"out_dtype must be bfloat16 or float16 (o leaves the kernels through a 16-bit "
                      f"tile; cast it afterwards); got {jnp.dtype(out_dtype).name}")
-  for name, value in (("delta_warpgroups", delta_warpgroups), ("forward_warpgroups", forward_warpgroups)):
-    if value not in (1, 2):
-      raise ValueError(f"{name} must be 1 or 2; got {value!r}")
+  if delta_warpgroups not in (1, 2):
+    raise ValueError(f"delta_warpgroups must be 1 or 2; got {delta_warpgroups!r}")
+  if forward_warpgroups not in (1, 2, 3):
+    raise ValueError(f"forward_warpgroups must be 1, 2 or 3; got {forward_warpgroups!r}")
   if gram_method not in ("merge", "levels"):
     raise ValueError(f"gram_method must be 'merge' or 'levels'; got {gram_method!r}")
   in_kernels = qk_l2norm and fused and delta_backward and delta_prep.serves(g, beta, segment_ids)

@@ -110,7 +110,8 @@ def test_benchmark_parses_shapes_and_rejects_bad_configs():
                              "--interpret", "--stages=delta grads pair kernel,op value+grad delta pair,"
                              "pair check"], "kernel_breakdown.json"),
     ("kernel_breakdown.py", ["--variants=simple_gla", "--shape=1,128,1,128", "--iters=1", "--interpret",
-                             "--stages=op fwd fused pair,op value+grad fused pair,forward pair check"],
+                             "--stages=op fwd fused pair,op value+grad fused pair,forward pair check,"
+                             "op fwd fused streamed,forward streamed check"],
      "kernel_breakdown.json"),
     ("kernel_breakdown.py", ["--variants=kda", "--shape=1,64,1,64", "--iters=1", "--interpret",
                              "--stages=channel prep kernel,op fwd channel kernel,channel check,"
@@ -136,6 +137,8 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
       assert 0 <= ms["check pair rel rms"] < 1e-2, ms
     if "forward pair check" in stages:   # the same products and roundings in two warpgroups
       assert 0 <= ms["check forward pair rel rms"] < 1e-6, ms
+    if "forward streamed check" in stages:   # other roundings (fused._forward_walk_streamed)
+      assert 0 <= ms["check forward streamed rel rms"] < 1e-2, ms
 
 
 def test_kernel_breakdown_times_jla_alongside_when_asked(tmp_path):

@@ -193,15 +193,18 @@ def test_delta_gradients_in_two_warpgroups_export_for_hopper(l2, packed):
   assert bwd.count("chunk_grads_delta") == bwd.count("chunk_grads_delta_pair")
 
 
+@pytest.mark.parametrize("warpgroups,name", [(2, "chunk_walk_fused_fwd_pair"),
+                                             (3, "chunk_walk_fused_fwd_streamed")])
 @pytest.mark.parametrize("D,pieces,packed", [(128, 1, False), (64, 2, True)])
-def test_fused_forward_in_two_warpgroups_exports_for_hopper(D, pieces, packed):
-  # forward_warpgroups=2: the forward (and the differentiated forward, which keeps the states) is the
-  # two-warpgroup walk; the backward kernels are unchanged
+def test_fused_forward_in_specialised_warpgroups_exports_for_hopper(D, pieces, packed, warpgroups, name):
+  # forward_warpgroups=2 | 3: the forward (and the differentiated forward, which keeps the states) is
+  # that walk; the backward kernels are unchanged
   args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, dtype=jnp.float32),
           _spec(B, H, D, D, dtype=jnp.float32))
   seg = jnp.zeros((B, T), jnp.int32).at[:, T // 3:].set(1) if packed else None
   fn = lambda q, k, v, g, h0: gpu.chunked_attention(q, k, v, g, initial_state=h0, segment_ids=seg,
-                                                    sequence_pieces=pieces, forward_warpgroups=2)
+                                                    sequence_pieces=pieces,
+                                                    forward_warpgroups=warpgroups)
 
   def loss(*xs):
     o, final = fn(*xs)
@@ -211,8 +214,8 @@ def test_fused_forward_in_two_warpgroups_exports_for_hopper(D, pieces, packed):
     fwd = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
     bwd = jax.export.export(jax.jit(jax.grad(loss, argnums=range(5))), platforms=["cuda"])(*args)
   assert fwd.count("custom_call @mosaic_gpu") == 1 + (pieces > 1)
-  assert "chunk_walk_fused_fwd_pair" in fwd
+  assert name in fwd
   bwd = bwd.mlir_module()
   assert bwd.count("custom_call @mosaic_gpu") == 3 + 2 * (pieces > 1)
-  for name in ("chunk_walk_fused_fwd_pair", "chunk_walk_fused_bwd", "chunk_grads_fused"):
-    assert name in bwd, name
+  for kernel in (name, "chunk_walk_fused_bwd", "chunk_grads_fused"):
+    assert kernel in bwd, kernel
