@@ -267,8 +267,9 @@ def _rows(contenders: list[Contender], anchor: str, ceilings: dict | None = None
     if ceilings is not None and c.inputs is not None:
       nbytes, flops = roofline.op_cost(c.variant, c.shape, c.mode, c.inputs, c.do, chunk_size=chunk_size)
       floor = roofline.floor_ms(nbytes, flops, ceilings)
+      timed = stream if stream is not None else ms   # the device's time where it was measured
       rows[-1].update(model_bytes=nbytes, model_flops=flops, floor_ms=floor,
-                      floor_multiple=None if ms is None else ms / floor)
+                      floor_multiple=None if timed is None else timed / floor)
   return rows
 
 
@@ -293,7 +294,8 @@ def run_benchmark(config: Config, workdir: str) -> dict:
         "(cumulative over the run: JAX cannot reset it)")
   if ceilings is not None:
     print(f"ceilings measured in this run: copy {ceilings['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, bf16 "
-          f"matmul {ceilings['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s; x floor = median / (the op's bytes "
+          f"matmul {ceilings['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s; x floor = "
+          f"{'stream ms' if config.stream > 1 else 'median'} / (the op's bytes "
           "or FLOPs at them, whichever is longer; experiments/roofline.py)")
   if config.stream > 1:
     print(f"stream ms: the median over rounds of the time per call of {config.stream} calls issued back "

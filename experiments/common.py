@@ -98,16 +98,17 @@ def call(variant: str, inputs: dict, **options):
   return getattr(ops, variant)(*args, **options)
 
 
-def median_ms(fn, args, *, warmup: int, iters: int) -> float:
-  """The median wall time of `fn(*args)` in ms over `iters` calls, after one call (compilation) and
-  `warmup` more; each call is waited for."""
+def median_ms(fn, args, *, warmup: int, iters: int, calls: int = 1) -> float:
+  """The median wall time of `fn(*args)` in ms over `iters` rounds, after one call (compilation) and
+  `warmup` more. A round issues `calls` calls back to back and waits for them together, and counts its
+  time per call: with more than one, the host's dispatch hides behind the device's work."""
   for _ in range(1 + warmup):
     jax.block_until_ready(fn(*args))
   times = []
   for _ in range(iters):
     start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - start) * 1e3)
+    jax.block_until_ready([fn(*args) for _ in range(calls)])
+    times.append((time.perf_counter() - start) * 1e3 / calls)
   return statistics.median(times)
 
 

@@ -59,7 +59,9 @@ def measure_ceilings(*, copy_elements: int | None = None, matmul_n: int | None =
                      iters: int = 10, warm_s: float | None = None) -> dict:
   """The device's copy bandwidth (bf16 `x + 1`: read + write, bytes/s) and bf16 matmul rate (FLOP/s),
   medians; sizes default to 2^28 elements and 8192^2 on a GPU, 2^22 and 512 elsewhere. warm_s: seconds
-  of matmuls run first (default 1 on a GPU, 0 elsewhere), so the GPU leaves its idle clocks first."""
+  of matmuls run first (default 1 on a GPU, 0 elsewhere), so the GPU leaves its idle clocks first.
+  Each timed round issues 10 calls back to back (`common.median_ms`'s `calls`): a copy of 1 GB takes
+  about 0.25 ms on an H200, and waiting for each call alone adds the host's dispatch to it."""
   on_gpu = jax.default_backend() == "gpu"
   copy_elements = copy_elements or (2**28 if on_gpu else 2**22)
   matmul_n = matmul_n or (8192 if on_gpu else 512)
@@ -74,8 +76,8 @@ def measure_ceilings(*, copy_elements: int | None = None, matmul_n: int | None =
     if time.perf_counter() - start >= warm_s:
       break
   x = jnp.ones((copy_elements,), jnp.bfloat16)
-  copy_ms = common.median_ms(jax.jit(lambda x: x + 1), (x,), warmup=warmup, iters=iters)
-  matmul_ms = common.median_ms(mm, (a, a), warmup=warmup, iters=iters)
+  copy_ms = common.median_ms(jax.jit(lambda x: x + 1), (x,), warmup=warmup, iters=iters, calls=10)
+  matmul_ms = common.median_ms(mm, (a, a), warmup=warmup, iters=iters, calls=10)
   return {"bandwidth_bytes_per_s": 2 * copy_elements * 2 / (copy_ms * 1e-3),
           "matmul_flops_per_s": 2.0 * matmul_n**3 / (matmul_ms * 1e-3),
           "copy_elements": copy_elements, "matmul_n": matmul_n}
