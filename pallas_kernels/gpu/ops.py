@@ -112,7 +112,7 @@ class _Options:
   qk_l2norm: bool = False   # only with the delta kernels (`_delta_kernels`): they normalise q, k on load
   channel_kernel: bool = False
   delta_warpgroups: int = 2   # 2: the delta gradients in chunk_grads_pair where it serves
-  forward_warpgroups: int = 1   # 2: the fused additive forward in fused._forward_walk_pair
+  forward_warpgroups: int = 3   # 2 | 3: the fused additive forward in fused._forward_walk_pair | _streamed
 
 
 def _forward(t, h0, *, options, with_o, with_states, out_dtype, token_o=False, scale=1.0):
@@ -213,7 +213,7 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
                       chunk_size: int = 64, compute_dtype=None, out_dtype=None, inverse_dtype=jnp.float32,
                       fused: bool = True, sequence_pieces: int | None = None, delta_backward: bool = True,
                       qk_l2norm: bool = False, channel_kernel: bool = False, gram_method: str = "merge",
-                      delta_warpgroups: int = 2, forward_warpgroups: int = 1, interpret=None):
+                      delta_warpgroups: int = 2, forward_warpgroups: int = 3, interpret=None):
   """Either family in chunked form, with the chunk walk as Mosaic GPU kernels; differentiable in
   q, k, v, g, beta and initial_state.
 
@@ -254,10 +254,13 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
       with 1, NOTES.md v27); 1 (and every call the pair does not serve) one warpgroup per block, the
       partial sums added by XLA. In the interpreter the pair needs three threads in XLA's CPU pool
       (`NPROC >= 3` on a 2-core machine; `chunk_grads_pair`).
-    forward_warpgroups: the fused additive forward (`fused`, no or scalar decay): 2 runs its walk in two
-      warpgroups per program, one carrying the state and one forming P, q e^G and o
-      (`fused._forward_walk_pair`); 1 in one. 1 until the pair is measured on a Hopper GPU
-      (NOTES.md v28). In the interpreter the pair needs `NPROC >= 3`, as `delta_warpgroups`.
+    forward_warpgroups: the fused additive forward (`fused`, no or scalar decay) in 3 (default)
+      warpgroups per program: one fetches into 3-4 input stages, one carries the state, one forms P
+      and o (`fused._forward_walk_streamed`); 2: the state's warpgroup also fetches, two input slots
+      (`fused._forward_walk_pair`, the same roundings as 1); 1: one warpgroup. On the H200, simple_gla's
+      forward at (4, 8192, 16, 128) / (1, 32768, 16, 128) took 0.42 / 0.51 ms with 3, 0.41 / 0.58 with
+      2 and 0.41 / 0.67 with 1 (NOTES.md v28-v29). In the interpreter 3 warpgroups need
+      `NPROC >= 4` on a 2-core machine (tests/conftest.py).
     channel_kernel: per-channel decay (gla, kda): the forward's chunk tensors from one kernel
       (`channel_prep.py`: the decayed gram as one whole-tile product per merge level, every exponent
       <= 0) instead of XLA's preparation; the backward still recomputes them in XLA for its vjp.

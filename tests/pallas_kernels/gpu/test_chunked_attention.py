@@ -188,15 +188,19 @@ def test_linear_attention_normaliser_splits_off_to_the_chunk_form():
 
 @pytest.mark.parametrize("variant", ["linear_attention", "simple_gla"])
 def test_fused_forward_equals_the_prepared_path(variant):
-  # The fused forward forms P, q e^G and k e^(G_C - G) in shared memory with the roundings of prep.py,
-  # so it computes the same numbers as the prepared path (grouped heads: H=1 serves H_v=2).
+  # The fused forward in one warpgroup forms P, q e^G and k e^(G_C - G) in shared memory with the
+  # roundings of prep.py, so it computes the same numbers as the prepared path (grouped heads: H=1
+  # serves H_v=2). The default, three warpgroups, rounds v e^(G_C - G) instead and q e^G not at all:
+  # the same numbers to the operands' rounding.
   inp = make_inputs(variant, B=1, T=150, H=1, Hv=2, K=64, V=128, seed=14)
   q, k, v = (jnp.asarray(inp[n], jnp.bfloat16) for n in ("q", "k", "v"))
   g = None if inp.get("g") is None else jnp.asarray(inp["g"])
-  run = lambda fused: gpu.chunked_attention(q, k, v, g, initial_state=jnp.asarray(inp["h0"]),
-                                            fused=fused, interpret=PARAMS)
+  run = lambda fused, wg=1: gpu.chunked_attention(q, k, v, g, initial_state=jnp.asarray(inp["h0"]),
+                                                  fused=fused, forward_warpgroups=wg, interpret=PARAMS)
   (o, final), (ro, rfinal) = run(True), run(False)
   assert rel_rms(o, ro) < 1e-6 and rel_rms(final, rfinal) < 1e-6
+  o3, final3 = run(True, 3)
+  assert rel_rms(o3, ro) < 4e-3 and rel_rms(final3, rfinal) < 4e-3
 
 
 @pytest.mark.parametrize("variant,gates,h0,H,V", [("linear_attention", "normal", True, 1, 64),
@@ -231,11 +235,13 @@ def test_fused_path_with_segment_ids():
   seg[0, 30:31], seg[0, 31:64], seg[0, 64:71], seg[0, 71:] = 5, 1, 2, 0
   inp = make_inputs("simple_gla", B=1, T=T, H=1, Hv=2, K=64, V=64, seed=16)
   q, k, v = (jnp.asarray(inp[n], jnp.bfloat16) for n in ("q", "k", "v"))
-  run = lambda fused: gpu.chunked_attention(q, k, v, jnp.asarray(inp["g"]), segment_ids=jnp.asarray(seg),
-                                            initial_state=jnp.asarray(inp["h0"]), fused=fused,
-                                            interpret=PARAMS)
-  (o, final), (ro, rfinal) = run(True), run(False)
+  run = lambda fused, wg=1: gpu.chunked_attention(q, k, v, jnp.asarray(inp["g"]), segment_ids=jnp.asarray(seg),
+                                                  initial_state=jnp.asarray(inp["h0"]), fused=fused,
+                                                  forward_warpgroups=wg, interpret=PARAMS)
+  (o, final), (ro, rfinal) = run(True), run(False)   # one warpgroup: prep.py's roundings
   assert rel_rms(o, ro) < 1e-6 and rel_rms(final, rfinal) < 1e-6
+  o3, final3 = run(True, 3)
+  assert rel_rms(o3, ro) < 4e-3 and rel_rms(final3, rfinal) < 4e-3
   check("simple_gla", inp, seg=seg, fused=True)
 
 
@@ -252,9 +258,10 @@ def test_fused_path_split_into_sequence_pieces(pieces, packed):
     seg[0, 40:128], seg[0, 128:] = 1, 2
   check("simple_gla", inp, seg=seg, fused=True, pieces=pieces)
   q, k, v = (jnp.asarray(inp[n], jnp.bfloat16) for n in ("q", "k", "v"))
+  # (one warpgroup: the main walk rounds as the pieces' end-state walk does)
   run = lambda p: gpu.chunked_attention(q, k, v, jnp.asarray(inp["g"]), initial_state=jnp.asarray(inp["h0"]),
                                         segment_ids=None if seg is None else jnp.asarray(seg),
-                                        sequence_pieces=p, interpret=PARAMS)
+                                        sequence_pieces=p, forward_warpgroups=1, interpret=PARAMS)
   (o, final), (ro, rfinal) = run(pieces), run(1)
   assert rel_rms(o, ro) < 2e-3 and rel_rms(final, rfinal) < 1e-5
 
@@ -404,8 +411,9 @@ def test_backward_recomputes_what_the_forward_did_not_keep(variant):
   do = jnp.asarray(np.random.default_rng(4).normal(size=v.shape), jnp.float16)
   dfinal = jnp.asarray(np.random.default_rng(5).normal(size=h0.shape), jnp.float32)
   args = (q, k, v, g) if beta is None else (q, k, v, g, beta)
-  _, pull = jax.vjp(lambda *a: gpu.chunked_attention(*a[:-1], initial_state=a[-1], interpret=PARAMS),
-                    *args, h0)
+  # (the additive forward in one warpgroup: the states it keeps round as the backward's recomputation)
+  _, pull = jax.vjp(lambda *a: gpu.chunked_attention(*a[:-1], initial_state=a[-1], forward_warpgroups=1,
+                                                     interpret=PARAMS), *args, h0)
   kept = pull((do, dfinal))
   kw = dict(chunk_size=64, dtype=jnp.float16, interpret=PARAMS, scale=64 ** -0.5)
   if beta is None:
