@@ -38,7 +38,8 @@ from experiments import benchmark, common
 from pallas_kernels import gpu, prep, vjp
 from pallas_kernels.gpu import channel_prep, delta_grads, delta_prep, fused, walk
 
-STAGES = ("op fwd", "op fwd fused", "op fwd fused pair", "op fwd fused streamed", "op fwd+bwd",
+STAGES = ("op fwd", "op fwd fused", "op fwd fused pair", "op fwd fused streamed", "op fwd walk streamed",
+          "op value+grad walk streamed", "op fwd+bwd",
           "op fwd+bwd fused", "op fwd+bwd delta_backward", "op value+grad fused",
           "op value+grad fused pair", "op value+grad fused streamed",
           "op value+grad delta_backward", "delta prep kernel",
@@ -85,19 +86,20 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
   states = states_fn(t)
   cot = jax.tree.map(lambda a: jnp.full(a.shape, 1e-2, jnp.float32), prepare(*args))
   do_o = jnp.asarray(rng.standard_normal(x["v"].shape), jnp.float32)
-  forward = lambda use_fused, delta_backward=False, warpgroups=1, fwd_wg=1: lambda *a: gpu.chunked_attention(
-      *a, fused=use_fused, sequence_pieces=sequence_pieces, delta_backward=delta_backward,
-      delta_warpgroups=warpgroups, forward_warpgroups=fwd_wg, interpret=interpret)[0]
-  op = lambda use_fused, fwd_wg=1: jax.jit(forward(use_fused, fwd_wg=fwd_wg))
+  forward = lambda use_fused, delta_backward=False, warpgroups=1, fwd_wg=1, walk_wg=1: lambda *a: (
+      gpu.chunked_attention(*a, fused=use_fused, sequence_pieces=sequence_pieces,
+                            delta_backward=delta_backward, delta_warpgroups=warpgroups,
+                            forward_warpgroups=fwd_wg, walk_warpgroups=walk_wg, interpret=interpret)[0])
+  op = lambda use_fused, fwd_wg=1, walk_wg=1: jax.jit(forward(use_fused, fwd_wg=fwd_wg, walk_wg=walk_wg))
   argnums = tuple(i for i, a in enumerate(args) if a is not None)
   op_grad = lambda use_fused, delta_backward=False: jax.jit(jax.grad(
       lambda *a: jnp.sum(forward(use_fused, delta_backward)(*a).astype(jnp.float32) * do_o),
       argnums=argnums))
   # value and gradients (a training step): the forward cannot be dropped as dead code, as it can
   # under jax.grad when the backward recomputes everything it needs
-  op_value_grad = lambda use_fused, delta_backward=False, warpgroups=1, fwd_wg=1: jax.jit(jax.value_and_grad(
-      lambda *a: jnp.sum(forward(use_fused, delta_backward, warpgroups, fwd_wg)(*a).astype(jnp.float32)
-                         * do_o), argnums=argnums))
+  op_value_grad = lambda use_fused, delta_backward=False, warpgroups=1, fwd_wg=1, walk_wg=1: jax.jit(
+      jax.value_and_grad(lambda *a: jnp.sum(forward(use_fused, delta_backward, warpgroups, fwd_wg, walk_wg)(
+          *a).astype(jnp.float32) * do_o), argnums=argnums))
   serves = fused.serves(args[3], beta, None) or delta_prep.serves(args[3], beta, None)
   delta_kernels = beta is not None and delta_prep.serves(args[3], beta, None)
 
@@ -123,6 +125,9 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
       "op fwd fused": (op(True), args) if serves else None,
       "op fwd fused pair": (op(True, 2), args) if fused.serves(args[3], beta, None) else None,
       "op fwd fused streamed": (op(True, 3), args) if fused.serves(args[3], beta, None) else None,
+      "op fwd walk streamed": (op(True, walk_wg=3), args) if not fused.serves(args[3], beta, None) else None,
+      "op value+grad walk streamed": ((op_value_grad(True, True, 2, walk_wg=3), args)
+                                      if delta_kernels else None),
       "op fwd+bwd": (op_grad(False), args),
       "op fwd+bwd fused": (op_grad(True), args) if serves else None,
       "op fwd+bwd delta_backward": ((op_grad(True, True), args) if beta is not None
@@ -229,6 +234,15 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
       print(f"{variant}: check forward {name} ({wgs} warpgroups vs one): relative RMS {max(errs):.2e}")
     except Exception as e:
       print(f"{variant}: forward {name} check failed: {type(e).__name__}: {str(e)[:2000]}")
+  # the streamed prepared walk against one warpgroup (the same products and roundings)
+  if stages["op fwd walk streamed"] is not None and (not only or "walk streamed check" in only):
+    try:
+      a, b = op(True, walk_wg=3)(*args).astype(jnp.float32), op(True)(*args).astype(jnp.float32)
+      err = float(jnp.sqrt(jnp.mean((a - b) ** 2) / (jnp.mean(b ** 2) + 1e-30)))
+      out["check walk streamed rel rms"] = err
+      print(f"{variant}: check walk streamed (3 warpgroups vs one): relative RMS {err:.2e}")
+    except Exception as e:
+      print(f"{variant}: walk streamed check failed: {type(e).__name__}: {str(e)[:2000]}")
   # the per-channel preparation kernel's o against XLA's preparation on these inputs
   if channel_prep.serves(args[3], beta, None) and (not only or "channel check" in only):
     try:
@@ -253,7 +267,7 @@ def _define_flags():
                     "path's agreement with the prepared one, 'channel check' for the per-channel "
                     "kernel's, 'pair check' for the two-warpgroup delta gradients', 'forward pair check' for the "
                     "two-warpgroup fused forward's, 'forward streamed check' the"
-                    " three-warpgroup one's); empty: all.")
+                    " three-warpgroup one's, 'walk streamed check' the streamed prepared walk's); empty: all.")
   flags.DEFINE_integer("sequence_pieces", None, "The walks' sequence pieces (default: their own "
                        "choice, `pallas_kernels.gpu.walk.pieces`).")
   flags.DEFINE_string("workdir", "runs/kernel_breakdown", "Where kernel_breakdown.json is written.")

@@ -26,8 +26,6 @@ block's v, S, do, dS while the current one computes (slower on the H200 as measu
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -38,15 +36,11 @@ from pallas_kernels import prep
 from pallas_kernels.gpu import delta_prep, walk
 from pallas_kernels.gpu.fused import (ROWS, SEG_ROWS, _decay_tile, _l2_normalize_grad, _l2_normalize_rows,
                                       _last_state_term, _row_scales, local_cumsum, segment_vectors)
-from pallas_kernels.gpu.walk import BLOCK_V, COLS, F32, WGMMA, _vary_like, matmul, matmuls, smem
+from pallas_kernels.gpu.walk import (BLOCK_V, COLS, F32, SMEM_BYTES, WGMMA, _vary_like, matmul, matmuls,
+                                     smem)
+from pallas_kernels.gpu.walk import scratch_bytes as _smem_bytes
 
 
-SMEM_BYTES = 227 * 1024   # an H100/H200 block's shared memory
-
-
-def _smem_bytes(scratch) -> int:
-  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-             for x in scratch.values() if not isinstance(x, plgpu.Barrier)) + 2048   # barriers, alignment
 
 
 def _scratch(C, K, bv, dtype, partial_dtype, dv_dtype, slots, has_seg):

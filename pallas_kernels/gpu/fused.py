@@ -28,8 +28,9 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import prep
-from pallas_kernels.gpu.walk import (BLOCK_V, COLS, F32, WGMMA, _initial, _program, _store_last,
-                                     _vary_like, _walk_chunks, chain_pieces, matmul, pieces, smem)
+from pallas_kernels.gpu.walk import (BLOCK_V, COLS, F32, SMEM_BYTES, WGMMA, _initial, _program, _store_last,
+                                     _vary_like, _walk_chunks, chain_pieces, matmul, pieces, scratch_bytes,
+                                     smem)
 
 ROWS = plgpu.Layout.WGMMA.reduce(1)   # one value per row of a WGMMA-layout tile
 
@@ -479,9 +480,8 @@ def _streamed_scratch(C, K, bv, dtype, out_dtype, has_seg, stages):
 
 def streamed_stages(C, K, bv, dtype, out_dtype, has_seg) -> int:
   """The deepest input pipeline (2 to 4 slots) whose shared memory fits a block."""
-  from pallas_kernels.gpu.delta_grads import SMEM_BYTES, _smem_bytes
   for stages in (4, 3, 2):
-    if _smem_bytes(_streamed_scratch(C, K, bv, dtype, out_dtype, has_seg, stages)) <= SMEM_BYTES:
+    if scratch_bytes(_streamed_scratch(C, K, bv, dtype, out_dtype, has_seg, stages)) <= SMEM_BYTES:
       return stages
   raise ValueError(f"the streamed forward does not fit {SMEM_BYTES} bytes of shared memory "
                    f"(C={C}, K={K}, block_v={bv}, {jnp.dtype(dtype).name})")

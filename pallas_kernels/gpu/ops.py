@@ -113,12 +113,14 @@ class _Options:
   channel_kernel: bool = False
   delta_warpgroups: int = 2   # 2: the delta gradients in chunk_grads_pair where it serves
   forward_warpgroups: int = 3   # 2 | 3: the fused additive forward in fused._forward_walk_pair | _streamed
+  walk_warpgroups: int = 1   # 3: the prepared forward walks in walk._forward_kernel_streamed
 
 
 def _forward(t, h0, *, options, with_o, with_states, out_dtype, token_o=False, scale=1.0):
   o, states, final, transitions = walk.forward(
       t, h0, with_o=with_o, with_states=with_states, out_dtype=out_dtype, interpret=options.interpret,
-      sequence_pieces=options.sequence_pieces, return_transitions=True, token_o=token_o, scale=scale)
+      sequence_pieces=options.sequence_pieces, return_transitions=True, token_o=token_o, scale=scale,
+      warpgroups=options.walk_warpgroups)
   # the backward reuses the sequence pieces' transition matrices (opaque to vjp.py)
   return o, (states, transitions) if with_states else None, final
 
@@ -213,7 +215,8 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
                       chunk_size: int = 64, compute_dtype=None, out_dtype=None, inverse_dtype=jnp.float32,
                       fused: bool = True, sequence_pieces: int | None = None, delta_backward: bool = True,
                       qk_l2norm: bool = False, channel_kernel: bool = False, gram_method: str = "merge",
-                      delta_warpgroups: int = 2, forward_warpgroups: int = 3, interpret=None):
+                      delta_warpgroups: int = 2, forward_warpgroups: int = 3, walk_warpgroups: int = 1,
+                      interpret=None):
   """Either family in chunked form, with the chunk walk as Mosaic GPU kernels; differentiable in
   q, k, v, g, beta and initial_state.
 
@@ -261,6 +264,11 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
       forward at (4, 8192, 16, 128) / (1, 32768, 16, 128) took 0.42 / 0.51 ms with 3, 0.41 / 0.58 with
       2 and 0.41 / 0.67 with 1 (NOTES.md v28-v29). In the interpreter 3 warpgroups need
       `NPROC >= 4` on a 2-core machine (tests/conftest.py).
+    walk_warpgroups: the forward walk over prepared chunk tensors (the delta family, per-channel
+      decay, `fused=False`) and its sequence pieces' map walk: 3 specialises warpgroups as
+      `forward_warpgroups=3` does (fetch into 2-4 input stages / state / output; the map walk, which
+      has no output, in two), with the same products and roundings as 1 (`walk._forward_kernel_streamed`).
+      1 until it is measured on a Hopper GPU (NOTES.md v30).
     channel_kernel: per-channel decay (gla, kda): the forward's chunk tensors from one kernel
       (`channel_prep.py`: the decayed gram as one whole-tile product per merge level, every exponent
       <= 0) instead of XLA's preparation; the backward still recomputes them in XLA for its vjp.
@@ -295,6 +303,8 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
     raise ValueError(f"delta_warpgroups must be 1 or 2; got {delta_warpgroups!r}")
   if forward_warpgroups not in (1, 2, 3):
     raise ValueError(f"forward_warpgroups must be 1, 2 or 3; got {forward_warpgroups!r}")
+  if walk_warpgroups not in (1, 3):
+    raise ValueError(f"walk_warpgroups must be 1 or 3; got {walk_warpgroups!r}")
   if gram_method not in ("merge", "levels"):
     raise ValueError(f"gram_method must be 'merge' or 'levels'; got {gram_method!r}")
   in_kernels = qk_l2norm and fused and delta_backward and delta_prep.serves(g, beta, segment_ids)
@@ -306,7 +316,8 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
                                                       qk_l2norm=bool(in_kernels),
                                                       channel_kernel=channel_kernel,
                                                       delta_warpgroups=delta_warpgroups,
-                                                      forward_warpgroups=forward_warpgroups),
+                                                      forward_warpgroups=forward_warpgroups,
+                                                      walk_warpgroups=walk_warpgroups),
                       chunk_size=chunk_size, compute_dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype),
                       inverse_dtype=None if inverse_dtype is None else jnp.dtype(inverse_dtype),
                       gram_method=gram_method)

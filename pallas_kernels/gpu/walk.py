@@ -29,6 +29,7 @@ with no communication (the walk is independent per value column).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,13 @@ COLS = plgpu.Layout.WGMMA.reduce(0)   # one value per column of a WGMMA-layout t
 
 
 SM_COUNT = 132   # an H200's multiprocessors: walks with fewer programs split the sequence (`pieces`)
+SMEM_BYTES = 227 * 1024   # an H100/H200 block's dynamic shared memory
+
+
+def scratch_bytes(scratch) -> int:
+  """Shared memory of a kernel's scratch dict (buffers, plus 2 KB for barriers and alignment)."""
+  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+             for x in scratch.values() if not isinstance(x, plgpu.Barrier)) + 2048
 
 
 def pieces(programs: int, NC: int, pieces_: int | None = None) -> int:
@@ -157,7 +165,8 @@ def _walk_chunks(NC, issue, in_bar, init, chunk, *, reverse: bool = False):
 
 def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = False, out_dtype=F32,
             interpret=None, block_v: int = BLOCK_V, sequence_pieces: int | None = None,
-            return_transitions: bool = False, token_o: bool = False, scale: float = 1.0):
+            return_transitions: bool = False, token_o: bool = False, scale: float = 1.0,
+            warpgroups: int = 1):
   """The forward walk.
 
   Args:
@@ -168,6 +177,8 @@ def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = Fal
       choice; NC must be a multiple). With more than one, a first walk gives every piece's affine map
       `S_end = A S_start + F` (`piece_maps`), XLA chains them for the state entering each piece, and the
       main walk runs all pieces at once.
+    warpgroups: 3 runs the walks (the main one and the pieces' maps) with specialised warpgroups
+      (`_forward_kernel_streamed`: fetch / state / output); 1 in one.
     return_transitions: also return the pieces' `A` (`[B, H, S, K, K]`, None for one piece), which
       `backward_states` can reuse.
     token_o: write o as `[B, NC * C, H, V]` (the op's token layout; no transpose after the walk) and
@@ -180,24 +191,27 @@ def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = Fal
   B, H, NC, C, K = t.qg.shape
   V = t.u.shape[-1]
   bv = min(block_v, V)
+  if warpgroups not in (1, 3):
+    raise ValueError(f"warpgroups must be 1 or 3; got {warpgroups!r}")
   S = pieces(B * H * (V // bv), NC, sequence_pieces)
   if NC % S:
     raise ValueError(f"sequence_pieces={S} must divide the number of chunks, {NC}")
   A = None
   h_in = None if h0 is None else h0.astype(F32)[:, :, None]         # [B, H, S, K, V]
   if S > 1:
-    A, F = piece_maps(t, S, interpret=interpret, block_v=block_v)
+    A, F = piece_maps(t, S, interpret=interpret, block_v=block_v, warpgroups=warpgroups)
     mm = functools.partial(jnp.einsum, "bhkj,bhjv->bhkv", precision=lax.Precision.HIGHEST)
     h_in = chain_pieces(h0, F, lambda x, p: mm(A[:, :, p], x))
   h_in = None if h_in is None else jnp.swapaxes(h_in, -1, -2)
-  o, states, finals = _forward_kernel(t, h_in, S=S, with_o=with_o, with_states=with_states,
-                                      out_dtype=out_dtype, interpret=interpret, bv=bv,
-                                      token_o=token_o, scale=scale)
+  kernel = _forward_kernel_streamed if warpgroups == 3 else _forward_kernel
+  o, states, finals = kernel(t, h_in, S=S, with_o=with_o, with_states=with_states, out_dtype=out_dtype,
+                             interpret=interpret, bv=bv, token_o=token_o, scale=scale)
   out = (o, states, jnp.swapaxes(finals[:, :, -1], -1, -2))
   return out + (A,) if return_transitions else out
 
 
-def piece_maps(t: ChunkTensors, S: int, *, interpret=None, block_v: int = BLOCK_V, with_offsets=True):
+def piece_maps(t: ChunkTensors, S: int, *, interpret=None, block_v: int = BLOCK_V, with_offsets=True,
+               warpgroups: int = 1):
   """Every piece's affine map of the state, `S_end = A S_start + F`: `(A [B, H, S, K, K], F [B, H, S, K,
   V])` float32 (F None without `with_offsets`). One walk of `[K, V + K]` states: `F` from a zero start
   with the chunks' `u`, `A` from the identity with `u = 0` (then `S <- (Diag(decay) - Kd^T W) S`)."""
@@ -207,8 +221,9 @@ def piece_maps(t: ChunkTensors, S: int, *, interpret=None, block_v: int = BLOCK_
   u = jnp.concatenate([t.u, zeros_u], axis=-1) if with_offsets else zeros_u
   start = jnp.concatenate([jnp.zeros((K, V), F32), jnp.eye(K, dtype=F32)], axis=-1)
   start = jnp.broadcast_to(start.T, (B, H, S, V + K, K))
-  _, _, ends = _forward_kernel(t._replace(u=u), start, S=S, with_o=False, with_states=False,
-                               out_dtype=F32, interpret=interpret, bv=min(block_v, V + K))
+  kernel = _forward_kernel_streamed if warpgroups == 3 else _forward_kernel
+  _, _, ends = kernel(t._replace(u=u), start, S=S, with_o=False, with_states=False, out_dtype=F32,
+                      interpret=interpret, bv=min(block_v, V + K))
   ends = jnp.swapaxes(ends, -1, -2)                                  # [B, H, S, K, V + K]
   return ends[..., V:], (ends[..., :V] if with_offsets else None)
 
@@ -328,6 +343,189 @@ def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, i
       body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H, V // bv, S),
       grid_names=("b", "h", "v", "s"), compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret, kernel_name="chunk_walk_fwd" if with_o else "chunk_walk_states")(*args))
+  outs = _vary_like(outs, args)
+  o = None
+  if with_o:
+    o = outs.pop(0)
+    o = o if token_o else o.reshape(B, H, NC, C, V)
+  states = outs.pop(0) if with_states else None
+  return o, states, outs.pop(0)
+
+
+def _streamed_scratch(C, K, bv, dtype, out_dtype, *, delta, with_o, stages):
+  """Shared memory of `_forward_kernel_streamed`: `stages` input slots, two slots each of the state
+  (and of u_new and o with o), the float32 state tile."""
+  scratch = dict(
+      kd_s=smem((stages, C, K), dtype), u_s=smem((stages, C, bv), dtype),
+      decay_s=plgpu.SMEM((stages, K), F32), h_s=smem((2, bv, K), dtype),
+      state_s=plgpu.SMEM((bv, K), F32),
+      in_bar=plgpu.Barrier(num_arrivals=3 + delta + 2 * with_o, num_barriers=stages),
+      in_free=plgpu.Barrier(num_arrivals=1 + with_o, num_barriers=stages), state_bar=plgpu.Barrier(),
+      h_ready=plgpu.Barrier(num_barriers=2), h_free=plgpu.Barrier(num_barriers=2),
+      done=plgpu.Barrier(num_arrivals=2 + with_o))
+  if delta:
+    scratch.update(w_s=smem((stages, C, K), dtype), un_s=smem((2, bv, C), dtype))
+  if with_o:
+    scratch.update(qg_s=smem((stages, C, K), dtype), p_s=smem((stages, C, C), dtype),
+                   o_s=smem((2, C, bv), out_dtype))
+  return scratch
+
+
+def streamed_stages(C, K, bv, dtype, out_dtype, *, delta, with_o) -> int | None:
+  """The deepest input pipeline (2 to 4 slots) of `_forward_kernel_streamed` that fits a block's shared
+  memory, or None."""
+  for stages in (4, 3, 2):
+    scratch = _streamed_scratch(C, K, bv, dtype, out_dtype, delta=delta, with_o=with_o, stages=stages)
+    if scratch_bytes(scratch) <= SMEM_BYTES:
+      return stages
+  return None
+
+
+def _forward_kernel_streamed(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, interpret, bv,
+                             token_o: bool = False, scale: float = 1.0):
+  """`_forward_kernel` with its warpgroups specialised (`forward(..., warpgroups=3)`): the last one only
+  fetches chunk n's tensors into input slot `n % stages`, refilling a slot once every reader has freed
+  it (`in_free`); warpgroup 0 carries the state: per chunk it writes the state entering it to
+  `h_s[n % 2]`, forms `u^T = U^T - S^T W^T` into `un_s[n % 2]` (delta family) and signals `h_ready`,
+  then updates the state; with o, warpgroup 1 forms `o^T = S^T Qg^T + u^T P^T` from those two slots and
+  frees them (`h_free`). Without o there are two warpgroups (fetch and state), which still lets the
+  fetches run `stages` chunks ahead. Same products and roundings as `_forward_kernel`. Every barrier's
+  waiter sees each phase before the next can complete, and every warpgroup waits for the others before
+  it exits (`done`). Needs `NPROC >= 4` in the interpreter on a 2-core machine."""
+  B, H, NC, C, K = t.qg.shape
+  V = t.u.shape[-1]
+  dtype = t.qg.dtype
+  NCs = NC // S
+  delta = t.w is not None
+  has_h0 = h0 is not None
+  qg, kd, u, p = _flat(t.qg), _flat(t.kd), _flat(t.u), _flat(t.p)
+  w = None if not delta else _flat(t.w)
+  decay = t.decay.astype(F32)
+  stages = streamed_stages(C, K, bv, dtype, out_dtype, delta=delta, with_o=with_o)
+  if stages is None:
+    raise ValueError(f"the streamed walk does not fit {SMEM_BYTES} bytes of shared memory (C={C}, K={K}, "
+                     f"block_v={bv}, {jnp.dtype(dtype).name}); use warpgroups=1")
+  scratch = _streamed_scratch(C, K, bv, dtype, out_dtype, delta=delta, with_o=with_o, stages=stages)
+  fetcher = 1 + with_o
+
+  out_type = []
+  if with_o:
+    out_type.append(jax.ShapeDtypeStruct((B, NC * C, H, V) if token_o else (B, H, NC * C, V), out_dtype))
+  if with_states:
+    out_type.append(jax.ShapeDtypeStruct((B, H, NC, V, K), dtype))
+  out_type.append(jax.ShapeDtypeStruct((B, H, S, V, K), F32))
+
+  def body(*refs, kd_s, u_s, decay_s, h_s, state_s, in_bar, in_free, state_bar, h_ready, h_free, done,
+           w_s=None, un_s=None, qg_s=None, p_s=None, o_s=None):
+    refs = list(refs)
+    take = lambda present=True: refs.pop(0) if present else None
+    qg_r, kd_r, w_r, u_r, p_r, decay_r, h0_r = (
+        take(with_o), take(), take(delta), take(), take(with_o), take(), take(has_h0))
+    o_r, states_r, final_r = take(with_o), take(with_states), take()
+    b, h, vs = _program(bv)
+    piece, wg = lax.axis_index("s"), lax.axis_index("wg")
+
+    @pl.when(wg == fetcher)
+    def _fetch():
+      def issue(n):
+        slot, m = lax.rem(n, stages), piece * NCs + n
+        rows, bar = pl.ds(m * C, C), in_bar.at[slot]
+        plgpu.copy_gmem_to_smem(kd_r.at[b, h, rows], kd_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(u_r.at[b, h, rows, vs], u_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(decay_r.at[b, h, m], decay_s.at[slot], bar)
+        if delta:
+          plgpu.copy_gmem_to_smem(w_r.at[b, h, rows], w_s.at[slot], bar)
+        if with_o:
+          plgpu.copy_gmem_to_smem(qg_r.at[b, h, rows], qg_s.at[slot], bar)
+          plgpu.copy_gmem_to_smem(p_r.at[b, h, rows], p_s.at[slot], bar)
+
+      for n in range(min(stages, NCs)):
+        issue(n)
+
+      def refill(n, carry):
+        plgpu.barrier_wait(in_free.at[lax.rem(n, stages)])   # every reader is done with chunk n's slot
+        issue(n + stages)
+        return carry
+
+      if NCs > stages:
+        lax.fori_loop(0, NCs - stages, refill, 0)
+      for n in range(max(NCs - stages, 0), NCs):   # the frees the loop did not wait for
+        plgpu.barrier_wait(in_free.at[n % stages])
+
+    @pl.when(wg == 0)
+    def _state():
+      s_t = _initial(h0_r.at[b, h, piece, vs] if has_h0 else None, state_s, state_bar, bv, K)
+
+      def step(n, s_t):
+        slot, hs = lax.rem(n, stages), lax.rem(n, 2)
+        plgpu.barrier_wait(in_bar.at[slot])
+        # the decay is read first: read at its use, the interpreter's race detector places the read after
+        # this warpgroup's free of the slot (and so reports the next fetch into it as a race)
+        decay_cols = plgpu.load(decay_s.at[slot], layout=COLS)
+        if with_o:
+          @pl.when(n >= 2)
+          def _():
+            plgpu.barrier_wait(h_free.at[hs])   # warpgroup 1 is done with chunk n - 2's slots
+        if with_states:
+          plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # chunk n - 2's state store read h_s[hs]
+        s_lo = h_s.at[hs]
+        s_lo[...] = s_t.astype(dtype)
+        plgpu.commit_smem()
+        u_lo = u_s.at[slot].T
+        if delta:  # u^T = U^T - S^T W^T
+          u_t = (plgpu.load(u_s.at[slot].T, layout=WGMMA).astype(F32)
+                 - matmul(s_lo, w_s.at[slot].T, (bv, C)))
+          u_lo = un_s.at[hs]
+          u_lo[...] = u_t.astype(dtype)
+          plgpu.commit_smem()
+        if with_o:
+          plgpu.barrier_arrive(h_ready.at[hs])
+        if with_states:
+          plgpu.copy_smem_to_gmem(s_lo, states_r.at[b, h, piece * NCs + n, vs])
+        d = lax.broadcast_in_dim(decay_cols, (bv, K), [1])
+        s_t = matmul(u_lo, kd_s.at[slot], (bv, K), init=s_t * d)   # S^T Diag(decay) + u^T Kd
+        plgpu.barrier_arrive(in_free.at[slot])
+        return s_t
+
+      s_t = lax.fori_loop(0, NCs, step, s_t)
+      for n in range(max(NCs - 2, 0) if with_o else NCs, NCs):   # the frees the loop did not wait for
+        plgpu.barrier_wait(h_free.at[n % 2])
+      _store_last(s_t, state_s, final_r.at[b, h, piece, vs])
+
+    if with_o:
+      @pl.when(wg == 1)
+      def _output():
+        def step(n, carry):
+          slot, hs = lax.rem(n, stages), lax.rem(n, 2)
+          m = piece * NCs + n
+          plgpu.barrier_wait(in_bar.at[slot])
+          plgpu.barrier_wait(h_ready.at[hs])
+          u_lo = un_s.at[hs] if delta else u_s.at[slot].T
+          o_t = matmul(h_s.at[hs], qg_s.at[slot].T, (bv, C))   # o^T = S^T Qg^T + u^T P^T
+          o_t = matmul(u_lo, p_s.at[slot].T, (bv, C), init=o_t)
+          plgpu.barrier_arrive(h_free.at[hs])
+          plgpu.barrier_arrive(in_free.at[slot])
+          plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # chunk n - 2's o left o_s[hs]
+          o_s.at[hs].T[...] = (o_t * scale if token_o else o_t).astype(out_dtype)
+          plgpu.commit_smem()
+          o_dst = (o_r.at[b, pl.ds(m * C, C), h, vs] if token_o else o_r.at[b, h, pl.ds(m * C, C), vs])
+          plgpu.copy_smem_to_gmem(o_s.at[hs], o_dst)
+          return carry
+
+        lax.fori_loop(0, NCs, step, 0)
+        plgpu.wait_smem_to_gmem(0)
+
+    plgpu.barrier_arrive(done)   # no warpgroup exits while another still issues products
+    plgpu.barrier_wait(done)
+
+  args = [x for x, present in ((qg, with_o), (kd, True), (w, delta), (u, True), (p, with_o),
+                               (decay, True), (h0, has_h0))
+          if present]
+  outs = list(plgpu.kernel(
+      body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H, V // bv, S),
+      grid_names=("b", "h", "v", "s"), num_threads=2 + with_o, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
+      kernel_name="chunk_walk_fwd_streamed" if with_o else "chunk_walk_states_streamed")(*args))
   outs = _vary_like(outs, args)
   o = None
   if with_o:

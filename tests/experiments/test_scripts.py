@@ -114,6 +114,9 @@ def test_benchmark_parses_shapes_and_rejects_bad_configs():
                              "--stages=op fwd fused pair,op value+grad fused pair,forward pair check,"
                              "op fwd fused streamed,forward streamed check"],
      "kernel_breakdown.json"),
+    ("kernel_breakdown.py", ["--variants=gated_delta_rule", "--shape=1,128,1,64", "--iters=1", "--interpret",
+                             "--stages=op fwd walk streamed,op value+grad walk streamed,walk streamed check"],
+     "kernel_breakdown.json"),
     ("kernel_breakdown.py", ["--variants=kda", "--shape=1,64,1,64", "--iters=1", "--interpret",
                              "--stages=channel prep kernel,op fwd channel kernel,channel check,"
                              "gram merge fwd+bwd,gram levels fwd+bwd,op fwd+bwd levels gram"],
@@ -140,6 +143,8 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
       assert 0 <= ms["check forward pair rel rms"] < 1e-6, ms
     if "forward streamed check" in stages:   # other roundings (fused._forward_walk_streamed)
       assert 0 <= ms["check forward streamed rel rms"] < 1e-2, ms
+    if "walk streamed check" in stages:   # the same roundings (walk._forward_kernel_streamed)
+      assert 0 <= ms["check walk streamed rel rms"] < 1e-6, ms
 
 
 def test_kernel_breakdown_times_jla_alongside_when_asked(tmp_path):

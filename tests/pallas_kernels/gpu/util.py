@@ -25,10 +25,11 @@ BF16_TOL = 2e-2
 
 @functools.partial(jax.jit, static_argnames=("params", "dtype", "fused", "pieces", "delta_backward",
                                              "channel_kernel", "gram_method", "delta_warpgroups",
-                                             "forward_warpgroups"),
+                                             "forward_warpgroups", "walk_warpgroups"),
                    compiler_options=FAST_COMPILE)
 def run_with_grads(inp, do, dhT, seg, *, params, dtype, fused=False, pieces=None, delta_backward=False,
-                   channel_kernel=False, gram_method="merge", delta_warpgroups=1, forward_warpgroups=1):
+                   channel_kernel=False, gram_method="merge", delta_warpgroups=1, forward_warpgroups=1,
+                   walk_warpgroups=1):
   """`(o, final_state, {name: gradient})` of the kernel op under cotangents `do`, `dhT`; q, k, v enter
   in `dtype`, g, beta and h0 in float32."""
   names = [n for n in NAMES if inp.get(n) is not None]
@@ -40,7 +41,7 @@ def run_with_grads(inp, do, dhT, seg, *, params, dtype, fused=False, pieces=None
                                  segment_ids=seg, fused=fused, sequence_pieces=pieces,
                                  delta_backward=delta_backward, channel_kernel=channel_kernel,
                                  gram_method=gram_method, delta_warpgroups=delta_warpgroups,
-                                 forward_warpgroups=forward_warpgroups,
+                                 forward_warpgroups=forward_warpgroups, walk_warpgroups=walk_warpgroups,
                                  interpret=params)
 
   (o, hT), vjp = jax.vjp(f, *[jnp.asarray(inp[n], jnp.float32) for n in names])
@@ -49,7 +50,7 @@ def run_with_grads(inp, do, dhT, seg, *, params, dtype, fused=False, pieces=None
 
 def check(variant, inp, *, seg=None, params=PARAMS, dtype=jnp.float16, tol=F16_TOL, seed=1,
           fused=False, pieces=None, delta_backward=False, channel_kernel=False, gram_method="merge",
-          delta_warpgroups=1, forward_warpgroups=1):
+          delta_warpgroups=1, forward_warpgroups=1, walk_warpgroups=1):
   """Asserts relative RMS errors <= tol for o, the final state and every gradient; returns them. The
   reference sees q, k, v rounded to `dtype` as the kernel does."""
   rng = np.random.default_rng(seed)
@@ -64,7 +65,7 @@ def check(variant, inp, *, seg=None, params=PARAMS, dtype=jnp.float16, tol=F16_T
                                 dtype=dtype, fused=fused, pieces=pieces,
                                 delta_backward=delta_backward, channel_kernel=channel_kernel,
                                 gram_method=gram_method, delta_warpgroups=delta_warpgroups,
-                                forward_warpgroups=forward_warpgroups)
+                                forward_warpgroups=forward_warpgroups, walk_warpgroups=walk_warpgroups)
   ref_inp = dict(inp, h0=np.zeros((B, Hv, K, V), np.float32) if inp.get("h0") is None else inp["h0"])
   ro, rhT, rgrads = _reference(variant, ref_inp, do, dhT, segment_ids=seg)
   errors = {"o": rel_rms(o, ro), "state": rel_rms(hT, rhT)}
