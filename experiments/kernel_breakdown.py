@@ -38,10 +38,10 @@ from experiments import benchmark, common
 from pallas_kernels import gpu, prep, vjp
 from pallas_kernels.gpu import channel_prep, delta_grads, delta_prep, fused, walk
 
-STAGES = ("op fwd", "op fwd fused", "op fwd fused pair", "op fwd fused streamed", "op fwd walk streamed",
+STAGES = ("op fwd", "op fwd fused", "op fwd fused streamed", "op fwd walk streamed",
           "op value+grad walk streamed", "op fwd+bwd",
           "op fwd+bwd fused", "op fwd+bwd delta_backward", "op value+grad fused",
-          "op value+grad fused pair", "op value+grad fused streamed",
+          "op value+grad fused streamed",
           "op value+grad delta_backward", "delta prep kernel",
           "delta grads kernel", "op value+grad delta pair", "delta grads pair kernel",
           "delta grads kernel 2 blocks", "channel prep kernel", "op fwd channel kernel",
@@ -123,7 +123,6 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
   stages = {
       "op fwd": (op(False), args),
       "op fwd fused": (op(True), args) if serves else None,
-      "op fwd fused pair": (op(True, 2), args) if fused.serves(args[3], beta, None) else None,
       "op fwd fused streamed": (op(True, 3), args) if fused.serves(args[3], beta, None) else None,
       "op fwd walk streamed": (op(True, walk_wg=3), args) if not fused.serves(args[3], beta, None) else None,
       "op value+grad walk streamed": ((op_value_grad(True, True, 2, walk_wg=3), args)
@@ -133,8 +132,6 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
       "op fwd+bwd delta_backward": ((op_grad(True, True), args) if beta is not None
                                     and delta_prep.serves(args[3], beta, None) else None),
       "op value+grad fused": (op_value_grad(True), args) if serves else None,
-      "op value+grad fused pair": ((op_value_grad(True, fwd_wg=2), args) if fused.serves(args[3], beta, None)
-                                   else None),
       "op value+grad fused streamed": ((op_value_grad(True, fwd_wg=3), args)
                                        if fused.serves(args[3], beta, None) else None),
       "op value+grad delta_backward": ((op_value_grad(True, True), args) if beta is not None
@@ -194,65 +191,40 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
     except Exception as e:  # a stage that fails to compile or run is reported, not hidden
       print(f"{variant}: stage {name!r} failed: {type(e).__name__}: {str(e)[:2000]}")
       out[name] = float("nan")
-  # the fused path against the prepared one on these inputs (relative RMS)
-  if serves and (not only or "fused check" in only):
+  def check(name, label, fast, reference):
+    """Records and prints the largest relative RMS difference over the leaves of two results."""
     try:
-      pairs = [("o", op(True)(*args), op(False)(*args)),
-               ("grads", op_grad(True)(*args), op_grad(False)(*args))]
-      if stages["op fwd+bwd delta_backward"] is not None:  # the gradient kernel against XLA's vjp
-        pairs.append(("delta_backward grads", op_grad(True, True)(*args), op_grad(True)(*args)))
-      for label, a, b in pairs:
-        errs = [float(jnp.sqrt(jnp.mean((x.astype(jnp.float32) - y.astype(jnp.float32))**2)
-                               / (jnp.mean(y.astype(jnp.float32)**2) + 1e-30)))
-                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
-        out[f"check {label} rel rms"] = max(errs)
-        print(f"{variant}: check {label} (fast path vs reference path): relative RMS {max(errs):.2e}")
+      err = max(float(jnp.sqrt(jnp.mean((x.astype(jnp.float32) - y.astype(jnp.float32)) ** 2)
+                               / (jnp.mean(y.astype(jnp.float32) ** 2) + 1e-30)))
+                for x, y in zip(jax.tree.leaves(fast()), jax.tree.leaves(reference())))
+      out[f"check {name} rel rms"] = err
+      print(f"{variant}: check {name} ({label}): relative RMS {err:.2e}")
     except Exception as e:
-      print(f"{variant}: fused check failed: {type(e).__name__}: {str(e)[:2000]}")
-  # the two-warpgroup delta gradients against one warpgroup per value block on these inputs
-  if stages["op value+grad delta pair"] is not None and (not only or "pair check" in only):
-    try:
-      a, b = op_value_grad(True, True, 2)(*args), op_value_grad(True, True, 1)(*args)
-      errs = [float(jnp.sqrt(jnp.mean((x.astype(jnp.float32) - y.astype(jnp.float32))**2)
-                             / (jnp.mean(y.astype(jnp.float32)**2) + 1e-30)))
-              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
-      out["check pair rel rms"] = max(errs)
-      print(f"{variant}: check pair (two warpgroups vs one per block): relative RMS {max(errs):.2e}")
-    except Exception as e:
-      print(f"{variant}: pair check failed: {type(e).__name__}: {str(e)[:2000]}")
-  # the fused additive forward in two (pair) or three (streamed) warpgroups against one, value and
-  # gradients
-  for name, wgs in (("pair", 2), ("streamed", 3)):
-    if stages["op value+grad fused pair"] is None or (only and f"forward {name} check" not in only):
-      continue
-    try:
-      a, b = op_value_grad(True, fwd_wg=wgs)(*args), op_value_grad(True)(*args)
-      errs = [float(jnp.sqrt(jnp.mean((x.astype(jnp.float32) - y.astype(jnp.float32))**2)
-                             / (jnp.mean(y.astype(jnp.float32)**2) + 1e-30)))
-              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
-      out[f"check forward {name} rel rms"] = max(errs)
-      print(f"{variant}: check forward {name} ({wgs} warpgroups vs one): relative RMS {max(errs):.2e}")
-    except Exception as e:
-      print(f"{variant}: forward {name} check failed: {type(e).__name__}: {str(e)[:2000]}")
+      print(f"{variant}: {name} check failed: {type(e).__name__}: {str(e)[:2000]}")
+
+  wanted = lambda flag: not only or flag in only
+  # the fused path against the prepared one on these inputs
+  if serves and wanted("fused check"):
+    check("o", "fast path vs reference path", lambda: op(True)(*args), lambda: op(False)(*args))
+    check("grads", "fast path vs reference path", lambda: op_grad(True)(*args), lambda: op_grad(False)(*args))
+    if stages["op fwd+bwd delta_backward"] is not None:  # the gradient kernel against XLA's vjp
+      check("delta_backward grads", "fast path vs reference path", lambda: op_grad(True, True)(*args),
+            lambda: op_grad(True)(*args))
+  # the two-warpgroup delta gradients against one warpgroup per value block
+  if stages["op value+grad delta pair"] is not None and wanted("pair check"):
+    check("pair", "two warpgroups vs one per block", lambda: op_value_grad(True, True, 2)(*args),
+          lambda: op_value_grad(True, True, 1)(*args))
+  # the fused additive forward in three warpgroups against one, value and gradients (other roundings)
+  if stages["op value+grad fused streamed"] is not None and wanted("forward streamed check"):
+    check("forward streamed", "3 warpgroups vs one", lambda: op_value_grad(True, fwd_wg=3)(*args),
+          lambda: op_value_grad(True)(*args))
   # the streamed prepared walk against one warpgroup (the same products and roundings)
-  if stages["op fwd walk streamed"] is not None and (not only or "walk streamed check" in only):
-    try:
-      a, b = op(True, walk_wg=3)(*args).astype(jnp.float32), op(True)(*args).astype(jnp.float32)
-      err = float(jnp.sqrt(jnp.mean((a - b) ** 2) / (jnp.mean(b ** 2) + 1e-30)))
-      out["check walk streamed rel rms"] = err
-      print(f"{variant}: check walk streamed (3 warpgroups vs one): relative RMS {err:.2e}")
-    except Exception as e:
-      print(f"{variant}: walk streamed check failed: {type(e).__name__}: {str(e)[:2000]}")
-  # the per-channel preparation kernel's o against XLA's preparation on these inputs
-  if channel_prep.serves(args[3], beta, None) and (not only or "channel check" in only):
-    try:
-      a = stages["op fwd channel kernel"][0](*args).astype(jnp.float32)
-      b = op(False)(*args).astype(jnp.float32)
-      err = float(jnp.sqrt(jnp.mean((a - b) ** 2) / (jnp.mean(b ** 2) + 1e-30)))
-      out["check channel o rel rms"] = err
-      print(f"{variant}: check channel kernel o (vs XLA's preparation): relative RMS {err:.2e}")
-    except Exception as e:
-      print(f"{variant}: channel check failed: {type(e).__name__}: {str(e)[:2000]}")
+  if stages["op fwd walk streamed"] is not None and wanted("walk streamed check"):
+    check("walk streamed", "3 warpgroups vs one", lambda: op(True, walk_wg=3)(*args), lambda: op(True)(*args))
+  # the per-channel preparation kernel's o against XLA's preparation
+  if channel_prep.serves(args[3], beta, None) and wanted("channel check"):
+    check("channel o", "channel kernel vs XLA's preparation", lambda: stages["op fwd channel kernel"][0](*args),
+          lambda: op(False)(*args))
   return out
 
 
@@ -265,9 +237,9 @@ def _define_flags():
   flags.DEFINE_bool("jla", False, "Also time jax-linear-attention's Mosaic GPU kernels (when installed).")
   flags.DEFINE_list("stages", [], "Only these stages (names as printed; 'fused check' for the fused "
                     "path's agreement with the prepared one, 'channel check' for the per-channel "
-                    "kernel's, 'pair check' for the two-warpgroup delta gradients', 'forward pair check' for the "
-                    "two-warpgroup fused forward's, 'forward streamed check' the"
-                    " three-warpgroup one's, 'walk streamed check' the streamed prepared walk's); empty: all.")
+                    "kernel's, 'pair check' for the two-warpgroup delta gradients', 'forward streamed "
+                    "check' for the three-warpgroup fused forward's, 'walk streamed check' for the "
+                    "streamed prepared walk's); empty: all.")
   flags.DEFINE_integer("sequence_pieces", None, "The walks' sequence pieces (default: their own "
                        "choice, `pallas_kernels.gpu.walk.pieces`).")
   flags.DEFINE_string("workdir", "runs/kernel_breakdown", "Where kernel_breakdown.json is written.")

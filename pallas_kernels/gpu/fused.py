@@ -30,7 +30,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels import prep
 from pallas_kernels.gpu.walk import (BLOCK_V, COLS, F32, SMEM_BYTES, WGMMA, _initial, _program, _store_last,
                                      _vary_like, _walk_chunks, chain_pieces, matmul, pieces, scratch_bytes,
-                                     smem)
+                                     smem, stream_chunks)
 
 ROWS = plgpu.Layout.WGMMA.reduce(1)   # one value per row of a WGMMA-layout tile
 
@@ -176,12 +176,12 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=No
   sequence_pieces: split each sequence's walk into this many pieces (None: `pieces`' choice; NC is
   padded to a multiple). With more than one, a first walk of every piece from a zero state gives its
   end state, `walk.chain_pieces` the state entering each piece, and the main walk runs all pieces in
-  parallel. warpgroups: 2 runs the main walk (with o) in two warpgroups per program
-  (`_forward_walk_pair`): one carries the state, the other forms P, q e^G and o; 3 adds a third that
-  only fetches, into as many input stages as shared memory holds (`_forward_walk_streamed`).
+  parallel. warpgroups: 3 runs the main walk (with o) in three warpgroups per program
+  (`_forward_walk_streamed`: one fetches into as many input stages as shared memory holds, one
+  carries the state, one forms P and o); 1 in one.
   """
-  if warpgroups not in (1, 2, 3):
-    raise ValueError(f"warpgroups must be 1, 2 or 3; got {warpgroups!r}")
+  if warpgroups not in (1, 3):
+    raise ValueError(f"warpgroups must be 1 or 3; got {warpgroups!r}")
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
   C = chunk_size
@@ -201,11 +201,10 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=No
     h0 = chain_pieces(h0, ends, lambda x, p: decay[:, :, p, None, None] * x)
   elif h0 is not None:
     h0 = h0[:, :, None]
-  if with_o and warpgroups > 1:
-    specialised = _forward_walk_pair if warpgroups == 2 else _forward_walk_streamed
-    o, states, finals = specialised(q, k, v, G, masks, h0, chunk_size=C, dtype=dtype,
-                                    out_dtype=out_dtype, interpret=interpret, bv=bv, S=S,
-                                    scale=scale, with_states=with_states)
+  if with_o and warpgroups == 3:
+    o, states, finals = _forward_walk_streamed(q, k, v, G, masks, h0, chunk_size=C, dtype=dtype,
+                                               out_dtype=out_dtype, interpret=interpret, bv=bv, S=S,
+                                               scale=scale, with_states=with_states)
   else:
     o, states, finals = walk_(h0, with_o=with_o, with_states=with_states)
   return o, states, jnp.swapaxes(finals[:, :, -1], -1, -2)
@@ -318,149 +317,6 @@ def _forward_walk(q, k, v, G, masks, h0, *, chunk_size, dtype, out_dtype, interp
   return o, states, outs.pop(0)
 
 
-def _forward_walk_pair(q, k, v, G, masks, h0, *, chunk_size, dtype, out_dtype, interpret, bv, S, scale,
-                       with_states):
-  """`_forward_walk` with o, in two warpgroups per program. Warpgroup 0 carries the state: it fetches
-  every chunk's tiles, forms k e^(G_C - G), hands the state entering the chunk to warpgroup 1 through
-  shared memory (`h_s`, two slots) and updates it. Warpgroup 1 forms P and q e^G and writes
-  `o^T = S^T Qg^T + v^T P^T`. The state's chain (one product a chunk) no longer waits on the output's
-  three products, which overlap with it.
-
-  Hand-overs: `h_ready[slot]` (warpgroup 0 -> 1: the state entering the chunk is in `h_s[slot]`) and
-  `in_free[slot]` (1 -> 0: warpgroup 1 is done with the chunk's input tiles and `h_s[slot]`).
-  Warpgroup 0 fetches chunk n + 1 into the other slot once warpgroup 1 has freed it (chunk n - 1), so
-  it runs at most one chunk ahead, and no barrier can complete a phase its waiter has not yet seen.
-  Needs `NPROC >= 3` in the interpreter on a 2-core machine (`delta_grads.chunk_grads_pair`)."""
-  B, T_pad, H, K = q.shape
-  Hv, V = v.shape[2:]
-  C = chunk_size
-  NC = T_pad // C
-  NCs = NC // S
-  group = Hv // H
-  has_h0 = h0 is not None
-  has_seg = masks is not None
-  scratch = dict(
-      q_s=smem((2, C, K), dtype), k_s=smem((2, C, K), dtype), v_s=smem((2, C, bv), dtype),
-      g_s=plgpu.SMEM((2, C), F32), gc_s=plgpu.SMEM((2, C), F32), kd_s=smem((C, K), dtype),
-      qg_s=smem((C, K), dtype), p_s=smem((C, C), dtype), h_s=smem((2, bv, K), dtype),
-      o_s=smem((2, C, bv), out_dtype), state_s=plgpu.SMEM((bv, K), F32),
-      in_bar=plgpu.Barrier(num_arrivals=5 + SEG_ROWS * has_seg, num_barriers=2),
-      state_bar=plgpu.Barrier(), h_ready=plgpu.Barrier(num_barriers=2),
-      in_free=plgpu.Barrier(num_barriers=2), done=plgpu.Barrier(num_arrivals=2))
-  if has_seg:
-    scratch["m_s"] = plgpu.SMEM((2, SEG_ROWS, C), F32)
-
-  def body(*refs, q_s, k_s, v_s, g_s, gc_s, kd_s, qg_s, p_s, h_s, o_s, state_s, in_bar, state_bar,
-           h_ready, in_free, done, m_s=None):
-    refs = list(refs)
-    take = lambda present=True: refs.pop(0) if present else None
-    q_r, k_r, v_r, g_r, m_r, h0_r = take(), take(), take(), take(), take(has_seg), take(has_h0)
-    o_r, states_r, final_r = take(), take(with_states), take()
-    b, h, vs = _program(bv)
-    piece, wg = lax.axis_index("s"), lax.axis_index("wg")
-    hk = lax.div(h, group)
-    rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
-    sq, qk = (C, C), (C, K)
-
-    def issue(n, slot):
-      rows_n, bar = pl.ds((piece * NCs + n) * C, C), in_bar.at[slot]
-      plgpu.copy_gmem_to_smem(k_r.at[b, rows_n, hk], k_s.at[slot], bar)
-      plgpu.copy_gmem_to_smem(v_r.at[b, rows_n, h, vs], v_s.at[slot], bar)
-      plgpu.copy_gmem_to_smem(g_r.at[b, h, rows_n], g_s.at[slot], bar)
-      plgpu.copy_gmem_to_smem(q_r.at[b, rows_n, hk], q_s.at[slot], bar)
-      plgpu.copy_gmem_to_smem(g_r.at[b, h, rows_n], gc_s.at[slot], bar)
-      for i in range(SEG_ROWS if has_seg else 0):
-        plgpu.copy_gmem_to_smem(m_r.at[b, i, rows_n], m_s.at[slot, i], bar)
-
-    def scales(slot):
-      """(G rows, q's row scale, k's row scale, the state's decay, same-run mask or None)."""
-      G_rows = plgpu.load(g_s.at[slot], layout=ROWS)
-      G_last = g_s[slot, C - 1]
-      q_scale, k_scale, s_decay = jnp.exp(G_rows), jnp.exp(G_last - G_rows), jnp.exp(G_last)
-      same = None
-      if has_seg:  # pairs of one run only; the carried state reaches its own run
-        same, carry, to_last, carry_last = _segment_masks(m_s, slot, C)
-        q_scale, k_scale, s_decay = q_scale * carry, k_scale * to_last, s_decay * carry_last
-      return G_rows, q_scale, k_scale, s_decay, same
-
-    @pl.when(wg == 0)
-    def _state():
-      issue(0, 0)
-      s_t = _initial(h0_r.at[b, h, piece, vs] if has_h0 else None, state_s, state_bar, bv, K)
-
-      def step(n, s_t):
-        slot = lax.rem(n, 2)
-        plgpu.barrier_wait(in_bar.at[slot])
-
-        @pl.when(n + 1 < NCs)
-        def _prefetch():
-          @pl.when(n >= 1)
-          def _():
-            plgpu.barrier_wait(in_free.at[1 - slot])   # warpgroup 1 is done with chunk n - 1
-          issue(n + 1, 1 - slot)
-
-        _, _, k_scale, s_decay, _ = scales(slot)
-        kd_s[...] = (plgpu.load(k_s.at[slot], layout=WGMMA).astype(F32) * rows(k_scale, qk)).astype(dtype)
-        if with_states:
-          plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # the store of chunk n - 2's state read h_s
-        h_s.at[slot][...] = s_t.astype(dtype)
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(h_ready.at[slot])
-        if with_states:
-          plgpu.copy_smem_to_gmem(h_s.at[slot], states_r.at[b, h, piece * NCs + n, vs])
-        return matmul(v_s.at[slot].T, kd_s, (bv, K), init=s_t * s_decay)
-
-      s_t = lax.fori_loop(0, NCs, step, s_t)
-      for n in range(max(NCs - 2, 0), NCs):   # the hand-backs the loop did not wait for
-        plgpu.barrier_wait(in_free.at[n % 2])
-      _store_last(s_t, state_s, final_r.at[b, h, piece, vs])
-
-    @pl.when(wg == 1)
-    def _output():
-      def step(n, carry):
-        slot = lax.rem(n, 2)
-        plgpu.barrier_wait(in_bar.at[slot])
-        G_rows, q_scale, _, _, same = scales(slot)
-        G_cols = plgpu.load(gc_s.at[slot], layout=COLS)
-        causal = (plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
-                  >= plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA))
-        if has_seg:
-          causal = causal & same
-        expo = jnp.where(causal, rows(G_rows, sq) - lax.broadcast_in_dim(G_cols, sq, [1]), -jnp.inf)
-        p_s[...] = (matmul(q_s.at[slot], k_s.at[slot].T, sq) * jnp.exp(expo)).astype(dtype)
-        qg_s[...] = (plgpu.load(q_s.at[slot], layout=WGMMA).astype(F32) * rows(q_scale, qk)).astype(dtype)
-        plgpu.commit_smem()
-        plgpu.barrier_wait(h_ready.at[slot])
-        o_t = matmul(h_s.at[slot], qg_s.T, (bv, C))
-        o_t = matmul(v_s.at[slot].T, p_s.T, (bv, C), init=o_t)
-        plgpu.barrier_arrive(in_free.at[slot])   # the chunk's tiles and h_s[slot] are read
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # chunk n - 2's o left o_s[slot]
-        o_s.at[slot].T[...] = (o_t * scale).astype(out_dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_s.at[slot], o_r.at[b, pl.ds((piece * NCs + n) * C, C), h, vs])
-        return carry
-
-      lax.fori_loop(0, NCs, step, 0)
-      plgpu.wait_smem_to_gmem(0)
-
-    plgpu.barrier_arrive(done)   # neither warpgroup exits while the other still issues products
-    plgpu.barrier_wait(done)
-
-  args = [q, k, v, G] + ([masks] if has_seg else []) + ([h0] if has_h0 else [])
-  out_type = [jax.ShapeDtypeStruct((B, T_pad, Hv, V), out_dtype)] + (
-      [jax.ShapeDtypeStruct((B, Hv, NC, V, K), dtype)] if with_states else []) + [
-      jax.ShapeDtypeStruct((B, Hv, S, V, K), F32)]
-  outs = plgpu.kernel(
-      body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, Hv, V // bv, S),
-      grid_names=("b", "h", "v", "s"), num_threads=2, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
-      kernel_name="chunk_walk_fused_fwd_pair")(*args)
-  outs = list(_vary_like(outs, args))
-  o = outs.pop(0)
-  states = outs.pop(0) if with_states else None
-  return o, states, outs.pop(0)
-
-
 def _streamed_scratch(C, K, bv, dtype, out_dtype, has_seg, stages):
   """Shared memory of `_forward_walk_streamed`: `stages` input slots (q, k, v, G twice, masks), the
   state's `v e^(G_C - G)` tile, P, two state slots, two output slots, the float32 state tile."""
@@ -502,8 +358,8 @@ def _forward_walk_streamed(q, k, v, G, masks, h0, *, chunk_size, dtype, out_dtyp
 
   The fetches run up to `stages` chunks ahead of the computation. Every barrier's waiter sees each of
   its phases before the next can complete (a slot is refilled only after both readers freed it), and
-  every warpgroup waits for the others before it exits (`done`). The roundings differ from the one- and
-  two-warpgroup walks: `v e^(G_C - G)` instead of `k e^(G_C - G)` is rounded to the operand dtype, and
+  every warpgroup waits for the others before it exits (`done`). The roundings differ from the
+  one-warpgroup walk's: `v e^(G_C - G)` instead of `k e^(G_C - G)` is rounded to the operand dtype, and
   `q e^G` not at all. Needs `NPROC >= 4` in the interpreter on a 2-core machine."""
   B, T_pad, H, K = q.shape
   Hv, V = v.shape[2:]
@@ -542,18 +398,7 @@ def _forward_walk_streamed(q, k, v, G, masks, h0, *, chunk_size, dtype, out_dtyp
         for i in range(SEG_ROWS if has_seg else 0):
           plgpu.copy_gmem_to_smem(m_r.at[b, i, rows_n], m_s.at[slot, i], bar)
 
-      for n in range(min(stages, NCs)):
-        issue(n)
-
-      def refill(n, carry):
-        plgpu.barrier_wait(in_free.at[lax.rem(n, stages)])   # chunk n is done with its slot
-        issue(n + stages)
-        return carry
-
-      if NCs > stages:
-        lax.fori_loop(0, NCs - stages, refill, 0)
-      for n in range(max(NCs - stages, 0), NCs):   # the frees the loop did not wait for
-        plgpu.barrier_wait(in_free.at[n % stages])
+      stream_chunks(NCs, stages, issue, in_free)
 
     def state_decays(slot):
       """(v's row scale e^(G_C - G), the state's decay e^(G_C)) of a chunk."""

@@ -112,8 +112,8 @@ class _Options:
   qk_l2norm: bool = False   # only with the delta kernels (`_delta_kernels`): they normalise q, k on load
   channel_kernel: bool = False
   delta_warpgroups: int = 2   # 2: the delta gradients in chunk_grads_pair where it serves
-  forward_warpgroups: int = 3   # 2 | 3: the fused additive forward in fused._forward_walk_pair | _streamed
-  walk_warpgroups: int = 1   # 3: the prepared forward walks in walk._forward_kernel_streamed
+  forward_warpgroups: int = 3   # 3: the fused additive forward in fused._forward_walk_streamed
+  walk_warpgroups: int = 1   # 3: the prepared forward walks in walk._streamed_walk
 
 
 def _forward(t, h0, *, options, with_o, with_states, out_dtype, token_o=False, scale=1.0):
@@ -259,15 +259,14 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
       (`NPROC >= 3` on a 2-core machine; `chunk_grads_pair`).
     forward_warpgroups: the fused additive forward (`fused`, no or scalar decay) in 3 (default)
       warpgroups per program: one fetches into 3-4 input stages, one carries the state, one forms P
-      and o (`fused._forward_walk_streamed`); 2: the state's warpgroup also fetches, two input slots
-      (`fused._forward_walk_pair`, the same roundings as 1); 1: one warpgroup. On the H200, simple_gla's
-      forward at (4, 8192, 16, 128) / (1, 32768, 16, 128) took 0.42 / 0.51 ms with 3, 0.41 / 0.58 with
-      2 and 0.41 / 0.67 with 1 (NOTES.md v28-v29). In the interpreter 3 warpgroups need
-      `NPROC >= 4` on a 2-core machine (tests/conftest.py).
+      and o (`fused._forward_walk_streamed`); 1: one warpgroup. On the H200, simple_gla's forward at
+      (4, 8192, 16, 128) / (1, 32768, 16, 128) took 0.42 / 0.51 ms with 3 and 0.41 / 0.67 with 1
+      (NOTES.md v28-v29). In the interpreter 3 warpgroups need `NPROC >= 4` on a 2-core machine
+      (tests/conftest.py).
     walk_warpgroups: the forward walk over prepared chunk tensors (the delta family, per-channel
       decay, `fused=False`) and its sequence pieces' map walk: 3 specialises warpgroups as
       `forward_warpgroups=3` does (fetch into 2-4 input stages / state / output; the map walk, which
-      has no output, in two), with the same products and roundings as 1 (`walk._forward_kernel_streamed`).
+      has no output, in two), with the same products and roundings as 1 (`walk._streamed_walk`).
       1 until it is measured on a Hopper GPU (NOTES.md v30).
     channel_kernel: per-channel decay (gla, kda): the forward's chunk tensors from one kernel
       (`channel_prep.py`: the decayed gram as one whole-tile product per merge level, every exponent
@@ -301,8 +300,8 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
                      f"tile; cast it afterwards); got {jnp.dtype(out_dtype).name}")
   if delta_warpgroups not in (1, 2):
     raise ValueError(f"delta_warpgroups must be 1 or 2; got {delta_warpgroups!r}")
-  if forward_warpgroups not in (1, 2, 3):
-    raise ValueError(f"forward_warpgroups must be 1, 2 or 3; got {forward_warpgroups!r}")
+  if forward_warpgroups not in (1, 3):
+    raise ValueError(f"forward_warpgroups must be 1 or 3; got {forward_warpgroups!r}")
   if walk_warpgroups not in (1, 3):
     raise ValueError(f"walk_warpgroups must be 1 or 3; got {walk_warpgroups!r}")
   if gram_method not in ("merge", "levels"):

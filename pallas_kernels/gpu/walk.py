@@ -140,6 +140,25 @@ def _store_last(x, state_s, dst):
   plgpu.wait_smem_to_gmem(0)
 
 
+def stream_chunks(NC, stages, issue, in_free):
+  """A fetching warpgroup's loop over chunks 0 .. NC-1: `issue(n)` fetches chunk n into slot
+  `n % stages`; the first `stages` at once, then chunk n + stages once every reader has freed chunk n's
+  slot (`in_free`, one phase per chunk). It then waits for the frees it did not need, so that it has
+  seen every phase of `in_free` (the interpreter checks that no phase goes unobserved)."""
+  for n in range(min(stages, NC)):
+    issue(n)
+
+  def refill(n, carry):
+    plgpu.barrier_wait(in_free.at[lax.rem(n, stages)])
+    issue(n + stages)
+    return carry
+
+  if NC > stages:
+    lax.fori_loop(0, NC - stages, refill, 0)
+  for n in range(max(NC - stages, 0), NC):
+    plgpu.barrier_wait(in_free.at[n % stages])
+
+
 def _walk_chunks(NC, issue, in_bar, init, chunk, *, reverse: bool = False):
   """`chunk(n, slot, carry) -> carry` over chunks 0 .. NC-1 (or NC-1 .. 0), double-buffered: the inputs
   of the next chunk are fetched by `issue(n, slot)` (TMA, arriving on `in_bar.at[slot]`) into the other
@@ -178,7 +197,7 @@ def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = Fal
       `S_end = A S_start + F` (`piece_maps`), XLA chains them for the state entering each piece, and the
       main walk runs all pieces at once.
     warpgroups: 3 runs the walks (the main one and the pieces' maps) with specialised warpgroups
-      (`_forward_kernel_streamed`: fetch / state / output); 1 in one.
+      (`_streamed_walk`: fetch / state / output); 1 in one.
     return_transitions: also return the pieces' `A` (`[B, H, S, K, K]`, None for one piece), which
       `backward_states` can reuse.
     token_o: write o as `[B, NC * C, H, V]` (the op's token layout; no transpose after the walk) and
@@ -203,9 +222,9 @@ def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = Fal
     mm = functools.partial(jnp.einsum, "bhkj,bhjv->bhkv", precision=lax.Precision.HIGHEST)
     h_in = chain_pieces(h0, F, lambda x, p: mm(A[:, :, p], x))
   h_in = None if h_in is None else jnp.swapaxes(h_in, -1, -2)
-  kernel = _forward_kernel_streamed if warpgroups == 3 else _forward_kernel
-  o, states, finals = kernel(t, h_in, S=S, with_o=with_o, with_states=with_states, out_dtype=out_dtype,
-                             interpret=interpret, bv=bv, token_o=token_o, scale=scale)
+  o, states, finals = _forward_kernel(t, h_in, S=S, with_o=with_o, with_states=with_states,
+                                      out_dtype=out_dtype, interpret=interpret, bv=bv, token_o=token_o,
+                                      scale=scale, warpgroups=warpgroups)
   out = (o, states, jnp.swapaxes(finals[:, :, -1], -1, -2))
   return out + (A,) if return_transitions else out
 
@@ -221,9 +240,8 @@ def piece_maps(t: ChunkTensors, S: int, *, interpret=None, block_v: int = BLOCK_
   u = jnp.concatenate([t.u, zeros_u], axis=-1) if with_offsets else zeros_u
   start = jnp.concatenate([jnp.zeros((K, V), F32), jnp.eye(K, dtype=F32)], axis=-1)
   start = jnp.broadcast_to(start.T, (B, H, S, V + K, K))
-  kernel = _forward_kernel_streamed if warpgroups == 3 else _forward_kernel
-  _, _, ends = kernel(t._replace(u=u), start, S=S, with_o=False, with_states=False, out_dtype=F32,
-                      interpret=interpret, bv=min(block_v, V + K))
+  _, _, ends = _forward_kernel(t._replace(u=u), start, S=S, with_o=False, with_states=False, out_dtype=F32,
+                               interpret=interpret, bv=min(block_v, V + K), warpgroups=warpgroups)
   ends = jnp.swapaxes(ends, -1, -2)                                  # [B, H, S, K, V + K]
   return ends[..., V:], (ends[..., :V] if with_offsets else None)
 
@@ -243,11 +261,25 @@ def chain_pieces(first, offsets, apply, *, reverse: bool = False):
   return jnp.stack(out, axis=2)
 
 
+def _fetch_chunk(srcs, dsts, n, slot, bar, b, h, vs, C):
+  """TMA copies of chunk n's walk inputs (kd, u, decay, w, qg, p; the absent ones None) of batch row b,
+  head h and value columns vs into input slot `slot`, arriving on `bar`."""
+  kd_r, u_r, decay_r, w_r, qg_r, p_r = srcs
+  kd_s, u_s, decay_s, w_s, qg_s, p_s = dsts
+  rows = pl.ds(n * C, C)
+  plgpu.copy_gmem_to_smem(kd_r.at[b, h, rows], kd_s.at[slot], bar)
+  plgpu.copy_gmem_to_smem(u_r.at[b, h, rows, vs], u_s.at[slot], bar)
+  plgpu.copy_gmem_to_smem(decay_r.at[b, h, n], decay_s.at[slot], bar)
+  for src, dst in ((w_r, w_s), (qg_r, qg_s), (p_r, p_s)):
+    if src is not None:
+      plgpu.copy_gmem_to_smem(src.at[b, h, rows], dst.at[slot], bar)
+
+
 def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, interpret, bv,
-                    token_o: bool = False, scale: float = 1.0):
+                    token_o: bool = False, scale: float = 1.0, warpgroups: int = 1):
   """The forward walk of `S` pieces of every sequence in parallel; `h0`: None or the transposed state
   entering each piece `[B, H, S, V, K]`. Returns `(o | None, states | None, the transposed state
-  leaving each piece [B, H, S, V, K])`."""
+  leaving each piece [B, H, S, V, K])`. warpgroups: 3 specialises them (`_streamed_walk`)."""
   B, H, NC, C, K = t.qg.shape
   V = t.u.shape[-1]
   dtype = t.qg.dtype
@@ -290,16 +322,8 @@ def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, i
     piece = lax.axis_index("s")
 
     def issue(n, slot):
-      n = piece * NCs + n
-      rows, bar = pl.ds(n * C, C), in_bar.at[slot]
-      plgpu.copy_gmem_to_smem(kd_r.at[b, h, rows], kd_s.at[slot], bar)
-      plgpu.copy_gmem_to_smem(u_r.at[b, h, rows, vs], u_s.at[slot], bar)
-      plgpu.copy_gmem_to_smem(decay_r.at[b, h, n], decay_s.at[slot], bar)
-      if delta:
-        plgpu.copy_gmem_to_smem(w_r.at[b, h, rows], w_s.at[slot], bar)
-      if with_o:
-        plgpu.copy_gmem_to_smem(qg_r.at[b, h, rows], qg_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(p_r.at[b, h, rows], p_s.at[slot], bar)
+      _fetch_chunk((kd_r, u_r, decay_r, w_r, qg_r, p_r), (kd_s, u_s, decay_s, w_s, qg_s, p_s),
+                   piece * NCs + n, slot, in_bar.at[slot], b, h, vs, C)
 
     def chunk(n, slot, s_t):
       n = piece * NCs + n
@@ -336,13 +360,18 @@ def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, i
     init = lambda: _initial(h0_r.at[b, h, piece, vs] if has_h0 else None, state_s, state_bar, bv, K)
     _store_last(_walk_chunks(NCs, issue, in_bar, init, chunk), state_s, final_r.at[b, h, piece, vs])
 
+  threads, name = {}, "chunk_walk_fwd" if with_o else "chunk_walk_states"
+  if warpgroups == 3:
+    body, scratch = _streamed_walk(t, S=S, with_o=with_o, with_states=with_states, has_h0=has_h0,
+                                   out_dtype=out_dtype, bv=bv, token_o=token_o, scale=scale)
+    threads, name = dict(num_threads=2 + with_o, thread_name="wg"), name + "_streamed"
   args = [x for x, present in ((qg, with_o), (kd, True), (w, delta), (u, True), (p, with_o),
                                (decay, True), (h0, has_h0))
           if present]
   outs = list(plgpu.kernel(
       body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H, V // bv, S),
       grid_names=("b", "h", "v", "s"), compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=interpret, kernel_name="chunk_walk_fwd" if with_o else "chunk_walk_states")(*args))
+      interpret=interpret, kernel_name=name, **threads)(*args))
   outs = _vary_like(outs, args)
   o = None
   if with_o:
@@ -353,7 +382,7 @@ def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, i
 
 
 def _streamed_scratch(C, K, bv, dtype, out_dtype, *, delta, with_o, stages):
-  """Shared memory of `_forward_kernel_streamed`: `stages` input slots, two slots each of the state
+  """Shared memory of `_streamed_walk`: `stages` input slots, two slots each of the state
   (and of u_new and o with o), the float32 state tile."""
   scratch = dict(
       kd_s=smem((stages, C, K), dtype), u_s=smem((stages, C, bv), dtype),
@@ -372,7 +401,7 @@ def _streamed_scratch(C, K, bv, dtype, out_dtype, *, delta, with_o, stages):
 
 
 def streamed_stages(C, K, bv, dtype, out_dtype, *, delta, with_o) -> int | None:
-  """The deepest input pipeline (2 to 4 slots) of `_forward_kernel_streamed` that fits a block's shared
+  """The deepest input pipeline (2 to 4 slots) of `_streamed_walk` that fits a block's shared
   memory, or None."""
   for stages in (4, 3, 2):
     scratch = _streamed_scratch(C, K, bv, dtype, out_dtype, delta=delta, with_o=with_o, stages=stages)
@@ -381,39 +410,26 @@ def streamed_stages(C, K, bv, dtype, out_dtype, *, delta, with_o) -> int | None:
   return None
 
 
-def _forward_kernel_streamed(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, interpret, bv,
-                             token_o: bool = False, scale: float = 1.0):
-  """`_forward_kernel` with its warpgroups specialised (`forward(..., warpgroups=3)`): the last one only
-  fetches chunk n's tensors into input slot `n % stages`, refilling a slot once every reader has freed
-  it (`in_free`); warpgroup 0 carries the state: per chunk it writes the state entering it to
+def _streamed_walk(t: ChunkTensors, *, S, with_o, with_states, has_h0, out_dtype, bv, token_o, scale):
+  """`(body, scratch)` of `_forward_kernel` with specialised warpgroups (`warpgroups=3`): the last one
+  only fetches chunk n's tensors into input slot `n % stages`, refilling a slot once every reader has
+  freed it (`in_free`); warpgroup 0 carries the state: per chunk it writes the state entering it to
   `h_s[n % 2]`, forms `u^T = U^T - S^T W^T` into `un_s[n % 2]` (delta family) and signals `h_ready`,
   then updates the state; with o, warpgroup 1 forms `o^T = S^T Qg^T + u^T P^T` from those two slots and
   frees them (`h_free`). Without o there are two warpgroups (fetch and state), which still lets the
-  fetches run `stages` chunks ahead. Same products and roundings as `_forward_kernel`. Every barrier's
+  fetches run `stages` chunks ahead. Same products and roundings as one warpgroup. Every barrier's
   waiter sees each phase before the next can complete, and every warpgroup waits for the others before
   it exits (`done`). Needs `NPROC >= 4` in the interpreter on a 2-core machine."""
   B, H, NC, C, K = t.qg.shape
-  V = t.u.shape[-1]
   dtype = t.qg.dtype
   NCs = NC // S
   delta = t.w is not None
-  has_h0 = h0 is not None
-  qg, kd, u, p = _flat(t.qg), _flat(t.kd), _flat(t.u), _flat(t.p)
-  w = None if not delta else _flat(t.w)
-  decay = t.decay.astype(F32)
   stages = streamed_stages(C, K, bv, dtype, out_dtype, delta=delta, with_o=with_o)
   if stages is None:
     raise ValueError(f"the streamed walk does not fit {SMEM_BYTES} bytes of shared memory (C={C}, K={K}, "
                      f"block_v={bv}, {jnp.dtype(dtype).name}); use warpgroups=1")
   scratch = _streamed_scratch(C, K, bv, dtype, out_dtype, delta=delta, with_o=with_o, stages=stages)
   fetcher = 1 + with_o
-
-  out_type = []
-  if with_o:
-    out_type.append(jax.ShapeDtypeStruct((B, NC * C, H, V) if token_o else (B, H, NC * C, V), out_dtype))
-  if with_states:
-    out_type.append(jax.ShapeDtypeStruct((B, H, NC, V, K), dtype))
-  out_type.append(jax.ShapeDtypeStruct((B, H, S, V, K), F32))
 
   def body(*refs, kd_s, u_s, decay_s, h_s, state_s, in_bar, in_free, state_bar, h_ready, h_free, done,
            w_s=None, un_s=None, qg_s=None, p_s=None, o_s=None):
@@ -428,29 +444,11 @@ def _forward_kernel_streamed(t: ChunkTensors, h0, *, S, with_o, with_states, out
     @pl.when(wg == fetcher)
     def _fetch():
       def issue(n):
-        slot, m = lax.rem(n, stages), piece * NCs + n
-        rows, bar = pl.ds(m * C, C), in_bar.at[slot]
-        plgpu.copy_gmem_to_smem(kd_r.at[b, h, rows], kd_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(u_r.at[b, h, rows, vs], u_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(decay_r.at[b, h, m], decay_s.at[slot], bar)
-        if delta:
-          plgpu.copy_gmem_to_smem(w_r.at[b, h, rows], w_s.at[slot], bar)
-        if with_o:
-          plgpu.copy_gmem_to_smem(qg_r.at[b, h, rows], qg_s.at[slot], bar)
-          plgpu.copy_gmem_to_smem(p_r.at[b, h, rows], p_s.at[slot], bar)
+        slot = lax.rem(n, stages)
+        _fetch_chunk((kd_r, u_r, decay_r, w_r, qg_r, p_r), (kd_s, u_s, decay_s, w_s, qg_s, p_s),
+                     piece * NCs + n, slot, in_bar.at[slot], b, h, vs, C)
 
-      for n in range(min(stages, NCs)):
-        issue(n)
-
-      def refill(n, carry):
-        plgpu.barrier_wait(in_free.at[lax.rem(n, stages)])   # every reader is done with chunk n's slot
-        issue(n + stages)
-        return carry
-
-      if NCs > stages:
-        lax.fori_loop(0, NCs - stages, refill, 0)
-      for n in range(max(NCs - stages, 0), NCs):   # the frees the loop did not wait for
-        plgpu.barrier_wait(in_free.at[n % stages])
+      stream_chunks(NCs, stages, issue, in_free)
 
     @pl.when(wg == 0)
     def _state():
@@ -518,21 +516,7 @@ def _forward_kernel_streamed(t: ChunkTensors, h0, *, S, with_o, with_states, out
     plgpu.barrier_arrive(done)   # no warpgroup exits while another still issues products
     plgpu.barrier_wait(done)
 
-  args = [x for x, present in ((qg, with_o), (kd, True), (w, delta), (u, True), (p, with_o),
-                               (decay, True), (h0, has_h0))
-          if present]
-  outs = list(plgpu.kernel(
-      body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H, V // bv, S),
-      grid_names=("b", "h", "v", "s"), num_threads=2 + with_o, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
-      kernel_name="chunk_walk_fwd_streamed" if with_o else "chunk_walk_states_streamed")(*args))
-  outs = _vary_like(outs, args)
-  o = None
-  if with_o:
-    o = outs.pop(0)
-    o = o if token_o else o.reshape(B, H, NC, C, V)
-  states = outs.pop(0) if with_states else None
-  return o, states, outs.pop(0)
+  return body, scratch
 
 
 def backward_states(t: ChunkTensors, do, dfinal, *, interpret=None, block_v: int = BLOCK_V,

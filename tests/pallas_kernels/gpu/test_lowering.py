@@ -193,12 +193,11 @@ def test_delta_gradients_in_two_warpgroups_export_for_hopper(l2, packed):
   assert bwd.count("chunk_grads_delta") == bwd.count("chunk_grads_delta_pair")
 
 
-@pytest.mark.parametrize("warpgroups,name", [(2, "chunk_walk_fused_fwd_pair"),
-                                             (3, "chunk_walk_fused_fwd_streamed")])
 @pytest.mark.parametrize("D,pieces,packed", [(128, 1, False), (64, 2, True)])
-def test_fused_forward_in_specialised_warpgroups_exports_for_hopper(D, pieces, packed, warpgroups, name):
-  # forward_warpgroups=2 | 3: the forward (and the differentiated forward, which keeps the states) is
-  # that walk; the backward kernels are unchanged
+def test_fused_forward_in_three_warpgroups_exports_for_hopper(D, pieces, packed):
+  # forward_warpgroups=3 (the default): the forward (and the differentiated forward, which keeps the
+  # states) is the streamed walk; the backward kernels are unchanged
+  warpgroups, name = 3, "chunk_walk_fused_fwd_streamed"
   args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, dtype=jnp.float32),
           _spec(B, H, D, D, dtype=jnp.float32))
   seg = jnp.zeros((B, T), jnp.int32).at[:, T // 3:].set(1) if packed else None

@@ -1,4 +1,4 @@
-"""The forward walk over prepared chunk tensors with specialised warpgroups (`walk._forward_kernel_streamed`,
+"""The forward walk over prepared chunk tensors with specialised warpgroups (`walk._streamed_walk`,
 `chunked_attention(..., walk_warpgroups=3)`) in the Mosaic GPU interpreter: against the one-warpgroup
 walk with the race detector on, and end to end against the float64 loop."""
 
