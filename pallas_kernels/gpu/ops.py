@@ -5,6 +5,7 @@ switch that runs the kernels in the Mosaic GPU interpreter (`interpret_kernels`)
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -30,6 +31,31 @@ def interpret_kernels(params: plgpu.InterpretGPUParams | None = None):
   raise), and `supports` treats the backend as a Hopper GPU, so `impl="pallas"` reaches these kernels
   on a CPU. jit caches do not see this switch: trace inside the context what you mean to interpret."""
   return _INTERPRET.use(params)
+
+
+def interpreter_threads() -> int:
+  """Threads in XLA's CPU pool, on which the interpreter runs each warpgroup of a multi-warpgroup kernel
+  as a computation of its own (one that waits on a barrier holds its thread): the `NPROC` environment
+  variable if set (read when JAX's CPU backend starts), else the CPUs this process may run on."""
+  if os.environ.get("NPROC"):
+    return int(os.environ["NPROC"])
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:   # not on Linux
+    return os.cpu_count() or 1
+
+
+def _check_interpreter_threads(call: dict[str, int]):
+  """Raises, naming the option, where a multi-warpgroup kernel that `call` (option -> threads it needs:
+  its warpgroups and the launcher) would run cannot start all its warpgroups in the interpreter: it
+  would wait forever instead."""
+  threads = interpreter_threads()
+  short = [f"{name} needs {need}" for name, need in call.items() if threads < need]
+  if short:
+    raise ValueError(
+        f"in the Mosaic GPU interpreter XLA's CPU pool has {threads} threads and {', '.join(short)} "
+        f"(one a warpgroup and one for the launcher); set the environment variable NPROC to at least "
+        f"{max(call.values())} before JAX starts, or pass the option's one-warpgroup value (1)")
 
 
 def interpreting() -> plgpu.InterpretGPUParams | None:
@@ -306,6 +332,14 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
     raise ValueError(f"walk_warpgroups must be 1 or 3; got {walk_warpgroups!r}")
   if gram_method not in ("merge", "levels"):
     raise ValueError(f"gram_method must be 'merge' or 'levels'; got {gram_method!r}")
+  additive_fused = fused and fused_kernel.serves(g, beta, segment_ids)
+  if interpret:
+    delta_pair = (fused and delta_backward and delta_prep.serves(g, beta, segment_ids)
+                  and delta_grads.pair_serves(V, chunk_size, v.dtype, dtype))
+    _check_interpreter_threads({name: need for name, need, used in (
+        ("forward_warpgroups=3", 4, forward_warpgroups == 3 and additive_fused),
+        ("walk_warpgroups=3", 4, walk_warpgroups == 3 and not additive_fused),
+        ("delta_warpgroups=2", 3, delta_warpgroups == 2 and delta_pair)) if used})
   in_kernels = qk_l2norm and fused and delta_backward and delta_prep.serves(g, beta, segment_ids)
   if qk_l2norm and not in_kernels:
     q, k = _l2_normalize(q), _l2_normalize(k)

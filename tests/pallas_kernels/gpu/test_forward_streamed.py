@@ -71,3 +71,23 @@ def test_public_option_is_checked():
   with pytest.raises(ValueError, match="warpgroups"):
     fused.forward(x, x, x, None, None, chunk_size=64, dtype=jnp.bfloat16, out_dtype=jnp.bfloat16,
                   warpgroups=2)
+
+
+def test_interpreter_without_threads_for_every_warpgroup_raises_instead_of_hanging(monkeypatch):
+  # The interpreter runs each warpgroup on XLA's CPU pool; with fewer threads than warpgroups plus the
+  # launcher one would wait forever. The call says so, naming the option, before any kernel runs.
+  x = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+  params = plgpu.InterpretGPUParams()
+  monkeypatch.setenv("NPROC", "2")
+  assert gpu.interpreter_threads() == 2
+  with pytest.raises(ValueError, match="forward_warpgroups=3 needs 4.*NPROC"):
+    gpu.chunked_attention(x, x, x, interpret=params)
+  with pytest.raises(ValueError, match="walk_warpgroups=3 needs 4"):
+    gpu.chunked_attention(x, x, x, beta=jnp.zeros((1, 64, 1)), walk_warpgroups=3, interpret=params)
+  v128 = jnp.zeros((1, 64, 1, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="delta_warpgroups=2 needs 3"):
+    gpu.chunked_attention(x, x, v128, beta=jnp.zeros((1, 64, 1)), interpret=params)
+  # one warpgroup everywhere runs (and the pair does not serve V = 64)
+  o, _ = gpu.chunked_attention(x, x, x, forward_warpgroups=1, interpret=params)
+  o2, _ = gpu.chunked_attention(x, x, x, beta=jnp.zeros((1, 64, 1)), interpret=params)
+  assert o.shape == o2.shape == x.shape
