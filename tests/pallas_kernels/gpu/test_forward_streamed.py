@@ -16,24 +16,25 @@ from tests.pallas_kernels.gpu.util import check
 RACES = plgpu.InterpretGPUParams(detect_races=True)
 
 
-@pytest.mark.parametrize("pieces,packed,h0,with_states", [(1, False, True, False), (2, True, True, True),
-                                                          (1, True, False, True)])
-def test_streamed_walk_equals_one_warpgroup_with_no_race(pieces, packed, h0, with_states):
+@pytest.mark.parametrize("K,pieces,packed,h0,with_states", [(64, 1, False, True, False), (64, 2, True, True, True),
+                                                            (64, 1, True, False, True), (128, 1, False, True, True)])
+def test_streamed_walk_equals_one_warpgroup_with_no_race(K, pieces, packed, h0, with_states):
   # A fetching warpgroup fills 3-4 input slots, the state's warpgroup hands the state entering each
   # chunk to the output's warpgroup through two shared-memory slots: the same o, states and final state
   # as one warpgroup to bfloat16 rounding (it rounds v e^(G_C - G) instead of k e^(G_C - G) and never
   # rounds q e^G; its accuracy: the float64-loop test below), and the race detector finds no
   # unsynchronised access. 5 chunks per sequence: every slot of every buffer is reused; grouped heads
-  # (H = 1 serves H_v = 2); packed runs that end inside a chunk and on a piece boundary.
+  # (H = 1 serves H_v = 2); packed runs that end inside a chunk and on a piece boundary; K = 128 leaves
+  # room for 3 input slots, K = 64 for 4.
   T = 300
-  inp = make_inputs("simple_gla", B=1, T=T, H=1, Hv=2, K=64, V=128, seed=21)
+  inp = make_inputs("simple_gla", B=1, T=T, H=1, Hv=2, K=K, V=128, seed=21)
   q, k, v = (jnp.asarray(inp[n], jnp.bfloat16) for n in ("q", "k", "v"))
   seg = None
   if packed:
     seg = np.zeros((1, T), np.int32)
     seg[0, 40:128], seg[0, 128:] = 1, 2
     seg = jnp.asarray(seg)
-  assert fused.streamed_stages(64, 64, 64, jnp.bfloat16, jnp.bfloat16, packed) == 4
+  assert fused.streamed_stages(64, K, 64, jnp.bfloat16, jnp.bfloat16, packed) == (4 if K == 64 else 3)
   run = lambda wg: fused.forward(q, k, v, jnp.asarray(inp["g"]), jnp.asarray(inp["h0"]) if h0 else None,
                                  chunk_size=64, dtype=jnp.bfloat16, out_dtype=jnp.bfloat16,
                                  segment_ids=seg, interpret=RACES, with_states=with_states,
