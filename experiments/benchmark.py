@@ -248,20 +248,23 @@ def _rows(contenders: list[Contender], anchor: str, ceilings: dict | None = None
              for c in contenders if c.times_ms}
   streams = {(c.variant, c.shape, c.impl, c.mode): statistics.median(c.stream_ms)
              for c in contenders if c.stream_ms}
+  def anchor_of(table, c):
+    """The anchor's entry in `table` for contender c's variant (softmax: its shape), shape and mode."""
+    if anchor == "softmax":
+      return next((m for (v, s, i, mode), m in table.items() if v == "softmax" and s == c.shape
+                   and mode == c.mode), None)
+    return table.get((c.variant, c.shape, anchor, c.mode))
+
   rows = []
   for c in contenders:
     ms = medians.get((c.variant, c.shape, c.impl, c.mode))
-    ref = (next((m for (v, s, i, mode), m in medians.items() if v == "softmax" and s == c.shape
-                 and mode == c.mode), None) if anchor == "softmax"
-           else medians.get((c.variant, c.shape, anchor, c.mode)))
+    ref = anchor_of(medians, c)
     rows.append({"variant": c.variant, "shape": list(c.shape), "impl": c.impl, "mode": c.mode,
                  "status": c.status, "median_ms": ms, "times_ms": c.times_ms,
                  "ratio": None if ms is None or ref is None else ms / ref,
                  "temp_bytes": c.temp_bytes, "peak_bytes": c.peak_bytes})
     stream = streams.get((c.variant, c.shape, c.impl, c.mode))
-    stream_ref = (next((m for (v, s, i, mode), m in streams.items() if v == "softmax" and s == c.shape
-                        and mode == c.mode), None) if anchor == "softmax"
-                  else streams.get((c.variant, c.shape, anchor, c.mode)))
+    stream_ref = anchor_of(streams, c)
     rows[-1].update(stream_ms=stream, stream_times_ms=c.stream_ms,
                     stream_ratio=None if stream is None or stream_ref is None else stream / stream_ref)
     if ceilings is not None and c.inputs is not None:

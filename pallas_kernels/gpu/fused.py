@@ -177,7 +177,7 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=No
   padded to a multiple). With more than one, a first walk of every piece from a zero state gives its
   end state, `walk.chain_pieces` the state entering each piece, and the main walk runs all pieces in
   parallel. warpgroups: 3 runs the main walk (with o) in three warpgroups per program
-  (`_forward_walk_streamed`: one fetches into as many input stages as shared memory holds, one
+  (`_streamed_walk`: one fetches into as many input stages as shared memory holds, one
   carries the state, one forms P and o); 1 in one.
   """
   if warpgroups not in (1, 3):
@@ -201,20 +201,17 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=No
     h0 = chain_pieces(h0, ends, lambda x, p: decay[:, :, p, None, None] * x)
   elif h0 is not None:
     h0 = h0[:, :, None]
-  if with_o and warpgroups == 3:
-    o, states, finals = _forward_walk_streamed(q, k, v, G, masks, h0, chunk_size=C, dtype=dtype,
-                                               out_dtype=out_dtype, interpret=interpret, bv=bv, S=S,
-                                               scale=scale, with_states=with_states)
-  else:
-    o, states, finals = walk_(h0, with_o=with_o, with_states=with_states)
+  o, states, finals = walk_(h0, with_o=with_o, with_states=with_states,
+                             warpgroups=warpgroups if with_o else 1)
   return o, states, jnp.swapaxes(finals[:, :, -1], -1, -2)
 
 
 def _forward_walk(q, k, v, G, masks, h0, *, chunk_size, dtype, out_dtype, interpret, bv, S, scale,
-                  with_o, with_states):
+                  with_o, with_states, warpgroups: int = 1):
   """The forward kernel over `S` pieces of every sequence in parallel; `h0`: None or the transposed
   state entering each piece `[B, H_v, S, V, K]`. Returns `(o | None, states | None, the transposed
-  state leaving each piece [B, H_v, S, V, K])`."""
+  state leaving each piece [B, H_v, S, V, K])`. warpgroups: 3 (with o) specialises them
+  (`_streamed_walk`)."""
   B, T_pad, H, K = q.shape
   Hv, V = v.shape[2:]
   C = chunk_size
@@ -307,10 +304,17 @@ def _forward_walk(q, k, v, G, masks, h0, *, chunk_size, dtype, out_dtype, interp
       jax.ShapeDtypeStruct((B, Hv, S, V, K), F32)]
   name = "chunk_walk_fused_fwd" if with_o else ("chunk_walk_fused_states" if with_states
                                                 else "chunk_walk_fused_ends")
+  threads = {}
+  if warpgroups == 3:
+    if not with_o:
+      raise ValueError("the streamed walk computes o (warpgroups=3 needs with_o)")
+    body, scratch = _streamed_walk(K=K, bv=bv, C=C, NCs=NCs, group=group, has_h0=has_h0, has_seg=has_seg,
+                                   dtype=dtype, out_dtype=out_dtype, scale=scale, with_states=with_states)
+    threads, name = dict(num_threads=3, thread_name="wg"), name + "_streamed"
   outs = plgpu.kernel(
       body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, Hv, V // bv, S),
       grid_names=("b", "h", "v", "s"), compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=interpret, kernel_name=name)(*args)
+      interpret=interpret, kernel_name=name, **threads)(*args)
   outs = list(_vary_like(outs, args))
   o = outs.pop(0) if with_o else None
   states = outs.pop(0) if with_states else None
@@ -318,7 +322,7 @@ def _forward_walk(q, k, v, G, masks, h0, *, chunk_size, dtype, out_dtype, interp
 
 
 def _streamed_scratch(C, K, bv, dtype, out_dtype, has_seg, stages):
-  """Shared memory of `_forward_walk_streamed`: `stages` input slots (q, k, v, G twice, masks), the
+  """Shared memory of `_streamed_walk`: `stages` input slots (q, k, v, G twice, masks), the
   state's `v e^(G_C - G)` tile, P, two state slots, two output slots, the float32 state tile."""
   scratch = dict(
       q_s=smem((stages, C, K), dtype), k_s=smem((stages, C, K), dtype),
@@ -343,9 +347,8 @@ def streamed_stages(C, K, bv, dtype, out_dtype, has_seg) -> int:
                    f"(C={C}, K={K}, block_v={bv}, {jnp.dtype(dtype).name})")
 
 
-def _forward_walk_streamed(q, k, v, G, masks, h0, *, chunk_size, dtype, out_dtype, interpret, bv, S,
-                           scale, with_states):
-  """`_forward_walk` with o, in three warpgroups per program:
+def _streamed_walk(*, K, bv, C, NCs, group, has_h0, has_seg, dtype, out_dtype, scale, with_states):
+  """`(body, scratch)` of `_forward_walk` with o in three warpgroups per program (`warpgroups=3`):
 
   - warpgroup 2 only fetches: chunk n's tiles into input slot `n % stages` (2-4 slots, as many as
     shared memory holds), once warpgroups 0 and 1 have both freed that slot (`in_free`);
@@ -361,14 +364,6 @@ def _forward_walk_streamed(q, k, v, G, masks, h0, *, chunk_size, dtype, out_dtyp
   every warpgroup waits for the others before it exits (`done`). The roundings differ from the
   one-warpgroup walk's: `v e^(G_C - G)` instead of `k e^(G_C - G)` is rounded to the operand dtype, and
   `q e^G` not at all. Needs `NPROC >= 4` in the interpreter on a 2-core machine."""
-  B, T_pad, H, K = q.shape
-  Hv, V = v.shape[2:]
-  C = chunk_size
-  NC = T_pad // C
-  NCs = NC // S
-  group = Hv // H
-  has_h0 = h0 is not None
-  has_seg = masks is not None
   stages = streamed_stages(C, K, bv, dtype, out_dtype, has_seg)
   scratch = _streamed_scratch(C, K, bv, dtype, out_dtype, has_seg, stages)
 
@@ -473,19 +468,7 @@ def _forward_walk_streamed(q, k, v, G, masks, h0, *, chunk_size, dtype, out_dtyp
     plgpu.barrier_arrive(done)   # no warpgroup exits while another still issues products
     plgpu.barrier_wait(done)
 
-  args = [q, k, v, G] + ([masks] if has_seg else []) + ([h0] if has_h0 else [])
-  out_type = [jax.ShapeDtypeStruct((B, T_pad, Hv, V), out_dtype)] + (
-      [jax.ShapeDtypeStruct((B, Hv, NC, V, K), dtype)] if with_states else []) + [
-      jax.ShapeDtypeStruct((B, Hv, S, V, K), F32)]
-  outs = plgpu.kernel(
-      body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, Hv, V // bv, S),
-      grid_names=("b", "h", "v", "s"), num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
-      kernel_name="chunk_walk_fused_fwd_streamed")(*args)
-  outs = list(_vary_like(outs, args))
-  o = outs.pop(0)
-  states = outs.pop(0) if with_states else None
-  return o, states, outs.pop(0)
+  return body, scratch
 
 
 def backward_states(q, g, do, dfinal, *, chunk_size: int, dtype, segment_ids=None, interpret=None,

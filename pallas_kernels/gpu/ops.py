@@ -138,7 +138,7 @@ class _Options:
   qk_l2norm: bool = False   # only with the delta kernels (`_delta_kernels`): they normalise q, k on load
   channel_kernel: bool = False
   delta_warpgroups: int = 2   # 2: the delta gradients in chunk_grads_pair where it serves
-  forward_warpgroups: int = 3   # 3: the fused additive forward in fused._forward_walk_streamed
+  forward_warpgroups: int = 3   # 3: the fused additive forward in fused._streamed_walk
   walk_warpgroups: int = 1   # 3: the prepared forward walks in walk._streamed_walk
 
 
@@ -285,7 +285,7 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
       (`NPROC >= 3` on a 2-core machine; `chunk_grads_pair`).
     forward_warpgroups: the fused additive forward (`fused`, no or scalar decay) in 3 (default)
       warpgroups per program: one fetches into 3-4 input stages, one carries the state, one forms P
-      and o (`fused._forward_walk_streamed`); 1: one warpgroup. On the H200, simple_gla's forward at
+      and o (`fused._streamed_walk`); 1: one warpgroup. On the H200, simple_gla's forward at
       (4, 8192, 16, 128) / (1, 32768, 16, 128) took 0.42 / 0.51 ms with 3 and 0.41 / 0.67 with 1
       (NOTES.md v28-v29). In the interpreter 3 warpgroups need `NPROC >= 4` on a 2-core machine
       (tests/conftest.py).

@@ -1,4 +1,4 @@
-"""The fused additive forward in three warpgroups per program (`fused._forward_walk_streamed`,
+"""The fused additive forward in three warpgroups per program (`fused._streamed_walk`,
 `chunked_attention(..., forward_warpgroups=3)`, the default) in the Mosaic GPU interpreter: against the
 one-warpgroup walk with the race detector on, and end to end against the float64 loop."""
 
