@@ -122,6 +122,21 @@ def _program(bv):
   return lax.axis_index("b"), lax.axis_index("h"), pl.ds(lax.axis_index("v") * bv, bv)
 
 
+def _u_block(bv, u_blocks, blocks):
+  """`(u's columns for this program, None or a float32 0/1 factor)`: programs of the first `u_blocks`
+  of `blocks` value blocks read theirs; the others read block 0's (any block: the TMA's arrivals stay
+  the same) and multiply it by 0."""
+  v = lax.axis_index("v")
+  if u_blocks >= blocks:
+    return pl.ds(v * bv, bv), None
+  return pl.ds(jnp.minimum(v, max(u_blocks - 1, 0)) * bv, bv), (v < u_blocks).astype(F32)
+
+
+def _keep(x, keep):
+  """`x` times the 0/1 factor of `_u_block` (None: x)."""
+  return x if keep is None else x * keep
+
+
 def _initial(src, state_s, bar, bv, K):
   """The float32 `[bv, K]` tile `src` (a GMEM ref, or None for zeros) in registers, WGMMA layout."""
   if src is None:
@@ -232,18 +247,32 @@ def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = Fal
 def piece_maps(t: ChunkTensors, S: int, *, interpret=None, block_v: int = BLOCK_V, with_offsets=True,
                warpgroups: int = 1):
   """Every piece's affine map of the state, `S_end = A S_start + F`: `(A [B, H, S, K, K], F [B, H, S, K,
-  V])` float32 (F None without `with_offsets`). One walk of `[K, V + K]` states: `F` from a zero start
-  with the chunks' `u`, `A` from the identity with `u = 0` (then `S <- (Diag(decay) - Kd^T W) S`)."""
+  V])` float32 (F None without `with_offsets`).
+
+  Delta family: one walk of `[K, V + K]` states, `F` from a zero start with the chunks' `u`, `A` from
+  the identity with `u = 0` (then `S <- (Diag(decay) - Kd^T W) S`). The kernel reads `u` itself and
+  zeroes it in the programs of the identity's columns, so no `[..., V + K]` copy of u is formed.
+  Additive family: `A = Diag(prod decay)` in XLA, and `F` a walk over the V columns alone."""
   B, H, NC, C, K = t.qg.shape
-  V = t.u.shape[-1] if with_offsets else 0
-  zeros_u = jnp.zeros(t.u.shape[:4] + (K,), t.u.dtype)
-  u = jnp.concatenate([t.u, zeros_u], axis=-1) if with_offsets else zeros_u
-  start = jnp.concatenate([jnp.zeros((K, V), F32), jnp.eye(K, dtype=F32)], axis=-1)
-  start = jnp.broadcast_to(start.T, (B, H, S, V + K, K))
-  _, _, ends = _forward_kernel(t._replace(u=u), start, S=S, with_o=False, with_states=False, out_dtype=F32,
-                               interpret=interpret, bv=min(block_v, V + K), warpgroups=warpgroups)
-  ends = jnp.swapaxes(ends, -1, -2)                                  # [B, H, S, K, V + K]
-  return ends[..., V:], (ends[..., :V] if with_offsets else None)
+  V = t.u.shape[-1]
+  cols = (V if with_offsets else 0) + (K if t.w is not None else 0)
+  bv = min(block_v, V)
+  if t.w is None:
+    prod = jnp.prod(t.decay.astype(F32).reshape(B, H, S, NC // S, K), axis=3)
+    A = prod[..., :, None] * jnp.eye(K, dtype=F32)
+    if not with_offsets:
+      return A, None
+  start = None
+  if t.w is not None:
+    eye = jnp.eye(K, dtype=F32)
+    start = jnp.concatenate([jnp.zeros((K, V), F32), eye], axis=-1) if with_offsets else eye
+    start = jnp.broadcast_to(start.T, (B, H, S, cols, K))
+  _, _, ends = _forward_kernel(t, start, S=S, with_o=False, with_states=False, out_dtype=F32,
+                               interpret=interpret, bv=bv, warpgroups=warpgroups, state_cols=cols,
+                               u_blocks=V // bv if with_offsets else 0)
+  ends = jnp.swapaxes(ends, -1, -2)                                  # [B, H, S, K, cols]
+  F = ends[..., :V] if with_offsets else None
+  return (A, F) if t.w is None else (ends[..., cols - K:], F)
 
 
 def chain_pieces(first, offsets, apply, *, reverse: bool = False):
@@ -261,14 +290,14 @@ def chain_pieces(first, offsets, apply, *, reverse: bool = False):
   return jnp.stack(out, axis=2)
 
 
-def _fetch_chunk(srcs, dsts, n, slot, bar, b, h, vs, C):
+def _fetch_chunk(srcs, dsts, n, slot, bar, b, h, vs, C, u_vs=None):
   """TMA copies of chunk n's walk inputs (kd, u, decay, w, qg, p; the absent ones None) of batch row b,
-  head h and value columns vs into input slot `slot`, arriving on `bar`."""
+  head h and value columns vs (u: `u_vs`, default vs) into input slot `slot`, arriving on `bar`."""
   kd_r, u_r, decay_r, w_r, qg_r, p_r = srcs
   kd_s, u_s, decay_s, w_s, qg_s, p_s = dsts
   rows = pl.ds(n * C, C)
   plgpu.copy_gmem_to_smem(kd_r.at[b, h, rows], kd_s.at[slot], bar)
-  plgpu.copy_gmem_to_smem(u_r.at[b, h, rows, vs], u_s.at[slot], bar)
+  plgpu.copy_gmem_to_smem(u_r.at[b, h, rows, vs if u_vs is None else u_vs], u_s.at[slot], bar)
   plgpu.copy_gmem_to_smem(decay_r.at[b, h, n], decay_s.at[slot], bar)
   for src, dst in ((w_r, w_s), (qg_r, qg_s), (p_r, p_s)):
     if src is not None:
@@ -276,12 +305,19 @@ def _fetch_chunk(srcs, dsts, n, slot, bar, b, h, vs, C):
 
 
 def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, interpret, bv,
-                    token_o: bool = False, scale: float = 1.0, warpgroups: int = 1):
+                    token_o: bool = False, scale: float = 1.0, warpgroups: int = 1,
+                    state_cols: int | None = None, u_blocks: int | None = None):
   """The forward walk of `S` pieces of every sequence in parallel; `h0`: None or the transposed state
   entering each piece `[B, H, S, V, K]`. Returns `(o | None, states | None, the transposed state
-  leaving each piece [B, H, S, V, K])`. warpgroups: 3 specialises them (`_streamed_walk`)."""
+  leaving each piece [B, H, S, V, K])`. warpgroups: 3 specialises them (`_streamed_walk`).
+
+  state_cols, u_blocks (the pieces' maps, delta family): the state has `state_cols` columns (default V),
+  of which the first `u_blocks` blocks of `bv` take their u from `t.u` and the rest walk with u = 0."""
   B, H, NC, C, K = t.qg.shape
-  V = t.u.shape[-1]
+  V = t.u.shape[-1] if state_cols is None else state_cols
+  u_blocks = V // bv if u_blocks is None else u_blocks
+  if u_blocks < V // bv and (t.w is None or with_o or with_states):
+    raise ValueError("u_blocks: only the delta family's maps walk (no o, no states) zeroes u")
   dtype = t.qg.dtype
   NCs = NC // S
   delta = t.w is not None
@@ -319,11 +355,12 @@ def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, i
         take(with_o), take(), take(delta), take(), take(with_o), take(), take(has_h0))
     o_r, states_r, final_r = take(with_o), take(with_states), take()
     b, h, vs = _program(bv)
+    u_vs, u_keep = _u_block(bv, u_blocks, V // bv)
     piece = lax.axis_index("s")
 
     def issue(n, slot):
       _fetch_chunk((kd_r, u_r, decay_r, w_r, qg_r, p_r), (kd_s, u_s, decay_s, w_s, qg_s, p_s),
-                   piece * NCs + n, slot, in_bar.at[slot], b, h, vs, C)
+                   piece * NCs + n, slot, in_bar.at[slot], b, h, vs, C, u_vs)
 
     def chunk(n, slot, s_t):
       n = piece * NCs + n
@@ -335,7 +372,7 @@ def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, i
       plgpu.commit_smem()
       u_lo = u_s.at[slot].T
       if delta:  # u^T = U^T - S^T W^T
-        u_t = (plgpu.load(u_s.at[slot].T, layout=WGMMA).astype(F32)
+        u_t = (_keep(plgpu.load(u_s.at[slot].T, layout=WGMMA).astype(F32), u_keep)
                - matmul(s_lo, w_s.at[slot].T, (bv, C)))
         u_lo = un_s
         u_lo[...] = u_t.astype(dtype)
@@ -363,7 +400,8 @@ def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, i
   threads, name = {}, "chunk_walk_fwd" if with_o else "chunk_walk_states"
   if warpgroups == 3:
     body, scratch = _streamed_walk(t, S=S, with_o=with_o, with_states=with_states, has_h0=has_h0,
-                                   out_dtype=out_dtype, bv=bv, token_o=token_o, scale=scale)
+                                   out_dtype=out_dtype, bv=bv, token_o=token_o, scale=scale,
+                                   blocks=(u_blocks, V // bv))
     threads, name = dict(num_threads=2 + with_o, thread_name="wg"), name + "_streamed"
   args = [x for x, present in ((qg, with_o), (kd, True), (w, delta), (u, True), (p, with_o),
                                (decay, True), (h0, has_h0))
@@ -410,7 +448,8 @@ def streamed_stages(C, K, bv, dtype, out_dtype, *, delta, with_o) -> int | None:
   return None
 
 
-def _streamed_walk(t: ChunkTensors, *, S, with_o, with_states, has_h0, out_dtype, bv, token_o, scale):
+def _streamed_walk(t: ChunkTensors, *, S, with_o, with_states, has_h0, out_dtype, bv, token_o, scale,
+                   blocks):
   """`(body, scratch)` of `_forward_kernel` with specialised warpgroups (`warpgroups=3`): the last one
   only fetches chunk n's tensors into input slot `n % stages`, refilling a slot once every reader has
   freed it (`in_free`); warpgroup 0 carries the state: per chunk it writes the state entering it to
@@ -439,6 +478,7 @@ def _streamed_walk(t: ChunkTensors, *, S, with_o, with_states, has_h0, out_dtype
         take(with_o), take(), take(delta), take(), take(with_o), take(), take(has_h0))
     o_r, states_r, final_r = take(with_o), take(with_states), take()
     b, h, vs = _program(bv)
+    u_vs, u_keep = _u_block(bv, *blocks)
     piece, wg = lax.axis_index("s"), lax.axis_index("wg")
 
     @pl.when(wg == fetcher)
@@ -446,7 +486,7 @@ def _streamed_walk(t: ChunkTensors, *, S, with_o, with_states, has_h0, out_dtype
       def issue(n):
         slot = lax.rem(n, stages)
         _fetch_chunk((kd_r, u_r, decay_r, w_r, qg_r, p_r), (kd_s, u_s, decay_s, w_s, qg_s, p_s),
-                     piece * NCs + n, slot, in_bar.at[slot], b, h, vs, C)
+                     piece * NCs + n, slot, in_bar.at[slot], b, h, vs, C, u_vs)
 
       stream_chunks(NCs, stages, issue, in_free)
 
@@ -471,7 +511,7 @@ def _streamed_walk(t: ChunkTensors, *, S, with_o, with_states, has_h0, out_dtype
         plgpu.commit_smem()
         u_lo = u_s.at[slot].T
         if delta:  # u^T = U^T - S^T W^T
-          u_t = (plgpu.load(u_s.at[slot].T, layout=WGMMA).astype(F32)
+          u_t = (_keep(plgpu.load(u_s.at[slot].T, layout=WGMMA).astype(F32), u_keep)
                  - matmul(s_lo, w_s.at[slot].T, (bv, C)))
           u_lo = un_s.at[hs]
           u_lo[...] = u_t.astype(dtype)
