@@ -8,9 +8,10 @@ tensors from the preparation kernel; "-" for the others), the delta family's fwd
 from kernels (`delta_backward=True`, the default) and without (XLA's vjp), the same as a training step
 (`jax.value_and_grad`: `jax.grad` alone drops a forward whose outputs the backward does not read), the
 delta family's preparation kernel (with `(I + L)^-1`) and per-chunk gradient kernel alone, the XLA
-preparation forward and its vjp,
-the forward walk with outputs, the forward walk that stores states, the reverse walk, and the reverse
-walk plus the batched cotangent matmuls. With `--jla`, jax-linear-attention's Mosaic GPU kernels are timed
+preparation forward and its vjp, the forward walk with outputs (and, when it is split into sequence
+pieces, its pieces' maps walk and its main walk from given piece states, each alone), the forward walk
+that stores states, the reverse walk, and the reverse walk plus the batched cotangent matmuls. With
+`--jla`, jax-linear-attention's Mosaic GPU kernels are timed
 on the same inputs in the same process (jla l2-normalises q and k of the delta variants itself). Prints a
 table and writes `{workdir}/kernel_breakdown.json`. Meant for a Hopper GPU;
 elsewhere `--interpret` runs the kernels in the Mosaic GPU interpreter (tiny shapes only: a smoke run).
@@ -45,7 +46,8 @@ STAGES = ("op fwd", "op fwd fused", "op fwd fused streamed", "op fwd walk stream
           "op value+grad delta_backward", "delta prep kernel",
           "delta grads kernel", "op value+grad delta pair", "delta grads pair kernel",
           "delta grads kernel 2 blocks", "channel prep kernel", "op fwd channel kernel",
-          "op fwd+bwd levels gram", "gram merge fwd+bwd", "gram levels fwd+bwd", "prep fwd", "walk o", "walk states", "reverse walk", "reverse + cotangents", "prep vjp")
+          "op fwd+bwd levels gram", "gram merge fwd+bwd", "gram levels fwd+bwd", "prep fwd", "walk o",
+          "pieces maps", "main walk", "walk states", "reverse walk", "reverse + cotangents", "prep vjp")
 
 
 def _time(fn, args, iters: int, label: str = "") -> float:
@@ -120,6 +122,7 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
     chunks = lambda x: prep.to_chunks(x.astype(jnp.float32), 64, T)
     return chunks(args[0]), chunks(args[1]), jnp.cumsum(chunks(args[3]), axis=3)
 
+  pieces = walk.pieces(B * H * max(D // walk.BLOCK_V, 1), t.qg.shape[2], sequence_pieces)
   stages = {
       "op fwd": (op(False), args),
       "op fwd fused": (op(True), args) if serves else None,
@@ -165,6 +168,11 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
       "prep fwd": (prep_fwd, args),
       "walk o": (jax.jit(lambda t: walk.forward(t, None, with_o=True, out_dtype=dtype,
                                                 interpret=interpret)[0]), (t,)),
+      "pieces maps": ((jax.jit(lambda t: walk.piece_maps(t, pieces, interpret=interpret)), (t,))
+                      if pieces > 1 else None),
+      "main walk": (jax.jit(lambda t, h: walk._forward_kernel(
+          t, h, S=pieces, with_o=True, with_states=False, out_dtype=dtype, interpret=interpret,
+          bv=min(walk.BLOCK_V, D), token_o=True)[0]), (t, jnp.zeros((B, H, pieces, D, D), jnp.float32))),
       "walk states": (states_fn, (t,)),
       "reverse walk": (jax.jit(lambda t, do: walk.backward_states(t, do, None, interpret=interpret)),
                        (t, do)),

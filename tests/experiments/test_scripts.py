@@ -115,7 +115,8 @@ def test_benchmark_parses_shapes_and_rejects_bad_configs():
                              "forward streamed check"],
      "kernel_breakdown.json"),
     ("kernel_breakdown.py", ["--variants=gated_delta_rule", "--shape=1,128,1,64", "--iters=1", "--interpret",
-                             "--stages=op fwd walk streamed,op value+grad walk streamed,walk streamed check"],
+                             "--sequence_pieces=2", "--stages=op fwd walk streamed,op value+grad walk streamed,"
+                             "walk streamed check,pieces maps,main walk"],
      "kernel_breakdown.json"),
     ("kernel_breakdown.py", ["--variants=kda", "--shape=1,64,1,64", "--iters=1", "--interpret",
                              "--stages=channel prep kernel,op fwd channel kernel,channel check,"
