@@ -132,9 +132,13 @@ def _u_block(bv, u_blocks, blocks):
   return pl.ds(jnp.minimum(v, max(u_blocks - 1, 0)) * bv, bv), (v < u_blocks).astype(F32)
 
 
-def _keep(x, keep):
-  """`x` times the 0/1 factor of `_u_block` (None: x)."""
-  return x if keep is None else x * keep
+def _new_values(u_ref, s_lo, w_ref, keep, dst):
+  """The delta family's `u_new^T = U^T - S^T W^T` (`U` times the 0/1 factor `keep` of `_u_block`,
+  unless None) written to the `[bv, C]` shared-memory tile `dst` in its dtype; returns dst."""
+  u = plgpu.load(u_ref.T, layout=WGMMA).astype(F32)
+  dst[...] = ((u if keep is None else u * keep) - matmul(s_lo, w_ref.T, dst.shape)).astype(dst.dtype)
+  plgpu.commit_smem()
+  return dst
 
 
 def _initial(src, state_s, bar, bv, K):
@@ -371,12 +375,8 @@ def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, i
       s_lo[...] = s_t.astype(dtype)
       plgpu.commit_smem()
       u_lo = u_s.at[slot].T
-      if delta:  # u^T = U^T - S^T W^T
-        u_t = (_keep(plgpu.load(u_s.at[slot].T, layout=WGMMA).astype(F32), u_keep)
-               - matmul(s_lo, w_s.at[slot].T, (bv, C)))
-        u_lo = un_s
-        u_lo[...] = u_t.astype(dtype)
-        plgpu.commit_smem()
+      if delta:
+        u_lo = _new_values(u_s.at[slot], s_lo, w_s.at[slot], u_keep, un_s)
       if with_o:  # o^T = S^T Qg^T + u^T P^T
         o_t = matmul(s_lo, qg_s.at[slot].T, (bv, C))
         o_t = matmul(u_lo, p_s.at[slot].T, (bv, C), init=o_t)
@@ -510,12 +510,8 @@ def _streamed_walk(t: ChunkTensors, *, S, with_o, with_states, has_h0, out_dtype
         s_lo[...] = s_t.astype(dtype)
         plgpu.commit_smem()
         u_lo = u_s.at[slot].T
-        if delta:  # u^T = U^T - S^T W^T
-          u_t = (_keep(plgpu.load(u_s.at[slot].T, layout=WGMMA).astype(F32), u_keep)
-                 - matmul(s_lo, w_s.at[slot].T, (bv, C)))
-          u_lo = un_s.at[hs]
-          u_lo[...] = u_t.astype(dtype)
-          plgpu.commit_smem()
+        if delta:
+          u_lo = _new_values(u_s.at[slot], s_lo, w_s.at[slot], u_keep, un_s.at[hs])
         if with_o:
           plgpu.barrier_arrive(h_ready.at[hs])
         if with_states:
