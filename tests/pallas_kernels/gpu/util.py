@@ -23,6 +23,18 @@ F16_TOL = 4e-3
 BF16_TOL = 2e-2
 
 
+def assert_walk_outputs_close(reference, got, tol):
+  """The `(o, states, final)` of two forward walks agree: the same absent outputs, shapes, finite
+  values and relative RMS below `tol`."""
+  for name, a, b in zip(("o", "states", "final"), reference, got):
+    if a is None:
+      assert b is None, name
+      continue
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert a.shape == b.shape and np.isfinite(b).all(), name
+    assert rel_rms(b, a) < tol, name
+
+
 @functools.partial(jax.jit, static_argnames=("params", "dtype", "fused", "pieces", "delta_backward",
                                              "channel_kernel", "gram_method", "delta_warpgroups",
                                              "forward_warpgroups", "walk_warpgroups"),
