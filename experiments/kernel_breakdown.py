@@ -46,7 +46,8 @@ STAGES = ("op fwd", "op fwd fused", "op fwd fused streamed", "op fwd walk stream
           "op value+grad delta_backward", "delta prep kernel",
           "delta grads kernel", "op value+grad delta pair", "delta grads pair kernel",
           "delta grads kernel 2 blocks", "channel prep kernel", "op fwd channel kernel",
-          "op fwd+bwd levels gram", "gram merge fwd+bwd", "gram levels fwd+bwd", "prep fwd", "walk o",
+          "op fwd+bwd levels gram", "op fwd merge gram", "op fwd+bwd merge gram",
+          "gram merge fwd+bwd", "gram levels fwd+bwd", "gram auto fwd+bwd", "prep fwd", "walk o",
           "pieces maps", "main walk", "walk states", "reverse walk", "reverse + cotangents", "prep vjp")
 
 
@@ -163,7 +164,15 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
           *a, sequence_pieces=sequence_pieces, channel_kernel=True, gram_method="levels",
           interpret=interpret)[0].astype(jnp.float32) * do_o), argnums=argnums)), args)
                                  if per_channel else None),
+      "op fwd merge gram": ((jax.jit(lambda *a: gpu.chunked_attention(
+          *a, sequence_pieces=sequence_pieces, gram_method="merge", interpret=interpret)[0]), args)
+                            if per_channel else None),
+      "op fwd+bwd merge gram": ((jax.jit(jax.grad(lambda *a: jnp.sum(gpu.chunked_attention(
+          *a, sequence_pieces=sequence_pieces, gram_method="merge",
+          interpret=interpret)[0].astype(jnp.float32) * do_o), argnums=argnums)), args)
+                                if per_channel else None),
       "gram merge fwd+bwd": (_gram_step("merge"), gram_args) if per_channel else None,
+      "gram auto fwd+bwd": (_gram_step("auto"), gram_args) if per_channel else None,
       "gram levels fwd+bwd": (_gram_step("levels"), gram_args) if per_channel else None,
       "prep fwd": (prep_fwd, args),
       "walk o": (jax.jit(lambda t: walk.forward(t, None, with_o=True, out_dtype=dtype,

@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 
@@ -70,7 +71,7 @@ def canonical_segments(segment_ids):
 
 
 def prepare(q, k, v, g, beta, segment_ids, *, chunk_size: int, chunk_multiple: int = 1,
-            dtype=jnp.float32, inverse_dtype=None, gram_method: str = "merge") -> ChunkTensors:
+            dtype=jnp.float32, inverse_dtype=None, gram_method: str = "auto") -> ChunkTensors:
   """The per-chunk tensors of one call (module docstring), in float32.
 
   Args:
@@ -222,24 +223,72 @@ def _unit_lower_inverse(L, dtype):
   return X.reshape(batch + (C, C))
 
 
-def decayed_gram(a, b, G, *, inclusive: bool, dtype=jnp.float32, method: str = "merge"):
+# `decayed_gram(method="auto")`: the one-reference form serves a call when no chunk's channel decays by
+# more than twice this (natural log) across the chunk: every exponent it forms is then within
+# [-REF_BOUND, REF_BOUND], so no factor (e^60 ~ 1e26) and no gradient intermediate leaves float32's range.
+REF_BOUND = 60.0
+GRAM_METHODS = ("auto", "merge", "levels")
+
+
+def decayed_gram(a, b, G, *, inclusive: bool, dtype=jnp.float32, method: str = "auto"):
   """`M_ij = sum_c a_ic b_jc exp(G_ic - G_jc)` for j < i (and j == i if `inclusive`); zero above.
 
-  `a, b, G: [..., C, K]` (C a power of two), G non-increasing along C. Built like a merge sort: the
-  diagonal blocks of 2^p tokens are known; pairing each with the next, the new lower-left block is
-  `(a_later * e^(G_later - G_r)) (b_earlier * e^(G_r - G_earlier))^T` with r the last token of the
-  earlier block, so both exponents are <= 0: exact wherever the true value is representable, at any
-  decay strength.
+  `a, b, G: [..., C, K]` (C a power of two), G non-increasing along C. e^G and e^-G are never formed
+  apart (at g = -20 a token the second overflows after five tokens).
 
-  method: "merge" forms each level's blocks as batched `s x s` products (C K log2(C) / 2 multiply-adds
-  a row in all); "levels" forms each level as one whole `C x C` product, masked to the pairs of one
-  2s block (`(i XOR j) in [s, 2s)`), with the same reference tokens and exponents (C K log2(C) a row:
-  2x the FLOPs, in full-size matmuls; the form the GPU kernel `channel_prep.py` computes).
+  method:
+    "merge": like a merge sort. The diagonal blocks of 2^p tokens are known; pairing each with the
+      next, the new lower-left block is `(a_later * e^(G_later - G_r)) (b_earlier * e^(G_r - G_earlier))^T`
+      with r the last token of the earlier block, so both exponents are <= 0: exact wherever the true
+      value is representable, at any decay strength. Batched `s x s` products (C K log2(C) / 2
+      multiply-adds a row).
+    "levels": each merge level as one whole `C x C` product, masked to the pairs of one 2s block
+      (`(i XOR j) in [s, 2s)`), with the same reference tokens and exponents (2x the FLOPs, in full-size
+      matmuls; the form the GPU kernel `channel_prep.py` computes).
+    "auto" (default): where every chunk's per-channel decay spans at most `2 * REF_BOUND`, ONE product
+      `(a e^(G - R)) (b e^(R - G))^T` with `R_c = (G_0c + G_{C-1}c) / 2` per chunk and channel, the
+      middle of the channel's range: every exponent lies in [-REF_BOUND, REF_BOUND] and the masked
+      product is exact (the factor e^(G_ic - R_c) is common to row i's terms of channel c, so the sum
+      loses nothing to the split); one C x C x K product and two elementwise passes, forward and
+      backward. Otherwise (some chunk decays faster, e.g. g = -20 a token) the whole call takes "merge".
+      The choice is one `lax.cond` on the data; under `vmap` both branches run (a select), the
+      one-reference branch with its exponents clamped to the bound so that neither branch makes NaN.
   """
+  if method not in GRAM_METHODS:
+    raise ValueError(f"method must be one of {GRAM_METHODS}; got {method!r}")
   if method == "levels":
     return _decayed_gram_levels(a, b, G, inclusive=inclusive, dtype=dtype)
-  if method != "merge":
-    raise ValueError(f"method must be 'merge' or 'levels'; got {method!r}")
+  if method == "auto":
+    return lax.cond(one_reference_fits(G),
+                    lambda a, b, G: _decayed_gram_one_reference(a, b, G, inclusive=inclusive, dtype=dtype),
+                    lambda a, b, G: _decayed_gram_merge(a, b, G, inclusive=inclusive, dtype=dtype),
+                    a, b, G)
+  return _decayed_gram_merge(a, b, G, inclusive=inclusive, dtype=dtype)
+
+
+def one_reference_fits(G):
+  """True when every chunk and channel of `G: [..., C, K]` spans at most `2 * REF_BOUND`."""
+  span = jnp.max(G, axis=-2) - jnp.min(G, axis=-2)
+  return jnp.all(span <= 2.0 * REF_BOUND)
+
+
+def _reference(G):
+  """`R = (max + min) / 2` over the chunk, per channel: `[..., 1, K]` (stop_gradient: any R is exact)."""
+  return lax.stop_gradient((jnp.max(G, axis=-2, keepdims=True) + jnp.min(G, axis=-2, keepdims=True)) / 2)
+
+
+def _decayed_gram_one_reference(a, b, G, *, inclusive: bool, dtype):
+  C = a.shape[-2]
+  R = _reference(G)
+  A = a * jnp.exp(jnp.minimum(G - R, REF_BOUND))
+  Bm = b * jnp.exp(jnp.minimum(R - G, REF_BOUND))
+  keep = np.tril(np.ones((C, C), bool), 0 if inclusive else -1)
+  # above the diagonal the factors do not cancel (and may overflow): the where drops them, and its
+  # cotangent there is zero, so they reach no gradient
+  return jnp.where(keep, _gram(A, Bm, dtype), 0.0)
+
+
+def _decayed_gram_merge(a, b, G, *, inclusive: bool, dtype):
   C, K = a.shape[-2:]
   batch = a.shape[:-2]
   diag = jnp.sum(a * b, axis=-1) if inclusive else jnp.zeros(batch + (C,), jnp.float32)

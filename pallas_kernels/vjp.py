@@ -63,7 +63,7 @@ class Static:
   walk: the backend. options: the backend's own settings (block sizes, interpreter), passed through.
   chunk_size: C. compute_dtype: the matmul dtype of the per-chunk tensors. out_dtype: o's dtype.
   inverse_dtype: `prep.prepare`'s operand dtype of the matmuls of `(I + L)^-1` (None: compute_dtype).
-  gram_method: `prep.prepare`'s form of per-channel decayed grams ("merge" or "levels").
+  gram_method: `prep.prepare`'s form of per-channel decayed grams (`prep.GRAM_METHODS`).
   scale: the read-out scale applied to o (`chunked_op` sets it).
   """
 
@@ -73,7 +73,7 @@ class Static:
   compute_dtype: Any
   out_dtype: Any
   inverse_dtype: Any = None
-  gram_method: str = "merge"
+  gram_method: str = "auto"
   scale: float = 1.0
 
 

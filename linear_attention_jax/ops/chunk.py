@@ -14,10 +14,12 @@ Everything but the walk over chunks is batched over all chunks at once; the walk
 carries one `[B, H, K, V]` state and keeps one state per chunk (never one per token).
 
 Decay is never formed as e^G * e^-G. Scalar gates mask G_i - G_j before the exponential. Per-channel
-gates use a binary split of the chunk (`pallas_kernels.prep.decayed_gram`, shared with the kernels):
-diagonal blocks of 2^p tokens are merged pairwise, the new lower-left block coupling the later block to
-the earlier one through the reference token r that ends the earlier block, so both factors
-e^(G_i - G_r) and e^(G_r - G_j) have non-positive exponents. Nothing overflows for any g <= 0.
+gates use `pallas_kernels.prep.decayed_gram`, shared with the kernels: where every chunk's decay spans
+at most 2 * 60 nats per channel, one product about the middle of each channel's range (every factor
+within e^(+-60)); otherwise a binary split of the chunk, diagonal blocks of 2^p tokens merged pairwise,
+the new lower-left block coupling the later block to the earlier one through the reference token r that
+ends the earlier block, so both factors e^(G_i - G_r) and e^(G_r - G_j) have non-positive exponents.
+Nothing overflows for any g <= 0.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import vjp
+from pallas_kernels import prep, vjp
 from pallas_kernels.gpu import channel_prep, delta_grads, delta_prep
 from pallas_kernels.gpu import fused as fused_kernel
 from pallas_kernels.gpu import walk
@@ -240,7 +240,7 @@ def _l2_normalize(x):
 def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None, segment_ids=None,
                       chunk_size: int = 64, compute_dtype=None, out_dtype=None, inverse_dtype=jnp.float32,
                       fused: bool = True, sequence_pieces: int | None = None, delta_backward: bool = True,
-                      qk_l2norm: bool = False, channel_kernel: bool = False, gram_method: str = "merge",
+                      qk_l2norm: bool = False, channel_kernel: bool = False, gram_method: str = "auto",
                       delta_warpgroups: int = 2, forward_warpgroups: int = 3, walk_warpgroups: int = 1,
                       interpret=None):
   """Either family in chunked form, with the chunk walk as Mosaic GPU kernels; differentiable in
@@ -298,9 +298,11 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
       (`channel_prep.py`: the decayed gram as one whole-tile product per merge level, every exponent
       <= 0) instead of XLA's preparation; the backward still recomputes them in XLA for its vjp.
       Off by default until it is measured on a Hopper GPU (NOTES.md v24).
-    gram_method: per-channel decay on the prepared path: XLA's decayed grams as "merge" (batched
-      s x s blocks per level) or "levels" (one masked C x C product per level; `prep.decayed_gram`),
-      forward and backward. "merge" until the H200 says which is faster (NOTES.md v25).
+    gram_method: per-channel decay on the prepared path: XLA's decayed grams (`prep.decayed_gram`),
+      forward and backward, as "auto" (default: one C x C product per gram about a per-channel
+      reference, wherever every chunk's decay fits its bound, else the merge form for the whole call),
+      "merge" (batched s x s blocks per level, any decay) or "levels" (one masked C x C product per
+      level; slower on the H200, NOTES.md v25).
     interpret: None (the `interpret_kernels` context's parameters, else compiled) or a
       `plgpu.InterpretGPUParams`.
 
@@ -330,8 +332,8 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
     raise ValueError(f"forward_warpgroups must be 1 or 3; got {forward_warpgroups!r}")
   if walk_warpgroups not in (1, 3):
     raise ValueError(f"walk_warpgroups must be 1 or 3; got {walk_warpgroups!r}")
-  if gram_method not in ("merge", "levels"):
-    raise ValueError(f"gram_method must be 'merge' or 'levels'; got {gram_method!r}")
+  if gram_method not in prep.GRAM_METHODS:
+    raise ValueError(f"gram_method must be one of {prep.GRAM_METHODS}; got {gram_method!r}")
   additive_fused = fused and fused_kernel.serves(g, beta, segment_ids)
   if interpret:
     delta_pair = (fused and delta_backward and delta_prep.serves(g, beta, segment_ids)

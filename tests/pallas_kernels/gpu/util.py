@@ -40,7 +40,7 @@ def assert_walk_outputs_close(reference, got, tol):
                                              "forward_warpgroups", "walk_warpgroups"),
                    compiler_options=FAST_COMPILE)
 def run_with_grads(inp, do, dhT, seg, *, params, dtype, fused=False, pieces=None, delta_backward=False,
-                   channel_kernel=False, gram_method="merge", delta_warpgroups=1, forward_warpgroups=1,
+                   channel_kernel=False, gram_method="auto", delta_warpgroups=1, forward_warpgroups=1,
                    walk_warpgroups=1):
   """`(o, final_state, {name: gradient})` of the kernel op under cotangents `do`, `dhT`; q, k, v enter
   in `dtype`, g, beta and h0 in float32."""
@@ -61,7 +61,7 @@ def run_with_grads(inp, do, dhT, seg, *, params, dtype, fused=False, pieces=None
 
 
 def check(variant, inp, *, seg=None, params=PARAMS, dtype=jnp.float16, tol=F16_TOL, seed=1,
-          fused=False, pieces=None, delta_backward=False, channel_kernel=False, gram_method="merge",
+          fused=False, pieces=None, delta_backward=False, channel_kernel=False, gram_method="auto",
           delta_warpgroups=1, forward_warpgroups=1, walk_warpgroups=1):
   """Asserts relative RMS errors <= tol for o, the final state and every gradient; returns them. The
   reference sees q, k, v rounded to `dtype` as the kernel does."""
