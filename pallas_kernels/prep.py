@@ -224,10 +224,18 @@ def _unit_lower_inverse(L, dtype):
 
 
 # `decayed_gram(method="auto")`: the one-reference form serves a call when no chunk's channel decays by
-# more than twice this (natural log) across the chunk: every exponent it forms is then within
-# [-REF_BOUND, REF_BOUND], so no factor (e^60 ~ 1e26) and no gradient intermediate leaves float32's range.
+# more than twice the bound (natural log) across the chunk: every exponent it forms is then within
+# [-bound, bound]. bfloat16 and float32 operands have float32's range, so no factor (e^60 ~ 1e26) and no
+# gradient intermediate leaves it; float16 operands (largest 65504 ~ e^11, normal down to e^-9.7) take
+# a bound of 8.
 REF_BOUND = 60.0
+REF_BOUND_F16 = 8.0
 GRAM_METHODS = ("auto", "merge", "levels")
+
+
+def ref_bound(dtype) -> float:
+  """The one-reference form's bound on `|G - R|` for matmul operands of `dtype`."""
+  return REF_BOUND_F16 if jnp.dtype(dtype) == jnp.float16 else REF_BOUND
 
 
 def decayed_gram(a, b, G, *, inclusive: bool, dtype=jnp.float32, method: str = "auto"):
@@ -245,9 +253,10 @@ def decayed_gram(a, b, G, *, inclusive: bool, dtype=jnp.float32, method: str = "
     "levels": each merge level as one whole `C x C` product, masked to the pairs of one 2s block
       (`(i XOR j) in [s, 2s)`), with the same reference tokens and exponents (2x the FLOPs, in full-size
       matmuls; the form the GPU kernel `channel_prep.py` computes).
-    "auto" (default): where every chunk's per-channel decay spans at most `2 * REF_BOUND`, ONE product
-      `(a e^(G - R)) (b e^(R - G))^T` with `R_c = (G_0c + G_{C-1}c) / 2` per chunk and channel, the
-      middle of the channel's range: every exponent lies in [-REF_BOUND, REF_BOUND] and the masked
+    "auto" (default): where every chunk's per-channel decay spans at most `2 * ref_bound(dtype)` (120
+      nats for bfloat16 and float32 operands, 16 for float16), ONE product
+      `(a e^(G - R)) (b e^(R - G))^T` with `R_c = (max_i G_ic + min_i G_ic) / 2` per chunk and channel,
+      the middle of the channel's range: every exponent lies within the bound and the masked
       product is exact (the factor e^(G_ic - R_c) is common to row i's terms of channel c, so the sum
       loses nothing to the split); one C x C x K product and two elementwise passes, forward and
       backward. Otherwise (some chunk decays faster, e.g. g = -20 a token) the whole call takes "merge".
@@ -259,17 +268,19 @@ def decayed_gram(a, b, G, *, inclusive: bool, dtype=jnp.float32, method: str = "
   if method == "levels":
     return _decayed_gram_levels(a, b, G, inclusive=inclusive, dtype=dtype)
   if method == "auto":
-    return lax.cond(one_reference_fits(G),
-                    lambda a, b, G: _decayed_gram_one_reference(a, b, G, inclusive=inclusive, dtype=dtype),
+    bound = ref_bound(jnp.result_type(a, b) if dtype is None else dtype)
+    return lax.cond(one_reference_fits(G, bound),
+                    lambda a, b, G: _decayed_gram_one_reference(a, b, G, inclusive=inclusive, dtype=dtype,
+                                                                bound=bound),
                     lambda a, b, G: _decayed_gram_merge(a, b, G, inclusive=inclusive, dtype=dtype),
                     a, b, G)
   return _decayed_gram_merge(a, b, G, inclusive=inclusive, dtype=dtype)
 
 
-def one_reference_fits(G):
-  """True when every chunk and channel of `G: [..., C, K]` spans at most `2 * REF_BOUND`."""
+def one_reference_fits(G, bound: float = REF_BOUND):
+  """True when every chunk and channel of `G: [..., C, K]` spans at most `2 * bound` (`ref_bound`)."""
   span = jnp.max(G, axis=-2) - jnp.min(G, axis=-2)
-  return jnp.all(span <= 2.0 * REF_BOUND)
+  return jnp.all(span <= 2.0 * bound)
 
 
 def _reference(G):
@@ -277,11 +288,11 @@ def _reference(G):
   return lax.stop_gradient((jnp.max(G, axis=-2, keepdims=True) + jnp.min(G, axis=-2, keepdims=True)) / 2)
 
 
-def _decayed_gram_one_reference(a, b, G, *, inclusive: bool, dtype):
+def _decayed_gram_one_reference(a, b, G, *, inclusive: bool, dtype, bound: float):
   C = a.shape[-2]
   R = _reference(G)
-  A = a * jnp.exp(jnp.minimum(G - R, REF_BOUND))
-  Bm = b * jnp.exp(jnp.minimum(R - G, REF_BOUND))
+  A = a * jnp.exp(jnp.minimum(G - R, bound))
+  Bm = b * jnp.exp(jnp.minimum(R - G, bound))
   keep = np.tril(np.ones((C, C), bool), 0 if inclusive else -1)
   # above the diagonal the factors do not cancel (and may overflow): the where drops them, and its
   # cotangent there is zero, so they reach no gradient

@@ -43,9 +43,11 @@ class Walk(NamedTuple):
     `prep.ChunkTensors` in compute_dtype from a kernel instead of XLA (the backward still recomputes
     them in XLA for their vjp); or None (XLA prepares).
   fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal, *, options, chunk_size, compute_dtype,
-    scale, residuals) -> (dq, dk, dv, dg, dbeta, dh0) for `do: [B, T, H_v, V]` (of the scaled o) without
-    the preparation's vjp (dbeta None for the additive family); or None (the prepared path runs).
-    `residuals`: the forward's `saved`, or None (recompute).
+    scale, residuals, fallback) -> (dq, dk, dv, dg, dbeta, dh0) for `do: [B, T, H_v, V]` (of the scaled
+    o) without the preparation's vjp (dbeta None for the additive family); or None (the prepared path
+    runs). `residuals`: the forward's `saved`, or None (recompute). `fallback()` returns the prepared
+    path's tuple (dh0 float32), for a backend whose kernels serve only some values of the inputs (it
+    may choose between the two on the data, in a `lax.cond`).
   """
 
   forward: Callable[..., Any]
@@ -133,17 +135,25 @@ def _chunked_fwd(static, q, k, v, g, beta, h0, segment_ids):
 def _chunked_bwd(static, residuals, cotangents):
   q, k, v, g, beta, h0, segment_ids, saved = residuals
   do, dfinal = cotangents
+  prepared = functools.partial(_prepared_backward, static, q, k, v, g, beta, h0, segment_ids, do, dfinal)
   if static.walk.fused_backward is not None:
     out = static.walk.fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal,
                                      options=static.options, chunk_size=static.chunk_size,
                                      compute_dtype=static.compute_dtype, scale=static.scale,
-                                     residuals=saved)
+                                     residuals=saved, fallback=prepared)
     if out is not None:
       dq, dk, dv, dg, dbeta, dh0 = out
       dq, dk, dv = (_sum_over_extra_axes(d, x) for d, x in ((dq, q), (dk, k), (dv, v)))
       dg = None if g is None else _sum_over_extra_axes(dg, g)
       dbeta = None if beta is None else _sum_over_extra_axes(dbeta, beta)
       return dq, dk, dv, dg, dbeta, (None if h0 is None else dh0.astype(h0.dtype)), None
+  dq, dk, dv, dg, dbeta, dh0 = prepared()
+  return dq, dk, dv, dg, dbeta, (None if h0 is None else dh0.astype(h0.dtype)), None
+
+
+def _prepared_backward(static, q, k, v, g, beta, h0, segment_ids, do, dfinal):
+  """The prepared path's `(dq, dk, dv, dg, dbeta, dh0 float32)`: XLA's vjp of the preparation around
+  the backend's walks."""
   t32, prep_vjp = jax.vjp(lambda *x: _prepare(static, *x, segment_ids), q, k, v, g, beta)
   t = _cast(t32, static.compute_dtype)
   _, states, _ = static.walk.forward(t, h0, options=static.options, with_o=False, with_states=True,
@@ -154,7 +164,7 @@ def _chunked_bwd(static, residuals, cotangents):
   do = prep.to_chunks(do, static.chunk_size, _padded_length(static, q.shape[1]))
   grads, dh0 = static.walk.backward(t, states, do, dfinal, options=static.options)
   dq, dk, dv, dg, dbeta = prep_vjp(jax.tree.map(_sum_over_extra_axes, grads, t32))
-  return dq, dk, dv, dg, dbeta, (None if h0 is None else dh0.astype(h0.dtype)), None
+  return dq, dk, dv, dg, dbeta, dh0.astype(jnp.float32)
 
 
 def _sum_over_extra_axes(ct, primal):

@@ -14,7 +14,7 @@ from jax import lax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import prep, vjp
-from pallas_kernels.gpu import channel_prep, delta_grads, delta_prep
+from pallas_kernels.gpu import channel_grads, channel_prep, delta_grads, delta_prep
 from pallas_kernels.gpu import fused as fused_kernel
 from pallas_kernels.gpu import walk
 
@@ -140,6 +140,7 @@ class _Options:
   delta_warpgroups: int = 2   # 2: the delta gradients in chunk_grads_pair where it serves
   forward_warpgroups: int = 3   # 3: the fused additive forward in fused._streamed_walk
   walk_warpgroups: int = 1   # 3: the prepared forward walks in walk._streamed_walk
+  gram_method: str = "auto"   # prep.prepare's per-channel grams, where the forward prepares in XLA
 
 
 def _forward(t, h0, *, options, with_o, with_states, out_dtype, token_o=False, scale=1.0):
@@ -182,6 +183,18 @@ def _fused_forward(q, k, v, g, beta, h0, segment_ids, *, options, chunk_size, co
                                 out_dtype=out_dtype, token_o=True, scale=scale)
     out = (o[:, :q.shape[1]], final)
     return (out, (t, X) + states) if residuals else out
+  if residuals and _channel_grads(options, g, beta, segment_ids):
+    # gla, differentiated: the prepared forward keeping the state entering every chunk (and the
+    # pieces' transitions) for channel_grads.backward
+    t = _kernel_prepare(q, k, v, g, beta, segment_ids, options=options, chunk_size=chunk_size,
+                        compute_dtype=compute_dtype)
+    if t is None:
+      t = vjp._cast(prep.prepare(q, k, v, g, beta, segment_ids, chunk_size=chunk_size,
+                                 chunk_multiple=_chunks_per_group(0, options), dtype=compute_dtype,
+                                 gram_method=options.gram_method), compute_dtype)
+    o, saved, final = _forward(t, h0, options=options, with_o=True, with_states=True, out_dtype=out_dtype,
+                               token_o=True, scale=scale)
+    return (o[:, :q.shape[1]], final), saved
   if not _fused_serves(options, g, beta, segment_ids):
     return None
   o, states, final = fused_kernel.forward(q, k, v, g, h0, chunk_size=chunk_size, dtype=compute_dtype,
@@ -193,8 +206,19 @@ def _fused_forward(q, k, v, g, beta, h0, segment_ids, *, options, chunk_size, co
   return (out, states) if residuals else out
 
 
+def _channel_grads(options, g, beta, segment_ids) -> bool:
+  """gla's gradients run in `channel_grads.py` (`fused`; the forward keeps the chunk states)."""
+  return options.fused and channel_grads.serves(g, beta, segment_ids)
+
+
 def _fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal, *, options, chunk_size,
-                    compute_dtype, scale, residuals=None):
+                    compute_dtype, scale, residuals=None, fallback=None):
+  if _channel_grads(options, g, beta, segment_ids) and residuals is not None:
+    states, transitions = residuals
+    return channel_grads.backward(q, k, v, g, h0, do, dfinal, chunk_size=chunk_size, dtype=compute_dtype,
+                                  segment_ids=segment_ids, interpret=options.interpret,
+                                  sequence_pieces=options.sequence_pieces, scale=scale, states=states,
+                                  transitions=transitions, fallback=fallback)
   if _delta_kernels(options, g, beta, segment_ids):
     return delta_grads.backward(q, k, v, g, beta, h0, do, dfinal, chunk_size=chunk_size,
                                 dtype=compute_dtype, segment_ids=segment_ids, interpret=options.interpret,
@@ -352,7 +376,8 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
                                                       channel_kernel=channel_kernel,
                                                       delta_warpgroups=delta_warpgroups,
                                                       forward_warpgroups=forward_warpgroups,
-                                                      walk_warpgroups=walk_warpgroups),
+                                                      walk_warpgroups=walk_warpgroups,
+                                                      gram_method=gram_method),
                       chunk_size=chunk_size, compute_dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype),
                       inverse_dtype=None if inverse_dtype is None else jnp.dtype(inverse_dtype),
                       gram_method=gram_method)

@@ -566,7 +566,7 @@ def backward_states(t: ChunkTensors, do, dfinal, *, interpret=None, block_v: int
   pieces' `A` if `forward` returned them (else they are computed here).
   """
   B, H, NC, C, K = t.qg.shape
-  V = t.u.shape[-1]
+  V = do.shape[-1]
   bv = min(block_v, V)
   S = pieces(B * H * (V // bv), NC, sequence_pieces)
   if NC % S:
@@ -590,12 +590,13 @@ def _reverse_kernel(t: ChunkTensors, do, df, *, S, with_dstates, interpret, bv):
   `df` None or the transposed gradient leaving each piece `[B, H, S, V, K]`. Returns `(dstates | None,
   the transposed gradient at each piece's start [B, H, S, V, K])`."""
   B, H, NC, C, K = t.qg.shape
-  V = t.u.shape[-1]
+  V = do.shape[-1]
   dtype = t.qg.dtype
   NCs = NC // S
   delta = t.w is not None
   has_df = df is not None
-  qg, kd, p = _flat(t.qg), _flat(t.kd), _flat(t.p)
+  # the additive family's reverse walk reads qg and decay only (kd, u, p may be None)
+  qg, kd, p = _flat(t.qg), _flat(t.kd) if delta else None, _flat(t.p) if delta else None
   w = None if not delta else _flat(t.w)
   decay = t.decay.astype(F32)
 

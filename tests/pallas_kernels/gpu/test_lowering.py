@@ -171,6 +171,27 @@ def test_per_channel_preparation_kernel_exports_for_hopper(kind, D, packed):
   assert "chunk_prep_channel" in fwd and "chunk_walk_fwd" in fwd
 
 
+@pytest.mark.parametrize("D,group,packed,pieces", [(128, 1, True, 2), (64, 2, False, 1)])
+def test_gla_gradient_kernel_exports_for_hopper(D, group, packed, pieces):
+  # gla's backward: the reverse walk over q e^G, then chunk_grads_channel (halves of 64 key channels,
+  # column sums across warps, ~209 KB of shared memory at K = V = 128), inside the lax.cond whose
+  # other branch is XLA's vjp of the merge form around the prepared walks
+  Hv = group * H
+  args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, Hv, D), _spec(B, T, Hv, D, dtype=jnp.float32),
+          _spec(B, Hv, D, D, dtype=jnp.float32))
+  seg = jnp.zeros((B, T), jnp.int32).at[:, T // 3:].set(1) if packed else None
+
+  def loss(q, k, v, g, h0):
+    o, final = gpu.chunked_attention(q, k, v, g, initial_state=h0, segment_ids=seg, sequence_pieces=pieces)
+    return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
+
+  with jax.sharding.use_abstract_mesh(H200):
+    bwd = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))),
+                            platforms=["cuda"])(*args).mlir_module()
+  assert "chunk_grads_channel" in bwd
+  assert "chunk_walk_bwd" in bwd
+
+
 @pytest.mark.parametrize("l2,packed", [(True, False), (False, True)])
 def test_delta_gradients_in_two_warpgroups_export_for_hopper(l2, packed):
   # delta_warpgroups=2 (V = 128): the gradients come from the two-warpgroup kernel, not chunk_grads_delta

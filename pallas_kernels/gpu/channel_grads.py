@@ -1,0 +1,238 @@
+"""Per-channel decay, additive family (gla): every chunk's gradients in one Mosaic GPU kernel, every chunk
+in parallel, from the raw tiles, the state entering each chunk and the gradient of the state leaving it.
+
+With `G` the chunk-local cumulative log-decay `[C, K]` (inclusive), `R` one reference value per channel
+of the chunk (the middle of the channel's range, `prep.decayed_gram`'s "auto" form), `S` the state
+entering the chunk `[K, V]` and `dS` the gradient of the state leaving it, the chunk's forward is
+
+    Qr = q e^(G - R),  Kr = k e^(R - G),  P = tril(Qr Kr^T)        (every factor within e^(+-bound))
+    o  = (q e^G) S + P v                                             (the unscaled output)
+    S' = Diag(e^(G_C)) S + (k e^(G_C - G))^T v
+
+so, with `dP = tril(do v^T)`:
+
+    dq = e^G (do S^T) + e^(G - R) (dP Kr)
+    dk = e^(G_C - G) (v dS^T) + e^(R - G) (dP^T Qr)
+    dv = P^T do + (k e^(G_C - G)) dS
+    dG = q dq - k dk,  and the last token also takes  sum_i kd_i (v dS^T)_i + e^(G_C) colsum(S dS)
+
+(the e^G-weighted terms of dG collapse into `q dq` and `k dk`: each of q's and k's factors is an
+exponential of +-G). The caller turns dG into dg by a reverse cumsum within the chunk. The key channels
+are processed in halves of 64 columns (`[C, 64]` float32 tiles, 32 registers a thread), so the only
+full-width products are P, dP and dv. Shared memory is reused for the outputs: dq leaves through q's
+tile, dk through k's, kd through Kr's, dG through G's and dv through v's.
+
+This form needs every chunk's decay to fit the one-reference bound (`prep.one_reference_fits`); the
+caller takes the XLA preparation's vjp (the merge form) for a call where it does not.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels import prep
+from pallas_kernels.gpu import walk
+from pallas_kernels.gpu.fused import SEG_ROWS, _segment_masks, segment_vectors
+from pallas_kernels.gpu.walk import COLS, F32, WGMMA, _vary_like, matmul, smem
+
+HALF = 64   # key channels per pass
+
+
+def serves(g, beta, segment_ids) -> bool:
+  """True for the calls this kernel takes the gradients of: additive family, per-channel decay."""
+  del segment_ids   # packed rows are served (`segment_vectors`)
+  return beta is None and g is not None and g.ndim == 4
+
+
+def chunk_cumsum(g, T_pad: int, C: int):
+  """`(G [B, T_pad, H_v, K], R [B, NC, 2, H_v, K])` float32: the chunk-local cumulative log-decay in g's
+  token layout, and per chunk and channel the reference `R = (max G + min G) / 2` (row 0) and the last
+  token's `G_C` (row 1)."""
+  B, T, Hv, K = g.shape
+  g = jnp.pad(g.astype(F32), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
+  G = jnp.cumsum(g.reshape(B, T_pad // C, C, Hv, K), axis=2)
+  R = (jnp.max(G, axis=2) + jnp.min(G, axis=2)) / 2
+  return G.reshape(B, T_pad, Hv, K), jnp.stack([R, G[:, :, -1]], axis=2)
+
+
+def fits(G, C: int, dtype):
+  """`prep.one_reference_fits` for `G [B, T_pad, H_v, K]` in token layout and operands of `dtype`."""
+  B, T_pad, Hv, K = G.shape
+  return prep.one_reference_fits(jnp.moveaxis(G.reshape(B, T_pad // C, C, Hv, K), 2, -2),
+                                 prep.ref_bound(dtype))
+
+
+def backward_chunks(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, interpret=None):
+  """Every chunk's `(dq, dk, dv, dG)` (module docstring), one program per chunk of one value head.
+
+  Args: q, k `[B, T_pad, H, K]`, v, do `[B, T_pad, H_v, V]` (16-bit; do the gradient of the unscaled
+    o); G, refs as `chunk_cumsum` returns them; states, dstates `[B, H_v, NC, V, K]` (transposed, the
+    walks' layout); masks None or `segment_vectors(...)`.
+  Returns: dq, dk `[B, T_pad, H_v, K]` (per value head) and dv `[B, T_pad, H_v, V]` in `dtype`; dG
+    `[B, T_pad, H_v, K]` float32 with the last token's terms added.
+  """
+  B, T_pad, H, K = q.shape
+  Hv, V = v.shape[2:]
+  NC = states.shape[2]
+  C = T_pad // NC
+  group = Hv // H
+  if K % HALF:
+    raise ValueError(f"K must be a multiple of {HALF}; got {K}")
+  KH = K // HALF
+  has_seg = masks is not None
+  halves = lambda rows: smem((KH, rows, HALF), dtype)
+  scratch = dict(
+      q_s=halves(C), k_s=halves(C), a_s=halves(C), b_s=halves(C), st_s=halves(V), dst_s=halves(V),
+      g_s=smem((KH, C, HALF), F32), v_s=smem((C, V), dtype), do_s=smem((C, V), dtype),
+      p_s=smem((C, C), dtype), dp_s=smem((C, C), dtype), r_s=plgpu.SMEM((2, K), F32),
+      bar=plgpu.Barrier(num_arrivals=5 * KH + 3 + SEG_ROWS * has_seg))
+  if has_seg:
+    scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
+
+  def body(*refs_, q_s, k_s, a_s, b_s, st_s, dst_s, g_s, v_s, do_s, p_s, dp_s, r_s, bar, m_s=None):
+    q_r, k_r, v_r, g_r, ref_r, st_r, dst_r, do_r = refs_[:8]
+    m_r = refs_[8] if has_seg else None
+    dq_r, dk_r, dv_r, dg_r = refs_[8 + has_seg:]
+    b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
+    hk = lax.div(h, group)
+    rows_t = pl.ds(n * C, C)
+    cols = lambda i: pl.ds(i * HALF, HALF)
+    copies = [(v_r.at[b, rows_t, h], v_s), (do_r.at[b, rows_t, h], do_s), (ref_r.at[b, n, :, h], r_s)]
+    for i in range(KH):
+      copies += [(q_r.at[b, rows_t, hk, cols(i)], q_s.at[i]), (k_r.at[b, rows_t, hk, cols(i)], k_s.at[i]),
+                 (g_r.at[b, rows_t, h, cols(i)], g_s.at[i]), (st_r.at[b, h, n, :, cols(i)], st_s.at[i]),
+                 (dst_r.at[b, h, n, :, cols(i)], dst_s.at[i])]
+    copies += [(m_r.at[b, j, rows_t], m_s.at[j]) for j in range(SEG_ROWS if has_seg else 0)]
+    for src, dst in copies:   # one arrival each
+      plgpu.copy_gmem_to_smem(src, dst, bar)
+    plgpu.barrier_wait(bar)
+
+    ck, sq = (C, HALF), (C, C)
+    rows = lambda x: lax.broadcast_in_dim(x, ck, [0])
+    colv = lambda row, i: lax.broadcast_in_dim(plgpu.load(r_s.at[row, cols(i)], layout=COLS), ck, [1])
+    i_sq = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
+    j_sq = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
+    lower = i_sq >= j_sq
+    carry = to_last = None
+    carry_last = 1.0
+    if has_seg:
+      same, carry, to_last, carry_last = _segment_masks(m_s, None, C)
+      lower = lower & same
+    load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
+    clamp = lambda x: jnp.exp(jnp.minimum(x, prep.ref_bound(dtype)))
+
+    # Qr = q e^(G - R), Kr = k e^(R - G), half by half
+    for i in range(KH):
+      Gt, R = load(g_s.at[i]), colv(0, i)
+      a_s.at[i][...] = (load(q_s.at[i]) * clamp(Gt - R)).astype(dtype)
+      b_s.at[i][...] = (load(k_s.at[i]) * clamp(R - Gt)).astype(dtype)
+    plgpu.commit_smem()
+    P = matmul(a_s.at[0], b_s.at[0].T, sq)
+    for i in range(1, KH):
+      P = matmul(a_s.at[i], b_s.at[i].T, sq, init=P)
+    # above the diagonal the factors do not cancel (they may overflow): the where drops them
+    p_s[...] = jnp.where(lower, P, 0.0).astype(dtype)
+    dp_s[...] = jnp.where(lower, matmul(do_s, v_s.T, sq), 0.0).astype(dtype)
+    plgpu.commit_smem()
+
+    last_row = plgpu.broadcasted_iota(jnp.int32, ck, 0, layout=WGMMA) == C - 1
+    for i in range(KH):
+      Gt, R, Gc = load(g_s.at[i]), colv(0, i), colv(1, i)
+      e_q, e_k = jnp.exp(Gt), jnp.exp(Gc - Gt)
+      if has_seg:
+        e_q, e_k = e_q * rows(carry), e_k * rows(to_last)
+      # dq = e^G (do S^T) + e^(G - R) (dP Kr)
+      dq = e_q * matmul(do_s, st_s.at[i], ck) + clamp(Gt - R) * matmul(dp_s, b_s.at[i], ck)
+      qt = load(q_s.at[i])
+      dG = qt * dq
+      q_s.at[i][...] = dq.astype(dtype)
+      # dk = e^(G_C - G) (v dS^T) + e^(R - G) (dP^T Qr)
+      v_ds = matmul(v_s, dst_s.at[i], ck)
+      dk = e_k * v_ds + clamp(R - Gt) * matmul(dp_s.T, a_s.at[i], ck)
+      kt = load(k_s.at[i])
+      kd = kt * e_k
+      dG = dG - kt * dk
+      k_s.at[i][...] = dk.astype(dtype)
+      b_s.at[i][...] = kd.astype(dtype)   # for dv; Kr is no longer read
+      # the last token: sum_i kd_i (v dS^T)_i + e^(G_C) colsum(S dS), S and dS `[V, 64]` tiles
+      s_ds = jnp.sum(load(st_s.at[i]) * load(dst_s.at[i]), axis=0)
+      s_decay = plgpu.load(r_s.at[1, cols(i)], layout=COLS)
+      term = jnp.sum(kd * v_ds, axis=0) + jnp.exp(s_decay) * carry_last * s_ds
+      dG = dG + jnp.where(last_row, lax.broadcast_in_dim(term, ck, [1]), 0.0)
+      g_s.at[i][...] = dG
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_s.at[i], dq_r.at[b, rows_t, h, cols(i)])
+      plgpu.copy_smem_to_gmem(k_s.at[i], dk_r.at[b, rows_t, h, cols(i)])
+      plgpu.copy_smem_to_gmem(g_s.at[i], dg_r.at[b, rows_t, h, cols(i)])
+
+    # dv = P^T do + kd dS
+    dv = matmul(p_s.T, do_s, (C, V))
+    for i in range(KH):
+      dv = matmul(b_s.at[i], dst_s.at[i].T, (C, V), init=dv)
+    v_s[...] = dv.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(v_s, dv_r.at[b, rows_t, h])
+    plgpu.wait_smem_to_gmem(0)
+
+  args = [q.astype(dtype), k.astype(dtype), v.astype(dtype), G, refs, states.astype(dtype),
+          dstates.astype(dtype), do.astype(dtype)] + ([masks] if has_seg else [])
+  out_type = (jax.ShapeDtypeStruct((B, T_pad, Hv, K), dtype), jax.ShapeDtypeStruct((B, T_pad, Hv, K), dtype),
+              jax.ShapeDtypeStruct((B, T_pad, Hv, V), dtype), jax.ShapeDtypeStruct((B, T_pad, Hv, K), F32))
+  outs = plgpu.kernel(
+      body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
+      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
+      kernel_name="chunk_grads_channel")(*args)
+  return _vary_like(outs, args)
+
+
+def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
+             sequence_pieces=None, scale: float = 1.0, states, transitions=None, fallback):
+  """`(dq, dk, dv, dg, None, dh0)` of the prepared forward of gla (`o` scaled by `scale`; dq, dk, dv,
+  dg in q, k, v, g's dtypes, dh0 float32) for `do: [B, T, H_v, V]` and `dfinal` None or
+  `[B, H_v, K, V]`.
+
+  states, transitions: the forward walk's (`walk.forward(..., with_states=True,
+  return_transitions=True)` on the same inputs, `[B, H_v, NC, V, K]`). XLA forms `q e^G` for the
+  reverse walk (`walk.backward_states`), which gives the gradient of the state leaving every chunk; then
+  `backward_chunks` forms every chunk's gradients and XLA takes dG's reverse cumsum within the chunks
+  and, for grouped heads, adds the value heads' dq, dk. A call where some chunk's decay does not fit the
+  one-reference bound (`fits`) returns `fallback()` instead (the same tuple; one `lax.cond`).
+  """
+  B, T, H, K = q.shape
+  Hv, V = v.shape[2:]
+  C = chunk_size
+  NC = states.shape[2]
+  T_pad = NC * C
+  group = Hv // H
+  G, refs = chunk_cumsum(g, T_pad, C)
+  pad = lambda x: jnp.pad(x.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
+
+  def kernels():
+    qp, kp, vp = pad(q), pad(k), pad(v)
+    # the cotangent of the unscaled o, rounded to the operand dtype (as the prepared path's)
+    dos = pad(do.astype(F32) * scale)
+    masks = None if segment_ids is None else segment_vectors(segment_ids, C, T_pad)
+    qg = jnp.repeat(qp, group, axis=2).astype(F32) * jnp.exp(G)
+    decay = jnp.swapaxes(jnp.exp(refs[:, :, 1]), 1, 2)                  # [B, H_v, NC, K]
+    if masks is not None:
+      carry = masks[:, 2]
+      qg = qg * carry[:, :, None, None]
+      decay = decay * carry.reshape(B, NC, C)[:, None, :, -1:]
+    t = prep.ChunkTensors(qg=prep.to_chunks(qg.astype(dtype), C, T_pad), kd=None, w=None, u=None, p=None,
+                          decay=decay)
+    dstates, dh0 = walk.backward_states(t, prep.to_chunks(dos, C, T_pad), dfinal, interpret=interpret,
+                                        sequence_pieces=sequence_pieces, transitions=transitions)
+    dq, dk, dv, dG = backward_chunks(qp, kp, vp, G, refs, states, dstates, dos, dtype=dtype, masks=masks,
+                                     interpret=interpret)
+    dG = dG.reshape(B, NC, C, Hv, K)
+    dg = jnp.flip(jnp.cumsum(jnp.flip(dG, 2), 2), 2).reshape(B, T_pad, Hv, K)[:, :T]
+    per_head = lambda x: (x[:, :T].astype(F32).reshape(B, T, H, group, K).sum(3) if group > 1
+                          else x[:, :T])
+    return (per_head(dq).astype(q.dtype), per_head(dk).astype(k.dtype), dv[:, :T].astype(v.dtype),
+            dg.astype(g.dtype), None, dh0.astype(F32))
+
+  return lax.cond(fits(G, C, dtype), kernels, fallback)

@@ -1,0 +1,56 @@
+"""gla's gradient kernel (`channel_grads.py`) in the Mosaic GPU interpreter: the whole op (prepared
+forward keeping the chunk states, reverse walk, the per-chunk gradient kernel) against the float64 loop,
+with grouped heads, packed rows, sequence pieces and an initial state; decay strong enough to leave the
+one-reference bound takes the XLA merge form's vjp, and the kernel's call is checked to happen."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.gpu import channel_grads
+from tests.ops.conftest import make_inputs
+from tests.pallas_kernels.gpu.util import check
+
+
+def _segments(T):
+  seg = np.zeros((1, T), np.int32)
+  seg[0, 40:64], seg[0, 64:110], seg[0, 110:] = 3, 1, 2   # a run ends on a chunk boundary, two inside
+  return seg
+
+
+@pytest.mark.parametrize("K,V,Hv,packed,pieces,h0", [(64, 64, 2, False, None, False),
+                                                     (128, 64, 1, True, None, True),
+                                                     (64, 128, 1, False, 2, True)],
+                         ids=["grouped", "K128-packed-h0", "V128-pieces-h0"])
+def test_gla_gradient_kernel_matches_the_float64_loop(monkeypatch, K, V, Hv, packed, pieces, h0):
+  calls = []
+  original = channel_grads.backward_chunks
+  monkeypatch.setattr(channel_grads, "backward_chunks", lambda *a, **k: calls.append(1) or original(*a, **k))
+  T = 150 + 7 * (K // 64) + V // 64 + Hv   # a fresh trace per case (the kernel's call is counted)
+  inp = make_inputs("gla", B=1, T=T, H=1, Hv=Hv, K=K, V=V, gates="normal", seed=31)
+  if not h0:
+    inp["h0"] = None
+  check("gla", inp, seg=_segments(T) if packed else None, fused=True, pieces=pieces)
+  assert calls, "the gradient kernel did not run"
+
+
+def test_gla_gradient_kernel_at_strong_decay_within_the_bound():
+  # bfloat16 operands, g = -1.8 a token on half the channels: each chunk spans 115 nats there, so the
+  # kernel's factors reach e^(+-58) (the one-reference bound is 60): still the float64 loop's gradients
+  inp = make_inputs("gla", B=1, T=128, H=1, Hv=1, K=64, V=64, gates="normal", seed=32)
+  g = np.asarray(inp["g"]).copy()
+  g[..., ::2] = -1.8
+  inp["g"] = g
+  G, _ = channel_grads.chunk_cumsum(jnp.asarray(g), 128, 64)
+  assert bool(channel_grads.fits(G, 64, jnp.bfloat16))
+  assert not bool(channel_grads.fits(G, 64, jnp.float16))   # float16 would overflow: merge form
+  check("gla", inp, fused=True, dtype=jnp.bfloat16, tol=1e-2)
+
+
+def test_gla_beyond_the_bound_takes_the_merge_form():
+  # g down to -20 a token: some chunk's channel spans more than 120 nats, so the call's gradients come
+  # from XLA's vjp of the merge form (one lax.cond), and they match the float64 loop
+  inp = make_inputs("gla", B=1, T=96, H=1, Hv=1, K=64, V=64, gates="strong", seed=33)
+  G, _ = channel_grads.chunk_cumsum(jnp.asarray(inp["g"]), 128, 64)
+  assert not bool(channel_grads.fits(G, 64, jnp.float16))
+  check("gla", inp, fused=True)
