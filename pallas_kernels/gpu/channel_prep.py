@@ -2,28 +2,20 @@
 packed or not.
 
 One program per (batch, value head, chunk) reads q, k, v, beta and the chunk-local cumulative
-log-decay G `[C, K]` once and writes the walk's inputs (`prep.ChunkTensors`, module docstring of prep.py)
-in the operand dtype: `qg = q e^G`, `kd = k e^(G_C - G)`, `P` (the decayed gram of q and k, j <= i)
-and, for the delta family (kda), `w = X (beta k e^G)`, `u = X (beta v)` with `X = (I + L)^-1`,
+log-decay G `[C, K]` (float32) once and writes the walk's inputs (`prep.ChunkTensors`, module docstring
+of prep.py) in the operand dtype: `qg = q e^G`, `kd = k e^(G_C - G)`, `P` (the decayed gram of q and k,
+j <= i) and, for the delta family (kda), `w = X (beta k e^G)`, `u = X (beta v)` with `X = (I + L)^-1`,
 `L = Diag(beta) M`, `M` the strict decayed gram of k.
 
 The decayed gram `M_ij = sum_c a_ic b_jc e^(G_ic - G_jc)` must not form `e^G` and `e^-G` apart (at
-g = -20 a token the second overflows after five tokens). prep.decayed_gram builds it like a merge
-sort: pairing the diagonal blocks of s tokens, the new lower-left block is
-`(a_later e^(G_later - G_r)) (b_earlier e^(G_r - G_earlier))^T`, r the earlier block's last token, so
-both exponents are <= 0. Here every level is one whole-tile product: with
-`ref(i) = (i // 2s) 2s + s - 1` (the reference token of i's 2s block),
+g = -20 a token the second overflows after five tokens). Here it is prep.decayed_gram's one-reference
+form: per chunk and channel `R = (max G + min G) / 2`, and one whole-tile product
 
-    A_s = a e^(G - G[ref])  on rows with bit s set (the later half of their 2s block), else 0
-    B_s = b e^(G[ref] - G)  on rows with bit s clear, else 0
-    M  += (A_s B_s^T) * [(i XOR j) in [s, 2s)]          s = 1, 2, ..., C / 2
+    M = (a e^(G - R)) (b e^(R - G))^T     masked to j <= i (or j < i)
 
-(the mask keeps pairs of one 2s block; `i XOR j` in `[s, 2s)` with A_s, B_s's rows says i is in the later
-half, j in the earlier). `G[ref]` is a row gather, done on the tensor cores: a 0/1 selection matrix
-times G split into two float16 pieces (`G = hi + lo`, 22 bits: an error of |G| 2^-22 in the exponent,
-against the operands' 2^-8), exact in the float32 accumulator. Every exponent is <= 0, so nothing
-overflows at any decay strength. The inclusive gram adds `rowsum(q * k)` on its diagonal.
-The backward is unchanged (prep.py's vjp recomputes in XLA).
+whose factors all lie within e^(+-bound) when the chunk's decay spans at most twice the bound
+(`prep.ref_bound`: 60 nats for bfloat16 operands, 8 for float16). A call where some chunk does not fit
+takes prep.py's XLA preparation with the merge form instead (one `lax.cond`; `fallback`).
 """
 
 from __future__ import annotations
@@ -35,11 +27,10 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import prep
+from pallas_kernels.gpu.channel_grads import chunk_cumsum, fits
 from pallas_kernels.gpu.delta_prep import unit_lower_inverse
 from pallas_kernels.gpu.fused import ROWS, SEG_ROWS, _segment_masks, segment_vectors
-from pallas_kernels.gpu.walk import F32, WGMMA, _vary_like, matmul, matmuls, smem
-
-F16 = jnp.float16
+from pallas_kernels.gpu.walk import COLS, F32, WGMMA, _vary_like, matmul, matmuls, smem
 
 
 def serves(g, beta, segment_ids) -> bool:
@@ -48,45 +39,47 @@ def serves(g, beta, segment_ids) -> bool:
   return g is not None and g.ndim == 4
 
 
-def local_cumsum(g, B: int, T_pad: int, Hv: int, C: int):
-  """`[B, H_v, T_pad, K]` float32: the cumulative log-decay of every channel from its chunk's start."""
-  K = g.shape[-1]
-  g = jnp.pad(g.astype(F32), [(0, 0), (0, T_pad - g.shape[1]), (0, 0), (0, 0)])
-  g = jnp.swapaxes(g, 1, 2).reshape(B, Hv, T_pad // C, C, K)
-  return jnp.cumsum(g, axis=3).reshape(B, Hv, T_pad, K)
-
-
 def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
-            chunk_multiple: int = 1):
+            chunk_multiple: int = 1, fallback=None):
   """`prep.prepare(q, k, v, g, beta, segment_ids, ...)` for per-channel `g: [B, T, H_v, K]`, with every
   matmul operand in `dtype` (16-bit), the tensors in `dtype` and `decay` float32; shapes as there
   (`[B, H_v, NC, C, ...]`); beta None (gla) or `[B, T, H_v]` (kda). chunk_multiple: T is padded to
-  whole groups of this many chunks (as in prep.py)."""
+  whole groups of this many chunks (as in prep.py). fallback: what a call beyond the one-reference bound
+  returns (default: prep.prepare with the merge form, cast to `dtype`)."""
+  B, T, H, K = q.shape
+  C = chunk_size
+  T_pad = prep.padded_length(T, C, chunk_multiple)
+  G, refs = chunk_cumsum(g, T_pad, C)
+  if fallback is None:
+    def fallback():
+      t = prep.prepare(q, k, v, g, beta, segment_ids, chunk_size=C, chunk_multiple=chunk_multiple,
+                       dtype=dtype, inverse_dtype=jnp.float32, gram_method="merge")
+      cast = lambda x: None if x is None else x.astype(dtype)
+      return t._replace(qg=cast(t.qg), kd=cast(t.kd), w=cast(t.w), u=cast(t.u), p=cast(t.p))
+  kernel = lambda: _prepare_kernel(q, k, v, G, refs, beta, chunk_size=C, dtype=dtype,
+                                   segment_ids=segment_ids, interpret=interpret)
+  return lax.cond(fits(G, C, dtype), kernel, fallback)
+
+
+def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_ids, interpret):
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
   C = chunk_size
-  T_pad = prep.padded_length(T, C, chunk_multiple)
+  T_pad = G.shape[1]
   NC = T_pad // C
   group = Hv // H
   delta = beta is not None
+  bound = prep.ref_bound(dtype)
   pad = lambda x: jnp.pad(x.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
   q, k, v = pad(q), pad(k), pad(v)
-  G = local_cumsum(g, B, T_pad, Hv, C)
-  G_hi = G.astype(F16)
-  G_lo = (G - G_hi.astype(F32)).astype(F16)
   b = (jnp.swapaxes(jnp.pad(beta.astype(F32), [(0, 0), (0, T_pad - T), (0, 0)]), 1, 2) if delta
        else None)
   has_seg = segment_ids is not None
   masks = segment_vectors(segment_ids, C, T_pad) if has_seg else None
-  levels = []
-  s = 1
-  while s < C:
-    levels.append(s)
-    s *= 2
 
   scratch = dict(
       q_s=smem((C, K), dtype), k_s=smem((C, K), dtype), v_s=smem((C, V), dtype),
-      gh_s=smem((C, K), F16), gl_s=smem((C, K), F16), sel_s=smem((C, C), F16),
+      g_s=smem((C, K), F32), r_s=plgpu.SMEM((2, K), F32),
       a_s=smem((C, K), dtype), bk_s=smem((C, K), dtype), p_s=smem((C, C), dtype),
       out_v=smem((C, V), dtype),
       bar=plgpu.Barrier(num_arrivals=5 + delta + SEG_ROWS * has_seg))
@@ -96,10 +89,10 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
 
-  def body(*refs, q_s, k_s, v_s, gh_s, gl_s, sel_s, a_s, bk_s, p_s, out_v, bar, ak_s=None, b_s=None,
+  def body(*refs_, q_s, k_s, v_s, g_s, r_s, a_s, bk_s, p_s, out_v, bar, ak_s=None, b_s=None,
            x_s=None, e_s=None, y_s=None, l_s=None, m_s=None):
-    q_r, k_r, v_r, gh_r, gl_r = refs[:5]
-    rest = list(refs[5:])
+    q_r, k_r, v_r, g_r, ref_r = refs_[:5]
+    rest = list(refs_[5:])
     b_r = rest.pop(0) if delta else None
     m_r = rest.pop(0) if has_seg else None
     qg_r, kd_r, p_r = rest[:3]
@@ -108,7 +101,7 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
     hk = lax.div(h, group)
     rows_t = pl.ds(n * C, C)
     copies = [(q_r.at[bi, rows_t, hk], q_s), (k_r.at[bi, rows_t, hk], k_s), (v_r.at[bi, rows_t, h], v_s),
-              (gh_r.at[bi, h, rows_t], gh_s), (gl_r.at[bi, h, rows_t], gl_s)]
+              (g_r.at[bi, rows_t, h], g_s), (ref_r.at[bi, n, :, h], r_s)]
     if delta:
       copies.append((b_r.at[bi, h, rows_t], b_s))
     copies += [(m_r.at[bi, r, rows_t], m_s.at[r]) for r in range(SEG_ROWS if has_seg else 0)]
@@ -120,39 +113,31 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
     sq, ck, cv = (C, C), (C, K), (C, V)
     load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
     fresh = lax.optimization_barrier
-    load_G = lambda: fresh(load(gh_s) + load(gl_s))
+    load_G = lambda: fresh(load(g_s))
+    col = lambda row: lax.broadcast_in_dim(plgpu.load(r_s.at[row], layout=COLS), ck, [1])
+    clamp = lambda x: jnp.exp(jnp.minimum(x, bound))
     i_sq = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
     j_sq = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
-    i_ck = lambda: fresh(plgpu.broadcasted_iota(jnp.int32, ck, 0, layout=WGMMA))
 
-    # the decayed grams, one whole-tile product per level (module docstring)
-    P = jnp.where(i_sq == j_sq, rows(jnp.sum(load(q_s) * load(k_s), axis=1), sq), 0.0)
-    M = jnp.zeros(sq, F32) if delta else None
-    for s in levels:
-      sel_s[...] = jnp.where(j_sq == (i_sq & ~(2 * s - 1)) + (s - 1), 1.0, 0.0).astype(F16)
-      plgpu.commit_smem()
-      (G_ref,) = matmuls((ck, [(sel_s, gh_s), (sel_s, gl_s)]))
-      later = (i_ck() & s) != 0
-      G = load_G()
-      E = jnp.exp(jnp.where(later, G - G_ref, G_ref - G))   # every exponent <= 0
-      kt = load(k_s)
-      bk_s[...] = jnp.where(later, 0.0, kt * E).astype(dtype)
-      if delta:
-        ak_s[...] = jnp.where(later, kt * E, 0.0).astype(dtype)
-      a_s[...] = jnp.where(later, load(q_s) * E, 0.0).astype(dtype)
-      plgpu.commit_smem()
-      inside = ((i_sq ^ j_sq) >= s) & ((i_sq ^ j_sq) < 2 * s)
-      if delta:
-        Pq, Mk = matmuls((sq, [(a_s, bk_s.T)]), (sq, [(ak_s, bk_s.T)]))
-        M = M + jnp.where(inside, Mk, 0.0)
-      else:
-        (Pq,) = matmuls((sq, [(a_s, bk_s.T)]))
-      P = P + jnp.where(inside, Pq, 0.0)
+    # the decayed grams about the reference R (module docstring)
+    G, R = load_G(), col(0)
+    kt = load(k_s)
+    bk_s[...] = (kt * clamp(R - G)).astype(dtype)
+    up = clamp(G - R)
+    a_s[...] = (load(q_s) * up).astype(dtype)
+    if delta:
+      ak_s[...] = (kt * up).astype(dtype)
+    plgpu.commit_smem()
+    if delta:
+      P, M = matmuls((sq, [(a_s, bk_s.T)]), (sq, [(ak_s, bk_s.T)]))
+    else:
+      (P,), M = matmuls((sq, [(a_s, bk_s.T)])), None
 
     same = carry = to_last = None
     if has_seg:
       same, carry, to_last, _ = _segment_masks(m_s, None, C)
     keep = (i_sq >= j_sq) if same is None else (i_sq >= j_sq) & same
+    # above the diagonal the factors do not cancel (they may overflow): the where drops them
     p_s[...] = jnp.where(keep, P, 0.0).astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(p_s, p_r.at[bi, h, rows_t])
@@ -165,16 +150,12 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
       plgpu.copy_smem_to_gmem(tile, dst)
 
     # qg = q e^G (rows reading the carried state); kd = k e^(G_C - G) (rows whose write reaches the
-    # chunk's end), G_C gathered like G[ref]
+    # chunk's end)
     e_q = jnp.exp(load_G())
     if carry is not None:
       e_q = e_q * rows(carry, ck)
     emit(load(q_s) * e_q, a_s, qg_r.at[bi, h, rows_t])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    sel_s[...] = jnp.where(j_sq == C - 1, 1.0, 0.0).astype(F16)
-    plgpu.commit_smem()
-    (G_C,) = matmuls((ck, [(sel_s, gh_s), (sel_s, gl_s)]))
-    e_k = jnp.exp(G_C - load_G())
+    e_k = jnp.exp(col(1) - load_G())
     if to_last is not None:
       e_k = e_k * rows(to_last, ck)
     emit(load(k_s) * e_k, bk_s, kd_r.at[bi, h, rows_t])
@@ -195,11 +176,11 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
     k_s[...] = (load(k_s) * e_q * rows(beta_rows(), ck)).astype(dtype)
     v_s[...] = (load(v_s) * rows(beta_rows(), cv)).astype(dtype)
     plgpu.commit_smem()
-    emit(matmul(x_s, k_s, ck), a_s, w_r.at[bi, h, rows_t])
+    emit(matmul(x_s, k_s, ck), ak_s, w_r.at[bi, h, rows_t])
     emit(matmul(x_s, v_s, cv), out_v, u_r.at[bi, h, rows_t])
     plgpu.wait_smem_to_gmem(0)
 
-  args = (q, k, v, G_hi, G_lo) + ((b,) if delta else ()) + ((masks,) if has_seg else ())
+  args = (q, k, v, G, refs) + ((b,) if delta else ()) + ((masks,) if has_seg else ())
   shape = lambda d: jax.ShapeDtypeStruct((B, Hv, T_pad, d), dtype)
   out_type = (shape(K), shape(K), shape(C)) + ((shape(K), shape(V)) if delta else ())
   outs = plgpu.kernel(
@@ -208,8 +189,7 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
       kernel_name="chunk_prep_channel")(*args)
   outs = [x.reshape(B, Hv, NC, C, x.shape[-1]) for x in _vary_like(outs, args)]
   qg, kd, p = outs[:3]
-  G_last = G.reshape(B, Hv, NC, C, K)[:, :, :, -1]
-  decay = jnp.exp(G_last)
+  decay = jnp.swapaxes(jnp.exp(refs[:, :, 1]), 1, 2)     # e^(G_C), [B, H_v, NC, K]
   if has_seg:
     carry_last = masks[:, 2].reshape(B, NC, C)[..., -1]
     decay = decay * carry_last[:, None, :, None]

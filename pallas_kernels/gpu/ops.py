@@ -136,7 +136,7 @@ class _Options:
   sequence_pieces: int | None = None
   delta_backward: bool = False
   qk_l2norm: bool = False   # only with the delta kernels (`_delta_kernels`): they normalise q, k on load
-  channel_kernel: bool = False
+  channel_kernel: bool = True
   delta_warpgroups: int = 2   # 2: the delta gradients in chunk_grads_pair where it serves
   forward_warpgroups: int = 3   # 3: the fused additive forward in fused._streamed_walk
   walk_warpgroups: int = 1   # 3: the prepared forward walks in walk._streamed_walk
@@ -233,7 +233,7 @@ def _fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal, *, options, c
 
 def _kernel_prepare(q, k, v, g, beta, segment_ids, *, options, chunk_size, compute_dtype):
   assert not options.qk_l2norm, "qk_l2norm is only set where the delta kernels run the whole op"
-  if options.channel_kernel and channel_prep.serves(g, beta, segment_ids):   # gla, kda
+  if options.fused and options.channel_kernel and channel_prep.serves(g, beta, segment_ids):   # gla, kda
     return channel_prep.prepare(q, k, v, g, beta, chunk_size=chunk_size, dtype=compute_dtype,
                                 segment_ids=segment_ids, interpret=options.interpret,
                                 chunk_multiple=_chunks_per_group(0, options))
@@ -264,7 +264,7 @@ def _l2_normalize(x):
 def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None, segment_ids=None,
                       chunk_size: int = 64, compute_dtype=None, out_dtype=None, inverse_dtype=jnp.float32,
                       fused: bool = True, sequence_pieces: int | None = None, delta_backward: bool = True,
-                      qk_l2norm: bool = False, channel_kernel: bool = False, gram_method: str = "auto",
+                      qk_l2norm: bool = False, channel_kernel: bool = True, gram_method: str = "auto",
                       delta_warpgroups: int = 2, forward_warpgroups: int = 3, walk_warpgroups: int = 1,
                       interpret=None):
   """Either family in chunked form, with the chunk walk as Mosaic GPU kernels; differentiable in
@@ -319,9 +319,10 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
       has no output, in two), with the same products and roundings as 1 (`walk._streamed_walk`).
       1 until it is measured on a Hopper GPU (NOTES.md v30).
     channel_kernel: per-channel decay (gla, kda): the forward's chunk tensors from one kernel
-      (`channel_prep.py`: the decayed gram as one whole-tile product per merge level, every exponent
-      <= 0) instead of XLA's preparation; the backward still recomputes them in XLA for its vjp.
-      Off by default until it is measured on a Hopper GPU (NOTES.md v24).
+      (`channel_prep.py`: the decayed grams as one whole-tile product about a per-channel reference,
+      where every chunk's decay fits `prep.ref_bound`; else XLA's preparation with the merge form, one
+      `lax.cond`). kda's backward still recomputes them in XLA for its vjp; gla's backward
+      (`channel_grads.py`) needs no preparation. False: XLA's preparation.
     gram_method: per-channel decay on the prepared path: XLA's decayed grams (`prep.decayed_gram`),
       forward and backward, as "auto" (default: one C x C product per gram about a per-channel
       reference, wherever every chunk's decay fits its bound, else the merge form for the whole call),

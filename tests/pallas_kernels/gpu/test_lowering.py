@@ -157,8 +157,8 @@ def test_float32_inputs_fit_shared_memory(delta):
 
 @pytest.mark.parametrize("kind,D,packed", [("gla", 128, False), ("kda", 128, True), ("kda", 64, False)])
 def test_per_channel_preparation_kernel_exports_for_hopper(kind, D, packed):
-  # channel_kernel=True: the forward's chunk tensors from chunk_prep_channel (float16 selection products,
-  # integer bit masks, up to ~210 KB of shared memory at K = V = 128 for kda), then the walk
+  # channel_kernel=True: the forward's chunk tensors from chunk_prep_channel (one-reference grams, in a
+  # lax.cond with the XLA merge form), then the walk
   delta = kind == "kda"
   args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D, dtype=jnp.float32),
           _spec(B, T, H, dtype=jnp.float32) if delta else None)

@@ -1,7 +1,7 @@
 """Per-channel decay (gla, kda) in the Mosaic GPU interpreter: the forward's preparation kernel
-(`channel_prep.py`) against prep.py's XLA preparation, a float64 sum at decay that overflows a naive
-split, and the float64 loop end to end; the prepared path with the whole-tile levels gram
-(`gram_method="levels"`)."""
+(`channel_prep.py`, one-reference grams) against prep.py's XLA preparation, its merge-form fallback at
+decay that overflows a naive split (against a float64 sum), and the float64 loop end to end; the
+prepared path with the whole-tile levels gram (`gram_method="levels"`)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,14 +18,17 @@ from tests.pallas_kernels.gpu.util import PARAMS, check
                                                       ("gla", "strong", 64, 64, True),
                                                       ("kda", "normal", 64, 64, True)])
 def test_per_channel_preparation_kernel_equals_xla(variant, gates, K, V, packed):
-  # Per-channel decay: the chunk tensors from one kernel (the decayed gram as one whole-tile product per
-  # merge level, G[ref] gathered on the tensor cores from two float16 pieces) against prep.py's
-  # decayed_gram with the same float16 operands, at normal and strong (g down to -20 a token) gates,
-  # grouped heads, T = 150, runs changing inside a chunk and on its boundary.
-  from pallas_kernels.gpu import channel_prep
+  # Per-channel decay: the chunk tensors from one kernel (the decayed grams as one whole-tile product
+  # about each channel's mid-range reference) against prep.py's XLA preparation with the same float16
+  # operands, grouped heads, T = 150, runs changing inside a chunk and on its boundary. "normal" gates
+  # are halved so that every chunk fits float16's bound (8 nats each side) and the kernel runs; "strong"
+  # ones (g down to -20 a token) do not, and the call returns the merge form's tensors.
+  from pallas_kernels.gpu import channel_grads, channel_prep
   inp = make_inputs(variant, B=1, T=150, H=1, Hv=2, K=K, V=V, gates=gates, seed=18)
   q, k, v = (jnp.asarray(inp[n], jnp.float16) for n in ("q", "k", "v"))
-  g = jnp.asarray(inp["g"])
+  g = jnp.asarray(inp["g"]) * (0.5 if gates == "normal" else 1.0)
+  G, _ = channel_grads.chunk_cumsum(g, 192, 64)
+  assert bool(channel_grads.fits(G, 64, jnp.float16)) == (gates == "normal")
   beta = None if inp.get("beta") is None else jnp.asarray(inp["beta"])
   seg = None
   if packed:
@@ -45,8 +48,9 @@ def test_per_channel_preparation_kernel_equals_xla(variant, gates, K, V, packed)
 
 
 def test_per_channel_gram_survives_decay_that_overflows_a_naive_split():
-  # g = -20 on every channel of every token: e^(-G) reaches e^1260 inside a chunk. The gram's levels
-  # use only exponents <= 0, so P equals the float64 sum wherever it is representable.
+  # g = -20 on half the channels: e^(-G) reaches e^1260 inside a chunk, far beyond the one-reference
+  # bound, so the call takes the merge form (exponents <= 0 only): P equals the float64 sum wherever it
+  # is representable.
   from pallas_kernels.gpu import channel_prep
   B, T, H, K = 1, 64, 1, 64
   r = np.random.default_rng(9)
