@@ -28,6 +28,8 @@ caller takes the XLA preparation's vjp (the merge form) for a call where it does
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -189,26 +191,37 @@ def backward_chunks(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None,
   return _vary_like(outs, args)
 
 
+class Saved(NamedTuple):
+  """What gla's differentiated forward keeps for `backward` (all from the prepared forward)."""
+
+  states: jax.Array            # [B, H_v, NC, V, K], the state entering every chunk (transposed)
+  transitions: Any             # the sequence pieces' A (`walk.forward(..., return_transitions=True)`)
+  qg: jax.Array                # [B, H_v, NC, C, K], q e^G on the rows that read the carried state
+  decay: jax.Array             # [B, H_v, NC, K] float32
+  G: jax.Array                 # chunk_cumsum(g, T_pad, C)
+  refs: jax.Array
+
+
 def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
-             sequence_pieces=None, scale: float = 1.0, states, transitions=None, fallback):
+             sequence_pieces=None, scale: float = 1.0, saved: Saved, fallback):
   """`(dq, dk, dv, dg, None, dh0)` of the prepared forward of gla (`o` scaled by `scale`; dq, dk, dv,
   dg in q, k, v, g's dtypes, dh0 float32) for `do: [B, T, H_v, V]` and `dfinal` None or
-  `[B, H_v, K, V]`.
+  `[B, H_v, K, V]`, from what the forward `saved`.
 
-  states, transitions: the forward walk's (`walk.forward(..., with_states=True,
-  return_transitions=True)` on the same inputs, `[B, H_v, NC, V, K]`). XLA forms `q e^G` for the
-  reverse walk (`walk.backward_states`), which gives the gradient of the state leaving every chunk; then
-  `backward_chunks` forms every chunk's gradients and XLA takes dG's reverse cumsum within the chunks
-  and, for grouped heads, adds the value heads' dq, dk. A call where some chunk's decay does not fit the
-  one-reference bound (`fits`) returns `fallback()` instead (the same tuple; one `lax.cond`).
+  The reverse walk (`walk.backward_states`, over the saved q e^G and decay) gives the gradient of the
+  state leaving every chunk; then `backward_chunks` forms every chunk's gradients and XLA takes dG's
+  reverse cumsum within the chunks and, for grouped heads, adds the value heads' dq, dk. A call where
+  some chunk's decay does not fit the one-reference bound (`fits`) returns `fallback()` instead (the
+  same tuple; one `lax.cond`).
   """
+  del h0   # the state entering each chunk is saved
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
   C = chunk_size
-  NC = states.shape[2]
+  NC = saved.states.shape[2]
   T_pad = NC * C
   group = Hv // H
-  G, refs = chunk_cumsum(g, T_pad, C)
+  G, refs = saved.G, saved.refs
   pad = lambda x: jnp.pad(x.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
 
   def kernels():
@@ -216,18 +229,11 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
     # the cotangent of the unscaled o, rounded to the operand dtype (as the prepared path's)
     dos = pad(do.astype(F32) * scale)
     masks = None if segment_ids is None else segment_vectors(segment_ids, C, T_pad)
-    qg = jnp.repeat(qp, group, axis=2).astype(F32) * jnp.exp(G)
-    decay = jnp.swapaxes(jnp.exp(refs[:, :, 1]), 1, 2)                  # [B, H_v, NC, K]
-    if masks is not None:
-      carry = masks[:, 2]
-      qg = qg * carry[:, :, None, None]
-      decay = decay * carry.reshape(B, NC, C)[:, None, :, -1:]
-    t = prep.ChunkTensors(qg=prep.to_chunks(qg.astype(dtype), C, T_pad), kd=None, w=None, u=None, p=None,
-                          decay=decay)
+    t = prep.ChunkTensors(qg=saved.qg, kd=None, w=None, u=None, p=None, decay=saved.decay)
     dstates, dh0 = walk.backward_states(t, prep.to_chunks(dos, C, T_pad), dfinal, interpret=interpret,
-                                        sequence_pieces=sequence_pieces, transitions=transitions)
-    dq, dk, dv, dG = backward_chunks(qp, kp, vp, G, refs, states, dstates, dos, dtype=dtype, masks=masks,
-                                     interpret=interpret)
+                                        sequence_pieces=sequence_pieces, transitions=saved.transitions)
+    dq, dk, dv, dG = backward_chunks(qp, kp, vp, G, refs, saved.states, dstates, dos, dtype=dtype,
+                                     masks=masks, interpret=interpret)
     dG = dG.reshape(B, NC, C, Hv, K)
     dg = jnp.flip(jnp.cumsum(jnp.flip(dG, 2), 2), 2).reshape(B, T_pad, Hv, K)[:, :T]
     per_head = lambda x: (x[:, :T].astype(F32).reshape(B, T, H, group, K).sum(3) if group > 1

@@ -40,16 +40,17 @@ def serves(g, beta, segment_ids) -> bool:
 
 
 def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
-            chunk_multiple: int = 1, fallback=None):
+            chunk_multiple: int = 1, fallback=None, cumsum=None):
   """`prep.prepare(q, k, v, g, beta, segment_ids, ...)` for per-channel `g: [B, T, H_v, K]`, with every
   matmul operand in `dtype` (16-bit), the tensors in `dtype` and `decay` float32; shapes as there
   (`[B, H_v, NC, C, ...]`); beta None (gla) or `[B, T, H_v]` (kda). chunk_multiple: T is padded to
   whole groups of this many chunks (as in prep.py). fallback: what a call beyond the one-reference bound
-  returns (default: prep.prepare with the merge form, cast to `dtype`)."""
+  returns (default: prep.prepare with the merge form, cast to `dtype`). cumsum: `chunk_cumsum(g, T_pad,
+  C)` if the caller has it."""
   B, T, H, K = q.shape
   C = chunk_size
   T_pad = prep.padded_length(T, C, chunk_multiple)
-  G, refs = chunk_cumsum(g, T_pad, C)
+  G, refs = chunk_cumsum(g, T_pad, C) if cumsum is None else cumsum
   if fallback is None:
     def fallback():
       t = prep.prepare(q, k, v, g, beta, segment_ids, chunk_size=C, chunk_multiple=chunk_multiple,
@@ -77,22 +78,24 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
   has_seg = segment_ids is not None
   masks = segment_vectors(segment_ids, C, T_pad) if has_seg else None
 
+  # gla reads no v (its u is v itself): 104 KB at K = 128, two programs a multiprocessor
   scratch = dict(
-      q_s=smem((C, K), dtype), k_s=smem((C, K), dtype), v_s=smem((C, V), dtype),
+      q_s=smem((C, K), dtype), k_s=smem((C, K), dtype),
       g_s=smem((C, K), F32), r_s=plgpu.SMEM((2, K), F32),
       a_s=smem((C, K), dtype), bk_s=smem((C, K), dtype), p_s=smem((C, C), dtype),
-      out_v=smem((C, V), dtype),
-      bar=plgpu.Barrier(num_arrivals=5 + delta + SEG_ROWS * has_seg))
+      bar=plgpu.Barrier(num_arrivals=4 + 2 * delta + SEG_ROWS * has_seg))
   if delta:
-    scratch.update(ak_s=smem((C, K), dtype), b_s=plgpu.SMEM((C,), F32), x_s=smem((C, C), dtype),
-                   e_s=smem((C, C), dtype), y_s=smem((C, C), dtype), l_s=smem((C, C), dtype))
+    scratch.update(v_s=smem((C, V), dtype), out_v=smem((C, V), dtype), ak_s=smem((C, K), dtype),
+                   b_s=plgpu.SMEM((C,), F32), x_s=smem((C, C), dtype), e_s=smem((C, C), dtype),
+                   y_s=smem((C, C), dtype), l_s=smem((C, C), dtype))
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
 
-  def body(*refs_, q_s, k_s, v_s, g_s, r_s, a_s, bk_s, p_s, out_v, bar, ak_s=None, b_s=None,
+  def body(*refs_, q_s, k_s, g_s, r_s, a_s, bk_s, p_s, bar, v_s=None, out_v=None, ak_s=None, b_s=None,
            x_s=None, e_s=None, y_s=None, l_s=None, m_s=None):
-    q_r, k_r, v_r, g_r, ref_r = refs_[:5]
-    rest = list(refs_[5:])
+    q_r, k_r, g_r, ref_r = refs_[:4]
+    rest = list(refs_[4:])
+    v_r = rest.pop(0) if delta else None
     b_r = rest.pop(0) if delta else None
     m_r = rest.pop(0) if has_seg else None
     qg_r, kd_r, p_r = rest[:3]
@@ -100,10 +103,10 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
     bi, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
     hk = lax.div(h, group)
     rows_t = pl.ds(n * C, C)
-    copies = [(q_r.at[bi, rows_t, hk], q_s), (k_r.at[bi, rows_t, hk], k_s), (v_r.at[bi, rows_t, h], v_s),
+    copies = [(q_r.at[bi, rows_t, hk], q_s), (k_r.at[bi, rows_t, hk], k_s),
               (g_r.at[bi, rows_t, h], g_s), (ref_r.at[bi, n, :, h], r_s)]
     if delta:
-      copies.append((b_r.at[bi, h, rows_t], b_s))
+      copies += [(v_r.at[bi, rows_t, h], v_s), (b_r.at[bi, h, rows_t], b_s)]
     copies += [(m_r.at[bi, r, rows_t], m_s.at[r]) for r in range(SEG_ROWS if has_seg else 0)]
     for src, dst in copies:
       plgpu.copy_gmem_to_smem(src, dst, bar)
@@ -180,7 +183,7 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
     emit(matmul(x_s, v_s, cv), out_v, u_r.at[bi, h, rows_t])
     plgpu.wait_smem_to_gmem(0)
 
-  args = (q, k, v, G, refs) + ((b,) if delta else ()) + ((masks,) if has_seg else ())
+  args = (q, k, G, refs) + ((v, b) if delta else ()) + ((masks,) if has_seg else ())
   shape = lambda d: jax.ShapeDtypeStruct((B, Hv, T_pad, d), dtype)
   out_type = (shape(K), shape(K), shape(C)) + ((shape(K), shape(V)) if delta else ())
   outs = plgpu.kernel(

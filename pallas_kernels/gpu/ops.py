@@ -184,16 +184,21 @@ def _fused_forward(q, k, v, g, beta, h0, segment_ids, *, options, chunk_size, co
     out = (o[:, :q.shape[1]], final)
     return (out, (t, X) + states) if residuals else out
   if residuals and _channel_grads(options, g, beta, segment_ids):
-    # gla, differentiated: the prepared forward keeping the state entering every chunk (and the
-    # pieces' transitions) for channel_grads.backward
+    # gla, differentiated: the prepared forward, keeping for channel_grads.backward the state entering
+    # every chunk (and the pieces' transitions), q e^G and the decay that its reverse walk reads, and
+    # the chunk-local cumsum of g
+    T_pad = prep.padded_length(q.shape[1], chunk_size, _chunks_per_group(0, options))
+    cumsum = channel_grads.chunk_cumsum(g, T_pad, chunk_size)
     t = _kernel_prepare(q, k, v, g, beta, segment_ids, options=options, chunk_size=chunk_size,
-                        compute_dtype=compute_dtype)
+                        compute_dtype=compute_dtype, cumsum=cumsum)
     if t is None:
       t = vjp._cast(prep.prepare(q, k, v, g, beta, segment_ids, chunk_size=chunk_size,
                                  chunk_multiple=_chunks_per_group(0, options), dtype=compute_dtype,
                                  gram_method=options.gram_method), compute_dtype)
-    o, saved, final = _forward(t, h0, options=options, with_o=True, with_states=True, out_dtype=out_dtype,
-                               token_o=True, scale=scale)
+    o, (states, transitions), final = _forward(t, h0, options=options, with_o=True, with_states=True,
+                                               out_dtype=out_dtype, token_o=True, scale=scale)
+    saved = channel_grads.Saved(states=states, transitions=transitions, qg=t.qg, decay=t.decay,
+                                G=cumsum[0], refs=cumsum[1])
     return (o[:, :q.shape[1]], final), saved
   if not _fused_serves(options, g, beta, segment_ids):
     return None
@@ -214,11 +219,10 @@ def _channel_grads(options, g, beta, segment_ids) -> bool:
 def _fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal, *, options, chunk_size,
                     compute_dtype, scale, residuals=None, fallback=None):
   if _channel_grads(options, g, beta, segment_ids) and residuals is not None:
-    states, transitions = residuals
     return channel_grads.backward(q, k, v, g, h0, do, dfinal, chunk_size=chunk_size, dtype=compute_dtype,
                                   segment_ids=segment_ids, interpret=options.interpret,
-                                  sequence_pieces=options.sequence_pieces, scale=scale, states=states,
-                                  transitions=transitions, fallback=fallback)
+                                  sequence_pieces=options.sequence_pieces, scale=scale, saved=residuals,
+                                  fallback=fallback)
   if _delta_kernels(options, g, beta, segment_ids):
     return delta_grads.backward(q, k, v, g, beta, h0, do, dfinal, chunk_size=chunk_size,
                                 dtype=compute_dtype, segment_ids=segment_ids, interpret=options.interpret,
@@ -231,12 +235,12 @@ def _fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal, *, options, c
                                sequence_pieces=options.sequence_pieces, scale=scale, states=residuals)
 
 
-def _kernel_prepare(q, k, v, g, beta, segment_ids, *, options, chunk_size, compute_dtype):
+def _kernel_prepare(q, k, v, g, beta, segment_ids, *, options, chunk_size, compute_dtype, cumsum=None):
   assert not options.qk_l2norm, "qk_l2norm is only set where the delta kernels run the whole op"
   if options.fused and options.channel_kernel and channel_prep.serves(g, beta, segment_ids):   # gla, kda
     return channel_prep.prepare(q, k, v, g, beta, chunk_size=chunk_size, dtype=compute_dtype,
                                 segment_ids=segment_ids, interpret=options.interpret,
-                                chunk_multiple=_chunks_per_group(0, options))
+                                chunk_multiple=_chunks_per_group(0, options), cumsum=cumsum)
   if not (options.fused and delta_prep.serves(g, beta, segment_ids)):
     return None
   return delta_prep.prepare(q, k, v, g, beta, chunk_size=chunk_size, dtype=compute_dtype,
