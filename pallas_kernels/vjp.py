@@ -20,6 +20,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels import prep
 
@@ -137,10 +138,12 @@ def _chunked_bwd(static, residuals, cotangents):
   do, dfinal = cotangents
   prepared = functools.partial(_prepared_backward, static, q, k, v, g, beta, h0, segment_ids, do, dfinal)
   if static.walk.fused_backward is not None:
+    lean = functools.partial(_prepared_backward_per_head, static, q, k, v, g, beta, h0, segment_ids, do,
+                             dfinal)
     out = static.walk.fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal,
                                      options=static.options, chunk_size=static.chunk_size,
                                      compute_dtype=static.compute_dtype, scale=static.scale,
-                                     residuals=saved, fallback=prepared)
+                                     residuals=saved, fallback=lean)
     if out is not None:
       dq, dk, dv, dg, dbeta, dh0 = out
       dq, dk, dv = (_sum_over_extra_axes(d, x) for d, x in ((dq, q), (dk, k), (dv, v)))
@@ -165,6 +168,32 @@ def _prepared_backward(static, q, k, v, g, beta, h0, segment_ids, do, dfinal):
   grads, dh0 = static.walk.backward(t, states, do, dfinal, options=static.options)
   dq, dk, dv, dg, dbeta = prep_vjp(jax.tree.map(_sum_over_extra_axes, grads, t32))
   return dq, dk, dv, dg, dbeta, dh0.astype(jnp.float32)
+
+
+def _prepared_backward_per_head(static, q, k, v, g, beta, h0, segment_ids, do, dfinal):
+  """`_prepared_backward`, one (batch row, value head) at a time (`lax.map`): the fallback of a backend's
+  kernels. XLA allocates the scratch of both branches of a `lax.cond` whichever runs, and the prepared
+  path's vjp (the merge form of per-channel grams above all) needs several times the kernels' scratch;
+  one head at a time needs 1 / (B H_v) of it, at the cost of B H_v sequential calls where it runs."""
+  B, T, H, K = q.shape
+  Hv, V = v.shape[2:]
+  group = Hv // H
+
+  def one(i):
+    b, h = i // Hv, i % Hv
+    row = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, b, 1, 0)
+    head = lambda x, j, axis: None if x is None else lax.dynamic_slice_in_dim(row(x), j, 1, axis)
+    dq, dk, dv, dg, dbeta, dh0 = _prepared_backward(
+        static, head(q, h // group, 2), head(k, h // group, 2), head(v, h, 2), head(g, h, 2),
+        head(beta, h, 2), head(h0, h, 1), row(segment_ids), head(do, h, 2), head(dfinal, h, 1))
+    return (dq[0, :, 0].astype(jnp.float32), dk[0, :, 0].astype(jnp.float32), dv[0, :, 0],
+            None if dg is None else dg[0, :, 0], None if dbeta is None else dbeta[0, :, 0], dh0[0, 0])
+
+  dq, dk, dv, dg, dbeta, dh0 = lax.map(one, jnp.arange(B * Hv))
+  heads = lambda x: jnp.moveaxis(x.reshape((B, Hv) + x.shape[1:]), 1, 2)   # [B, T, H_v, ...]
+  per_q_head = lambda x, like: heads(x).reshape(B, T, H, group, K).sum(3).astype(like.dtype)
+  return (per_q_head(dq, q), per_q_head(dk, k), heads(dv), None if dg is None else heads(dg),
+          None if dbeta is None else heads(dbeta), dh0.reshape(B, Hv, K, V))
 
 
 def _sum_over_extra_axes(ct, primal):

@@ -132,11 +132,11 @@ def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_sta
                               packing=packing)
   elif form == "pallas" and _kernel_backend() == "gpu":
     # bfloat16 / float16 operands and output (the state and every sum stay float32); the normaliser
-    # columns (v_extra) walk in the chunked form: every value column walks independently. With no or
-    # scalar gates the kernels read q, k, v themselves (rounding them to the matmul dtype first), so
-    # they enter in that dtype and the gradients come back in it with no float32 round trip; per-channel
-    # gates go through the XLA preparation, which keeps them float32 until its matmuls.
-    sixteen = (lambda x: x) if per_channel else (lambda x: x.astype(compute_dtype))
+    # columns (v_extra) walk in the chunked form: every value column walks independently. The kernels
+    # read q, k, v in the matmul dtype (the inputs' own: exact for raw inputs; a feature map's output is
+    # rounded where the kernels would round it), so they enter in that dtype and the gradients come
+    # back in it with no float32 round trip.
+    sixteen = lambda x: x.astype(compute_dtype)
     q_in, k_in = (q_raw, k_raw) if l2_in_kernel else (q32, k32)
     o, final = gpu_kernels.chunked_attention(
         sixteen(q_in), sixteen(k_in), sixteen(v32[..., :V]), g32, b32, scale=scale,

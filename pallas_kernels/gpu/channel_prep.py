@@ -52,14 +52,35 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
   T_pad = prep.padded_length(T, C, chunk_multiple)
   G, refs = chunk_cumsum(g, T_pad, C) if cumsum is None else cumsum
   if fallback is None:
-    def fallback():
-      t = prep.prepare(q, k, v, g, beta, segment_ids, chunk_size=C, chunk_multiple=chunk_multiple,
-                       dtype=dtype, inverse_dtype=jnp.float32, gram_method="merge")
-      cast = lambda x: None if x is None else x.astype(dtype)
-      return t._replace(qg=cast(t.qg), kd=cast(t.kd), w=cast(t.w), u=cast(t.u), p=cast(t.p))
+    fallback = lambda: _xla_per_head(q, k, v, g, beta, segment_ids, C=C, chunk_multiple=chunk_multiple,
+                                     dtype=dtype)
   kernel = lambda: _prepare_kernel(q, k, v, G, refs, beta, chunk_size=C, dtype=dtype,
                                    segment_ids=segment_ids, interpret=interpret)
   return lax.cond(fits(G, C, dtype), kernel, fallback)
+
+
+def _xla_per_head(q, k, v, g, beta, segment_ids, *, C, chunk_multiple, dtype):
+  """prep.prepare with the merge form, cast to `dtype`, one (batch row, value head) at a time
+  (`lax.map`): XLA allocates the scratch of both branches of the `lax.cond`, and the merge form's
+  levels need several times the kernel's."""
+  B, T, H, K = q.shape
+  Hv = v.shape[2]
+  group = Hv // H
+
+  def one(i):
+    b, h = i // Hv, i % Hv
+    row = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, b, 1, 0)
+    head = lambda x, j: None if x is None else lax.dynamic_slice_in_dim(row(x), j, 1, 2)
+    t = prep.prepare(head(q, h // group), head(k, h // group), head(v, h), head(g, h), head(beta, h),
+                     row(segment_ids), chunk_size=C, chunk_multiple=chunk_multiple, dtype=dtype,
+                     inverse_dtype=jnp.float32, gram_method="merge")
+    cast = lambda x: None if x is None else x[0, 0].astype(dtype)
+    return prep.ChunkTensors(qg=cast(t.qg), kd=cast(t.kd), w=cast(t.w), u=cast(t.u), p=cast(t.p),
+                             decay=t.decay[0, 0])
+
+  t = lax.map(one, jnp.arange(B * Hv))
+  heads = lambda x: None if x is None else x.reshape((B, Hv) + x.shape[1:])
+  return prep.ChunkTensors(*(heads(x) for x in t))
 
 
 def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_ids, interpret):

@@ -48,9 +48,13 @@ def test_gla_gradient_kernel_at_strong_decay_within_the_bound():
 
 
 def test_gla_beyond_the_bound_takes_the_merge_form():
-  # g down to -20 a token: some chunk's channel spans more than 120 nats, so the call's gradients come
-  # from XLA's vjp of the merge form (one lax.cond), and they match the float64 loop
-  inp = make_inputs("gla", B=1, T=96, H=1, Hv=1, K=64, V=64, gates="strong", seed=33)
+  # g down to -20 a token: some chunk's channel spans more than 2 x 8 nats (float16's bound), so the
+  # call's tensors and gradients come from XLA's merge form (one lax.cond each), one batch row and
+  # value head at a time: two rows, grouped heads and packed rows exercise the slicing; they match the
+  # float64 loop
+  inp = make_inputs("gla", B=2, T=96, H=1, Hv=2, K=64, V=64, gates="strong", seed=33)
   G, _ = channel_grads.chunk_cumsum(jnp.asarray(inp["g"]), 128, 64)
   assert not bool(channel_grads.fits(G, 64, jnp.float16))
-  check("gla", inp, fused=True)
+  seg = np.zeros((2, 96), np.int32)
+  seg[0, 30:], seg[1, 70:] = 1, 1
+  check("gla", inp, seg=seg, fused=True)
