@@ -170,6 +170,16 @@ def _prepared_backward(static, q, k, v, g, beta, h0, segment_ids, do, dfinal):
   return dq, dk, dv, dg, dbeta, dh0.astype(jnp.float32)
 
 
+def row_and_head(i, Hv: int):
+  """For the i-th (batch row, value head) pair of a `lax.map` over `B * Hv`: `(h, row, head)`, where
+  `row(x)` slices x's batch row (axis 0) and `head(x, j, axis)` also the head j on `axis` (size-1
+  slices; None stays None)."""
+  b, h = i // Hv, i % Hv
+  row = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, b, 1, 0)
+  head = lambda x, j, axis=2: None if x is None else lax.dynamic_slice_in_dim(row(x), j, 1, axis)
+  return h, row, head
+
+
 def _prepared_backward_per_head(static, q, k, v, g, beta, h0, segment_ids, do, dfinal):
   """`_prepared_backward`, one (batch row, value head) at a time (`lax.map`): the fallback of a backend's
   kernels. XLA allocates the scratch of both branches of a `lax.cond` whichever runs, and the prepared
@@ -180,9 +190,7 @@ def _prepared_backward_per_head(static, q, k, v, g, beta, h0, segment_ids, do, d
   group = Hv // H
 
   def one(i):
-    b, h = i // Hv, i % Hv
-    row = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, b, 1, 0)
-    head = lambda x, j, axis: None if x is None else lax.dynamic_slice_in_dim(row(x), j, 1, axis)
+    h, row, head = row_and_head(i, Hv)
     dq, dk, dv, dg, dbeta, dh0 = _prepared_backward(
         static, head(q, h // group, 2), head(k, h // group, 2), head(v, h, 2), head(g, h, 2),
         head(beta, h, 2), head(h0, h, 1), row(segment_ids), head(do, h, 2), head(dfinal, h, 1))

@@ -26,7 +26,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import prep
+from pallas_kernels import prep, vjp
 from pallas_kernels.gpu.channel_grads import chunk_cumsum, fits
 from pallas_kernels.gpu.delta_prep import unit_lower_inverse
 from pallas_kernels.gpu.fused import ROWS, SEG_ROWS, _segment_masks, segment_vectors
@@ -68,9 +68,7 @@ def _xla_per_head(q, k, v, g, beta, segment_ids, *, C, chunk_multiple, dtype):
   group = Hv // H
 
   def one(i):
-    b, h = i // Hv, i % Hv
-    row = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, b, 1, 0)
-    head = lambda x, j: None if x is None else lax.dynamic_slice_in_dim(row(x), j, 1, 2)
+    h, row, head = vjp.row_and_head(i, Hv)
     t = prep.prepare(head(q, h // group), head(k, h // group), head(v, h), head(g, h), head(beta, h),
                      row(segment_ids), chunk_size=C, chunk_multiple=chunk_multiple, dtype=dtype,
                      inverse_dtype=jnp.float32, gram_method="merge")
