@@ -283,14 +283,15 @@ def one_reference_fits(G, bound: float = REF_BOUND):
   return jnp.all(span <= 2.0 * bound)
 
 
-def _reference(G):
-  """`R = (max + min) / 2` over the chunk, per channel: `[..., 1, K]` (stop_gradient: any R is exact)."""
-  return lax.stop_gradient((jnp.max(G, axis=-2, keepdims=True) + jnp.min(G, axis=-2, keepdims=True)) / 2)
+def reference(G, axis: int = -2):
+  """The one-reference form's `R = (max + min) / 2` of G over the chunk's tokens (`axis`), per channel,
+  the axis kept (stop_gradient: any R is exact). The GPU kernels take the same R."""
+  return lax.stop_gradient((jnp.max(G, axis=axis, keepdims=True) + jnp.min(G, axis=axis, keepdims=True)) / 2)
 
 
 def _decayed_gram_one_reference(a, b, G, *, inclusive: bool, dtype, bound: float):
   C = a.shape[-2]
-  R = _reference(G)
+  R = reference(G)
   A = a * jnp.exp(jnp.minimum(G - R, bound))
   Bm = b * jnp.exp(jnp.minimum(R - G, bound))
   keep = np.tril(np.ones((C, C), bool), 0 if inclusive else -1)

@@ -52,13 +52,12 @@ def serves(g, beta, segment_ids) -> bool:
 
 def chunk_cumsum(g, T_pad: int, C: int):
   """`(G [B, T_pad, H_v, K], R [B, NC, 2, H_v, K])` float32: the chunk-local cumulative log-decay in g's
-  token layout, and per chunk and channel the reference `R = (max G + min G) / 2` (row 0) and the last
+  token layout, and per chunk and channel the reference `R` (`prep.reference`, row 0) and the last
   token's `G_C` (row 1)."""
   B, T, Hv, K = g.shape
   g = jnp.pad(g.astype(F32), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
   G = jnp.cumsum(g.reshape(B, T_pad // C, C, Hv, K), axis=2)
-  R = (jnp.max(G, axis=2) + jnp.min(G, axis=2)) / 2
-  return G.reshape(B, T_pad, Hv, K), jnp.stack([R, G[:, :, -1]], axis=2)
+  return G.reshape(B, T_pad, Hv, K), jnp.concatenate([prep.reference(G, axis=2), G[:, :, -1:]], axis=2)
 
 
 def fits(G, C: int, dtype):

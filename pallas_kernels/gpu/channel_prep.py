@@ -72,9 +72,7 @@ def _xla_per_head(q, k, v, g, beta, segment_ids, *, C, chunk_multiple, dtype):
     t = prep.prepare(head(q, h // group), head(k, h // group), head(v, h), head(g, h), head(beta, h),
                      row(segment_ids), chunk_size=C, chunk_multiple=chunk_multiple, dtype=dtype,
                      inverse_dtype=jnp.float32, gram_method="merge")
-    cast = lambda x: None if x is None else x[0, 0].astype(dtype)
-    return prep.ChunkTensors(qg=cast(t.qg), kd=cast(t.kd), w=cast(t.w), u=cast(t.u), p=cast(t.p),
-                             decay=t.decay[0, 0])
+    return jax.tree.map(lambda x: x[0, 0], vjp._cast(t, dtype))
 
   t = lax.map(one, jnp.arange(B * Hv))
   heads = lambda x: None if x is None else x.reshape((B, Hv) + x.shape[1:])
