@@ -40,22 +40,30 @@ def serves(g, beta, segment_ids) -> bool:
 
 
 def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
-            chunk_multiple: int = 1, fallback=None, cumsum=None):
+            chunk_multiple: int = 1, fallback=None, cumsum=None, with_inverse: bool = False):
   """`prep.prepare(q, k, v, g, beta, segment_ids, ...)` for per-channel `g: [B, T, H_v, K]`, with every
   matmul operand in `dtype` (16-bit), the tensors in `dtype` and `decay` float32; shapes as there
   (`[B, H_v, NC, C, ...]`); beta None (gla) or `[B, T, H_v]` (kda). chunk_multiple: T is padded to
   whole groups of this many chunks (as in prep.py). fallback: what a call beyond the one-reference bound
   returns (default: prep.prepare with the merge form, cast to `dtype`). cumsum: `chunk_cumsum(g, T_pad,
-  C)` if the caller has it."""
+  C)` if the caller has it. with_inverse (kda): return `(tensors, X)` with `X = (I + L)^-1`
+  `[B, H_v, NC, C, C]` in `dtype`, which kda's gradient kernels read (`channel_delta_grads.py`); the
+  merge-form branch, whose backward recomputes everything, returns zeros there."""
   B, T, H, K = q.shape
   C = chunk_size
   T_pad = prep.padded_length(T, C, chunk_multiple)
   G, refs = chunk_cumsum(g, T_pad, C) if cumsum is None else cumsum
+  if with_inverse and beta is None:
+    raise ValueError("with_inverse is for the delta family (kda): beta must be given")
   if fallback is None:
     fallback = lambda: _xla_per_head(q, k, v, g, beta, segment_ids, C=C, chunk_multiple=chunk_multiple,
                                      dtype=dtype)
+  if with_inverse:
+    Hv = v.shape[2]
+    no_inverse = jnp.zeros((B, Hv, T_pad // C, C, C), dtype)
+    fallback = lambda f=fallback: (f(), no_inverse)
   kernel = lambda: _prepare_kernel(q, k, v, G, refs, beta, chunk_size=C, dtype=dtype,
-                                   segment_ids=segment_ids, interpret=interpret)
+                                   segment_ids=segment_ids, interpret=interpret, with_inverse=with_inverse)
   return lax.cond(fits(G, C, dtype), kernel, fallback)
 
 
@@ -79,7 +87,8 @@ def _xla_per_head(q, k, v, g, beta, segment_ids, *, C, chunk_multiple, dtype):
   return prep.ChunkTensors(*(heads(x) for x in t))
 
 
-def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_ids, interpret):
+def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_ids, interpret,
+                    with_inverse: bool = False):
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
   C = chunk_size
@@ -117,6 +126,7 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
     m_r = rest.pop(0) if has_seg else None
     qg_r, kd_r, p_r = rest[:3]
     w_r, u_r = rest[3:5] if delta else (None, None)
+    x_r = rest[5] if with_inverse else None
     bi, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
     hk = lax.div(h, group)
     rows_t = pl.ds(n * C, C)
@@ -189,6 +199,8 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
     l_s[...] = (jnp.where(keep, M, 0.0) * rows(beta_rows(), sq)).astype(dtype)
     plgpu.commit_smem()
     unit_lower_inverse(l_s, x_s, e_s, y_s)
+    if with_inverse:
+      plgpu.copy_smem_to_gmem(x_s, x_r.at[bi, h, rows_t])
     # beta k e^G and beta v replace k and v (their other uses are done); w = X (beta k e^G), u = X (beta v)
     e_q = jnp.exp(load_G())
     if carry is not None:
@@ -202,7 +214,8 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
 
   args = (q, k, G, refs) + ((v, b) if delta else ()) + ((masks,) if has_seg else ())
   shape = lambda d: jax.ShapeDtypeStruct((B, Hv, T_pad, d), dtype)
-  out_type = (shape(K), shape(K), shape(C)) + ((shape(K), shape(V)) if delta else ())
+  out_type = ((shape(K), shape(K), shape(C)) + ((shape(K), shape(V)) if delta else ())
+              + ((shape(C),) if with_inverse else ()))
   outs = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
@@ -214,7 +227,8 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
     carry_last = masks[:, 2].reshape(B, NC, C)[..., -1]
     decay = decay * carry_last[:, None, :, None]
   if delta:
-    w, u = outs[3:]
+    w, u = outs[3:5]
   else:
     w, u = None, prep.to_chunks(v, C, T_pad)
-  return prep.ChunkTensors(qg=qg, kd=kd, w=w, u=u, p=p, decay=decay)
+  t = prep.ChunkTensors(qg=qg, kd=kd, w=w, u=u, p=p, decay=decay)
+  return (t, outs[5]) if with_inverse else t

@@ -14,7 +14,7 @@ from jax import lax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import prep, vjp
-from pallas_kernels.gpu import channel_grads, channel_prep, delta_grads, delta_prep
+from pallas_kernels.gpu import channel_delta_grads, channel_grads, channel_prep, delta_grads, delta_prep
 from pallas_kernels.gpu import fused as fused_kernel
 from pallas_kernels.gpu import walk
 
@@ -200,6 +200,21 @@ def _fused_forward(q, k, v, g, beta, h0, segment_ids, *, options, chunk_size, co
     saved = channel_grads.Saved(states=states, transitions=transitions, qg=t.qg, decay=t.decay,
                                 G=cumsum[0], refs=cumsum[1])
     return (o[:, :q.shape[1]], final), saved
+  if residuals and _channel_delta_grads(options, g, beta, segment_ids):
+    # kda, differentiated: the preparation kernel also writes (I + L)^-1; the forward keeps it, the
+    # prepared tensors, the state entering every chunk and the chunk-local cumsum of g for
+    # channel_delta_grads.backward
+    T_pad = prep.padded_length(q.shape[1], chunk_size, _chunks_per_group(0, options))
+    cumsum = channel_grads.chunk_cumsum(g, T_pad, chunk_size)
+    t, X = channel_prep.prepare(q, k, v, g, beta, chunk_size=chunk_size, dtype=compute_dtype,
+                                segment_ids=segment_ids, interpret=options.interpret,
+                                chunk_multiple=_chunks_per_group(0, options), cumsum=cumsum,
+                                with_inverse=True)
+    o, (states, transitions), final = _forward(t, h0, options=options, with_o=True, with_states=True,
+                                               out_dtype=out_dtype, token_o=True, scale=scale)
+    saved = channel_delta_grads.Saved(t=t, X=X, states=states, transitions=transitions, G=cumsum[0],
+                                      refs=cumsum[1])
+    return (o[:, :q.shape[1]], final), saved
   if not _fused_serves(options, g, beta, segment_ids):
     return None
   o, states, final = fused_kernel.forward(q, k, v, g, h0, chunk_size=chunk_size, dtype=compute_dtype,
@@ -216,8 +231,20 @@ def _channel_grads(options, g, beta, segment_ids) -> bool:
   return options.fused and channel_grads.serves(g, beta, segment_ids)
 
 
+def _channel_delta_grads(options, g, beta, segment_ids) -> bool:
+  """kda's gradients run in `channel_delta_grads.py` (`fused`, `delta_backward`, `channel_kernel`: the
+  forward's preparation kernel writes the inverse they read)."""
+  return (options.fused and options.delta_backward and options.channel_kernel
+          and channel_delta_grads.serves(g, beta, segment_ids))
+
+
 def _fused_backward(q, k, v, g, beta, h0, segment_ids, do, dfinal, *, options, chunk_size,
                     compute_dtype, scale, residuals=None, fallback=None):
+  if _channel_delta_grads(options, g, beta, segment_ids) and residuals is not None:
+    return channel_delta_grads.backward(q, k, v, g, beta, h0, do, dfinal, chunk_size=chunk_size,
+                                        dtype=compute_dtype, segment_ids=segment_ids,
+                                        interpret=options.interpret, sequence_pieces=options.sequence_pieces,
+                                        scale=scale, saved=residuals, fallback=fallback)
   if _channel_grads(options, g, beta, segment_ids) and residuals is not None:
     return channel_grads.backward(q, k, v, g, h0, do, dfinal, chunk_size=chunk_size, dtype=compute_dtype,
                                   segment_ids=segment_ids, interpret=options.interpret,

@@ -1,0 +1,332 @@
+"""Per-channel decay, delta family (kda): every chunk's gradients in two Mosaic GPU kernels, every chunk in
+parallel, from what the forward kept (the prepared tensors, `X = (I + L)^-1`, the state entering each
+chunk) and the gradient of the state leaving each chunk (the reverse walk).
+
+Per chunk (prep.py's and channel_grads.py's notation; `G [C, K]` the chunk-local cumulative log-decay,
+`R` the chunk's per-channel reference, `E = e^G`, `Ec = e^(G_C - G)`; packed rows multiply E by
+`carry`, Ec by `to_last`, e^(G_C) by the last token's carry, and mask the grams to one run):
+
+    B_k = beta k E,  B_v = beta v,  W = X B_k,  U = X B_v,  u = U - W S = X (B_v - B_k S)
+    P = tril(Qr Kr^T),  M = strict(Ar Kr^T),  Qr = q e^(G - R),  Kr = k e^(R - G),  Ar = k e^(G - R)
+    L = Diag(beta) M,   o = (q E) S + P u,   S' = Diag(e^(G_C)) S + (k Ec)^T u
+
+so, with `dS` the gradient of S' and `do` that of the unscaled o:
+
+    value side (`value_side`, full-width tiles):
+      dP = tril(do u^T)     du = P^T do + kd dS     dr = X^T du     dL = -strict(dr u^T)
+      dv = beta dr          dbeta = rowsum(dr v) + ...
+    key side (`key_side`, key channels in halves of 64):
+      dM = Diag(beta) dL,   dB_k = -dr S^T
+      dq = E (do S^T) + e^(G - R) (dP Kr)
+      dk = [Ec (u dS^T) + e^(R - G) (dP^T Qr + dM^T Ar)]  +  [beta E dB_k + e^(G - R) (dM Kr)]
+                     (k's factors e^-G: "minus")                 (k's factors e^+G: "plus")
+      dbeta += rowsum(dB_k k E) + rowsum(dL M)
+      dG = q dq + k (plus - minus),  and the last token also takes
+           colsum(kd (u dS^T)) + e^(G_C) colsum(S dS)
+
+(`dL = -X^T (du r^T) X^T = -(X^T du)(X r)^T = -dr u^T`: one product.) The caller turns dG into dg by a
+reverse cumsum within the chunk. The value side writes u, dr, dP and dL (16-bit) for the key side: two
+kernels, because one program holding both sides' tiles needs more than the 227 KB of shared memory.
+
+Like channel_grads.py this needs every chunk's decay to fit the one-reference bound; the caller takes
+the XLA preparation's vjp (the merge form) for a call where it does not.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels import prep
+from pallas_kernels.gpu import walk
+from pallas_kernels.gpu.channel_grads import HALF, fits
+from pallas_kernels.gpu.fused import ROWS, SEG_ROWS, _segment_masks, segment_vectors
+from pallas_kernels.gpu.walk import COLS, F32, WGMMA, _flat, _vary_like, matmul, matmuls, smem
+
+
+def serves(g, beta, segment_ids) -> bool:
+  """True for the calls these kernels take the gradients of: delta family, per-channel decay."""
+  del segment_ids   # packed rows are served (`segment_vectors`)
+  return beta is not None and g is not None and g.ndim == 4
+
+
+class Saved(NamedTuple):
+  """What kda's differentiated forward keeps for `backward`."""
+
+  t: prep.ChunkTensors         # the prepared tensors (qg, kd, w, u = X B_v, p, decay), [B, H_v, NC, ...]
+  X: jax.Array                 # [B, H_v, NC, C, C], (I + L)^-1 in the operand dtype
+  states: jax.Array            # [B, H_v, NC, V, K], the state entering every chunk (transposed)
+  transitions: Any             # the sequence pieces' A (`walk.forward(..., return_transitions=True)`)
+  G: jax.Array                 # channel_grads.chunk_cumsum(g, T_pad, C)
+  refs: jax.Array
+
+
+def _masks_of(m_s, C):
+  """(same-run [C, C] or None, carry, to_last, carry of the last token) of this chunk."""
+  if m_s is None:
+    return None, None, None, 1.0
+  return _segment_masks(m_s, None, C)
+
+
+def value_side(t: prep.ChunkTensors, X, states, dstates, do, v, b, *, dtype, masks=None, interpret=None):
+  """The value side of every chunk (module docstring), one program per chunk of one value head.
+
+  Args: t the forward's prepared tensors, X `[B, H_v, NC, C, C]`, states, dstates `[B, H_v, NC, V, K]`
+    (transposed), do `[B, H_v, NC, C, V]` (the unscaled o's cotangent), v `[B, T_pad, H_v, V]`, b
+    `[B, H_v, T_pad]` float32 (beta), all 16-bit but b; masks None or `segment_vectors(...)`.
+  Returns: u, dr `[B, H_v, T_pad, V]`, dP, dL `[B, H_v, T_pad, C]` (masked) in `dtype`; dv
+    `[B, T_pad, H_v, V]` in `dtype`; `rowsum(dr v)` `[B, H_v, T_pad]` float32.
+  """
+  B, Hv, NC, C, K = t.qg.shape
+  V = v.shape[-1]
+  T_pad = NC * C
+  has_seg = masks is not None
+  scratch = dict(
+      w_s=smem((C, K), dtype), u_s=smem((C, V), dtype), st_s=smem((V, K), dtype), p_s=smem((C, C), dtype),
+      do_s=smem((C, V), dtype), kd_s=smem((C, K), dtype), dst_s=smem((V, K), dtype),
+      x_s=smem((C, C), dtype), v_s=smem((C, V), dtype), du_s=smem((C, V), dtype),
+      dp_s=smem((C, C), dtype), dl_s=smem((C, C), dtype), b_s=plgpu.SMEM((C,), F32),
+      vec_s=plgpu.SMEM((C,), F32), bar=plgpu.Barrier(num_arrivals=10 + SEG_ROWS * has_seg))
+  if has_seg:
+    scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
+
+  def body(*refs_, w_s, u_s, st_s, p_s, do_s, kd_s, dst_s, x_s, v_s, du_s, dp_s, dl_s, b_s, vec_s, bar,
+           m_s=None):
+    w_r, U_r, st_r, p_r, do_r, kd_r, dst_r, x_r, v_r, b_r = refs_[:10]
+    m_r = refs_[10] if has_seg else None
+    u_r, dr_r, dp_r, dl_r, dv_r, db_r = refs_[10 + has_seg:]
+    bi, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
+    rows_t = pl.ds(n * C, C)
+    copies = [(w_r.at[bi, h, rows_t], w_s), (U_r.at[bi, h, rows_t], u_s), (st_r.at[bi, h, n], st_s),
+              (p_r.at[bi, h, rows_t], p_s), (do_r.at[bi, h, rows_t], do_s), (kd_r.at[bi, h, rows_t], kd_s),
+              (dst_r.at[bi, h, n], dst_s), (x_r.at[bi, h, rows_t], x_s), (v_r.at[bi, rows_t, h], v_s),
+              (b_r.at[bi, h, rows_t], b_s)]
+    copies += [(m_r.at[bi, j, rows_t], m_s.at[j]) for j in range(SEG_ROWS if has_seg else 0)]
+    for src, dst in copies:
+      plgpu.copy_gmem_to_smem(src, dst, bar)
+    plgpu.barrier_wait(bar)
+
+    sq, cv = (C, C), (C, V)
+    load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
+    rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
+    i_sq = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
+    j_sq = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
+    same = _masks_of(m_s, C)[0]
+    lower, strict = i_sq >= j_sq, i_sq > j_sq
+    if same is not None:
+      lower, strict = lower & same, strict & same
+
+    # u = U - W S (as the forward walk formed it), in u's tile
+    u_s[...] = (load(u_s) - matmul(w_s, st_s.T, cv)).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(u_s, u_r.at[bi, h, rows_t])
+    # dP = tril(do u^T); du = P^T do + kd dS (issued together)
+    dP, du = matmuls((sq, [(do_s, u_s.T)]), (cv, [(p_s.T, do_s), (kd_s, dst_s.T)]))
+    dp_s[...] = jnp.where(lower, dP, 0.0).astype(dtype)
+    du_s[...] = du.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dp_s, dp_r.at[bi, h, rows_t])
+    # dr = X^T du; dv = beta dr; rowsum(dr v) for dbeta
+    dr = matmul(x_s.T, du_s, cv)
+    beta = plgpu.load(b_s, layout=ROWS)
+    vec_s[...] = jnp.sum(dr * load(v_s), axis=1)
+    du_s[...] = dr.astype(dtype)                 # du's tile now holds dr
+    v_s[...] = (dr * rows(beta, cv)).astype(dtype)   # and v's, dv
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(du_s, dr_r.at[bi, h, rows_t])
+    plgpu.copy_smem_to_gmem(v_s, dv_r.at[bi, rows_t, h])
+    plgpu.copy_smem_to_gmem(vec_s, db_r.at[bi, h, rows_t])
+    # dL = -strict(dr u^T)
+    dl_s[...] = jnp.where(strict, -matmul(du_s, u_s.T, sq), 0.0).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dl_s, dl_r.at[bi, h, rows_t])
+    plgpu.wait_smem_to_gmem(0)
+
+  args = [_flat(t.w), _flat(t.u), states, _flat(t.p), _flat(do), _flat(t.kd), dstates, _flat(X), v, b]
+  args = [x.astype(dtype) if i < 9 else x for i, x in enumerate(args)] + ([masks] if has_seg else [])
+  by_head = lambda d: jax.ShapeDtypeStruct((B, Hv, T_pad, d), dtype)
+  out_type = (by_head(V), by_head(V), by_head(C), by_head(C), jax.ShapeDtypeStruct((B, T_pad, Hv, V), dtype),
+              jax.ShapeDtypeStruct((B, Hv, T_pad), F32))
+  outs = plgpu.kernel(
+      body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
+      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
+      kernel_name="chunk_grads_channel_delta_v")(*args)
+  return _vary_like(outs, args)
+
+
+def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, masks=None, interpret=None):
+  """The key side of every chunk (module docstring), one program per chunk of one value head.
+
+  Args: q, k `[B, T_pad, H, K]`; G, refs as `channel_grads.chunk_cumsum` returns them; b `[B, H_v,
+    T_pad]` float32; do, u, dr `[B, H_v, T_pad, V]`, dP, dL `[B, H_v, T_pad, C]` (value_side's);
+    states, dstates `[B, H_v, NC, V, K]` (transposed); masks None or `segment_vectors(...)`.
+  Returns: dq, dk `[B, T_pad, H_v, K]` (per value head) in `dtype`; dG `[B, T_pad, H_v, K]` float32
+    with the last token's terms added; `rowsum(dB_k k E) + rowsum(dL M)` `[B, H_v, T_pad]` float32.
+  """
+  B, T_pad, H, K = q.shape
+  Hv, NC = states.shape[1], states.shape[2]
+  V = states.shape[3]
+  C = T_pad // NC
+  group = Hv // H
+  if K % HALF:
+    raise ValueError(f"K must be a multiple of {HALF}; got {K}")
+  KH = K // HALF
+  has_seg = masks is not None
+  halves = lambda rows: smem((KH, rows, HALF), dtype)
+  scratch = dict(
+      q_s=halves(C), k_s=halves(C), st_s=halves(V), dst_s=halves(V), g_s=smem((KH, C, HALF), F32),
+      do_s=smem((C, V), dtype), u_s=smem((C, V), dtype), dr_s=smem((C, V), dtype),
+      dp_s=smem((C, C), dtype), dl_s=smem((C, C), dtype), qr_s=smem((C, HALF), dtype),
+      kr_s=smem((C, HALF), dtype), ar_s=smem((C, HALF), dtype), r_s=plgpu.SMEM((2, K), F32),
+      b_s=plgpu.SMEM((C,), F32), vec_s=plgpu.SMEM((C,), F32),
+      bar=plgpu.Barrier(num_arrivals=5 * KH + 7 + SEG_ROWS * has_seg))
+  if has_seg:
+    scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
+
+  def body(*refs_, q_s, k_s, st_s, dst_s, g_s, do_s, u_s, dr_s, dp_s, dl_s, qr_s, kr_s, ar_s, r_s, b_s,
+           vec_s, bar, m_s=None):
+    q_r, k_r, g_r, ref_r, b_r, do_r, u_r, dr_r, dp_r, dl_r, st_r, dst_r = refs_[:12]
+    m_r = refs_[12] if has_seg else None
+    dq_r, dk_r, dg_r, db_r = refs_[12 + has_seg:]
+    bi, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
+    hk = lax.div(h, group)
+    rows_t = pl.ds(n * C, C)
+    cols = lambda i: pl.ds(i * HALF, HALF)
+    copies = [(do_r.at[bi, h, rows_t], do_s), (u_r.at[bi, h, rows_t], u_s), (dr_r.at[bi, h, rows_t], dr_s),
+              (dp_r.at[bi, h, rows_t], dp_s), (dl_r.at[bi, h, rows_t], dl_s), (ref_r.at[bi, n, :, h], r_s),
+              (b_r.at[bi, h, rows_t], b_s)]
+    for i in range(KH):
+      copies += [(q_r.at[bi, rows_t, hk, cols(i)], q_s.at[i]), (k_r.at[bi, rows_t, hk, cols(i)], k_s.at[i]),
+                 (g_r.at[bi, rows_t, h, cols(i)], g_s.at[i]), (st_r.at[bi, h, n, :, cols(i)], st_s.at[i]),
+                 (dst_r.at[bi, h, n, :, cols(i)], dst_s.at[i])]
+    copies += [(m_r.at[bi, j, rows_t], m_s.at[j]) for j in range(SEG_ROWS if has_seg else 0)]
+    for src, dst in copies:   # one arrival each
+      plgpu.copy_gmem_to_smem(src, dst, bar)
+    plgpu.barrier_wait(bar)
+
+    ck, sq = (C, HALF), (C, C)
+    rows = lambda x, shape=ck: lax.broadcast_in_dim(x, shape, [0])
+    colv = lambda row, i: lax.broadcast_in_dim(plgpu.load(r_s.at[row, cols(i)], layout=COLS), ck, [1])
+    load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
+    fresh = lax.optimization_barrier
+    beta_rows = lambda: fresh(plgpu.load(b_s, layout=ROWS))
+    clamp = lambda x: jnp.exp(jnp.minimum(x, prep.ref_bound(dtype)))
+    same, carry, to_last, carry_last = _masks_of(m_s, C)
+    i_sq = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
+    j_sq = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
+    strict = i_sq > j_sq if same is None else (i_sq > j_sq) & same
+    last_row = plgpu.broadcasted_iota(jnp.int32, ck, 0, layout=WGMMA) == C - 1
+
+    # M = strict(Ar Kr^T) over both halves, for dbeta's rowsum(dL M); then dM = Diag(beta) dL in dL's tile
+    M = None
+    for i in range(KH):
+      Gt, R, kt = load(g_s.at[i]), colv(0, i), load(k_s.at[i])
+      ar_s[...] = (kt * clamp(Gt - R)).astype(dtype)
+      kr_s[...] = (kt * clamp(R - Gt)).astype(dtype)
+      plgpu.commit_smem()
+      M = matmul(ar_s, kr_s.T, sq, init=M)
+    dL = load(dl_s)
+    # above the diagonal the factors do not cancel (they may overflow): the where drops them
+    dbeta = jnp.sum(jnp.where(strict, M, 0.0) * dL, axis=1)
+    dl_s[...] = (dL * rows(beta_rows(), sq)).astype(dtype)
+    plgpu.commit_smem()
+
+    for i in range(KH):
+      Gt, R = fresh(load(g_s.at[i])), colv(0, i)
+      qt, kt = load(q_s.at[i]), load(k_s.at[i])
+      up = clamp(Gt - R)
+      qr_s[...] = (qt * up).astype(dtype)
+      ar_s[...] = (kt * up).astype(dtype)
+      kr_s[...] = (kt * clamp(R - Gt)).astype(dtype)
+      plgpu.commit_smem()
+      # dq = E (do S^T) + e^(G - R) (dP Kr)
+      dqg, dPK = matmuls((ck, [(do_s, st_s.at[i])]), (ck, [(dp_s, kr_s)]))
+      e_q = jnp.exp(Gt)
+      if carry is not None:
+        e_q = e_q * rows(carry)
+      dq = e_q * dqg + clamp(Gt - R) * dPK
+      dG = qt * dq
+      q_s.at[i][...] = dq.astype(dtype)
+      # k's terms: dkd = u dS^T, dB_k = -dr S^T, and the grams' (issued together)
+      dkd, dBk, minus, plus = matmuls((ck, [(u_s, dst_s.at[i])]), (ck, [(dr_s, st_s.at[i])]),
+                                      (ck, [(dp_s.T, qr_s), (dl_s.T, ar_s)]), (ck, [(dl_s, kr_s)]))
+      Gt, R, Gc = fresh(load(g_s.at[i])), colv(0, i), colv(1, i)
+      e_q, e_k = jnp.exp(Gt), jnp.exp(Gc - Gt)
+      if carry is not None:
+        e_q, e_k = e_q * rows(carry), e_k * rows(to_last)
+      kt = load(k_s.at[i])
+      bk = kt * e_q                       # B_k / beta
+      dbeta = dbeta - jnp.sum(dBk * bk, axis=1)
+      minus = e_k * dkd + clamp(R - Gt) * minus
+      plus = clamp(Gt - R) * plus - rows(beta_rows()) * e_q * dBk
+      dG = dG + kt * (plus - minus)
+      # the last token: colsum(kd (u dS^T)) + e^(G_C) colsum(S dS), S and dS `[V, 64]` tiles
+      s_ds = jnp.sum(load(st_s.at[i]) * load(dst_s.at[i]), axis=0)
+      s_decay = plgpu.load(r_s.at[1, cols(i)], layout=COLS)
+      term = jnp.sum(kt * e_k * dkd, axis=0) + jnp.exp(s_decay) * carry_last * s_ds
+      dG = dG + jnp.where(last_row, lax.broadcast_in_dim(term, ck, [1]), 0.0)
+      k_s.at[i][...] = (plus + minus).astype(dtype)
+      g_s.at[i][...] = dG
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_s.at[i], dq_r.at[bi, rows_t, h, cols(i)])
+      plgpu.copy_smem_to_gmem(k_s.at[i], dk_r.at[bi, rows_t, h, cols(i)])
+      plgpu.copy_smem_to_gmem(g_s.at[i], dg_r.at[bi, rows_t, h, cols(i)])
+    vec_s[...] = dbeta
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(vec_s, db_r.at[bi, h, rows_t])
+    plgpu.wait_smem_to_gmem(0)
+
+  args = [q.astype(dtype), k.astype(dtype), G, refs, b, do.astype(dtype), u, dr, dP, dL,
+          states.astype(dtype), dstates.astype(dtype)] + ([masks] if has_seg else [])
+  out_type = (jax.ShapeDtypeStruct((B, T_pad, Hv, K), dtype), jax.ShapeDtypeStruct((B, T_pad, Hv, K), dtype),
+              jax.ShapeDtypeStruct((B, T_pad, Hv, K), F32), jax.ShapeDtypeStruct((B, Hv, T_pad), F32))
+  outs = plgpu.kernel(
+      body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
+      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
+      kernel_name="chunk_grads_channel_delta_k")(*args)
+  return _vary_like(outs, args)
+
+
+def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None,
+             interpret=None, sequence_pieces=None, scale: float = 1.0, saved: Saved, fallback):
+  """`(dq, dk, dv, dg, dbeta, dh0)` of kda's prepared forward (`o` scaled by `scale`; in q, k, v, g,
+  beta's dtypes, dh0 float32) for `do: [B, T, H_v, V]` and `dfinal` None or `[B, H_v, K, V]`, from what
+  the forward `saved`: the reverse walk over the saved tensors, then `value_side` and `key_side`; XLA
+  takes dG's reverse cumsum within the chunks and, for grouped heads, adds the value heads' dq, dk. A
+  call where some chunk's decay does not fit the one-reference bound returns `fallback()` instead (one
+  `lax.cond`)."""
+  del h0   # the state entering each chunk is saved
+  B, T, H, K = q.shape
+  Hv, V = v.shape[2:]
+  C = chunk_size
+  NC = saved.states.shape[2]
+  T_pad = NC * C
+  group = Hv // H
+  G, refs = saved.G, saved.refs
+  pad = lambda x: jnp.pad(x.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
+
+  def kernels():
+    # the cotangent of the unscaled o, rounded to the operand dtype (as the prepared path's)
+    do_c = prep.to_chunks((do.astype(F32) * scale).astype(dtype), C, T_pad)
+    dstates, dh0 = walk.backward_states(saved.t, do_c, dfinal, interpret=interpret,
+                                        sequence_pieces=sequence_pieces, transitions=saved.transitions)
+    masks = None if segment_ids is None else segment_vectors(segment_ids, C, T_pad)
+    b = jnp.swapaxes(jnp.pad(beta.astype(F32), [(0, 0), (0, T_pad - T), (0, 0)]), 1, 2)
+    u, dr, dP, dL, dv, dbeta_v = value_side(saved.t, saved.X, saved.states, dstates, do_c, pad(v), b,
+                                            dtype=dtype, masks=masks, interpret=interpret)
+    dq, dk, dG, dbeta_k = key_side(pad(q), pad(k), G, refs, b, _flat(do_c), u, dr, dP, dL, saved.states,
+                                   dstates, dtype=dtype, masks=masks, interpret=interpret)
+    dG = dG.reshape(B, NC, C, Hv, K)
+    dg = jnp.flip(jnp.cumsum(jnp.flip(dG, 2), 2), 2).reshape(B, T_pad, Hv, K)[:, :T]
+    dbeta = jnp.swapaxes(dbeta_v + dbeta_k, 1, 2)[:, :T]
+    per_head = lambda x: (x[:, :T].astype(F32).reshape(B, T, H, group, K).sum(3) if group > 1
+                          else x[:, :T])
+    return (per_head(dq).astype(q.dtype), per_head(dk).astype(k.dtype), dv[:, :T].astype(v.dtype),
+            dg.astype(g.dtype), dbeta.astype(beta.dtype), dh0.astype(F32))
+
+  return lax.cond(fits(G, C, dtype), kernels, fallback)
