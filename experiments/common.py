@@ -59,10 +59,18 @@ def state_shape(variant: str, B: int, H_v: int, K: int, V: int) -> tuple[int, in
   return (B, H_v, K, V + 1) if variant == "linear_attention" else (B, H_v, K, V)
 
 
+GATES = ("benchmark", "edge", "strong")
+
+
 def make_inputs(variant: str, rng: np.random.Generator, *, B: int, T: int, H: int, K: int, V: int,
-                H_v: int | None = None, dtype=jnp.float32,
-                initial_state: bool = False) -> dict[str, jax.Array]:
+                H_v: int | None = None, dtype=jnp.float32, initial_state: bool = False,
+                gates: str = "benchmark") -> dict[str, jax.Array]:
   """Random inputs of `variant`, keyed by `input_names(variant, initial_state=...)`, in that order.
+
+  gates (`GATES`): "benchmark" `log_sigmoid(N(0, 1) + 4)`; "edge" the same with g = -1.8 a token on
+  every other key channel (per-channel gates) or value head (scalar gates): 115 nats over a 64-token
+  chunk, inside the one-reference bound of 16-bit operands (2 x 60 nats) for bfloat16; "strong"
+  uniform in [-20, 0], far beyond it (per-channel calls take the merge form).
 
   Drawn with NumPy (no per-shape compilation, unlike `jax.random` run eagerly), then put on the device.
   """
@@ -72,7 +80,14 @@ def make_inputs(variant: str, rng: np.random.Generator, *, B: int, T: int, H: in
   gate = _GATES[variant]
   if gate is not None:
     shape = (B, T, H_v) if gate == "scalar" else (B, T, H_v, K)
-    inputs["g"] = -np.logaddexp(0.0, -(normal(*shape) + 4.0))  # log_sigmoid(N(0, 1) + 4)
+    if gates not in GATES:
+      raise ValueError(f"gates must be one of {GATES}; got {gates!r}")
+    if gates == "strong":
+      inputs["g"] = rng.uniform(-20.0, 0.0, size=shape).astype(np.float32)
+    else:
+      inputs["g"] = -np.logaddexp(0.0, -(normal(*shape) + 4.0))  # log_sigmoid(N(0, 1) + 4)
+      if gates == "edge":
+        inputs["g"][..., ::2] = -1.8
   if variant in DELTA_VARIANTS:
     inputs["beta"] = 1.0 / (1.0 + np.exp(-normal(B, T, H_v)))  # sigmoid(N(0, 1))
   if initial_state:

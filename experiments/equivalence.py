@@ -53,6 +53,9 @@ class Config:
   matmul_precision: str = "highest"
   # > 0: pack each row with sequences at this many random boundaries (segment_ids), else one sequence
   packed: int = 0
+  # gate values (common.GATES): "benchmark", "edge" (-1.8 a token on every other channel: strong decay
+  # within the per-channel kernels' bound) or "strong" (uniform in [-20, 0]: beyond it)
+  gates: str = "benchmark"
 
   def __post_init__(self):
     common.check_variants(self.variants)
@@ -62,6 +65,8 @@ class Config:
                        f"got {list(self.impls)}")
     if self.matmul_precision not in ("default", "high", "highest"):
       raise ValueError(f"matmul_precision must be default, high or highest; got {self.matmul_precision!r}")
+    if self.gates not in common.GATES:
+      raise ValueError(f"gates must be one of {common.GATES}; got {self.gates!r}")
     if not self.T or any(t < 1 for t in self.T):
       raise ValueError(f"T must be a non-empty list of positive lengths; got {list(self.T)}")
 
@@ -98,7 +103,8 @@ def compare(config: Config, variant: str, T: int) -> list[dict]:
   """One row per non-reference impl: `{"variant", "T", "impl", "reference", "errors": {quantity: err}}`."""
   rng = np.random.default_rng([config.seed, ops.VARIANTS.index(variant), T])
   inputs = common.make_inputs(variant, rng, B=config.B, T=T, H=config.H, K=config.K, V=config.V,
-                              H_v=config.H_v, dtype=common.dtype_of(config.dtype), initial_state=True)
+                              H_v=config.H_v, dtype=common.dtype_of(config.dtype), initial_state=True,
+                              gates=config.gates)
   cotangents = (jnp.asarray(rng.standard_normal((config.B, T, config.H_v, config.V)), inputs["v"].dtype),
                 jnp.asarray(rng.standard_normal(inputs["initial_state"].shape), jnp.float32))
   segment_ids = None
@@ -129,7 +135,7 @@ def run_equivalence(config: Config, workdir: str) -> dict:
              for q in QUANTITIES if any(q in r["errors"] for r in rows)}
   print(f"relative RMS error against impl={config.impls[0]!r}, dtype={config.dtype}, B={config.B} "
         f"H={config.H} H_v={config.H_v} K={config.K} V={config.V} chunk_size={config.chunk_size} "
-        f"matmul_precision={config.matmul_precision} packed={config.packed} "
+        f"matmul_precision={config.matmul_precision} packed={config.packed} gates={config.gates} "
         f"on {jax.devices()[0].device_kind}")
   fmt = lambda e: "-" if e is None else f"{e:.1e}"
   print(common.format_table(
@@ -158,6 +164,7 @@ def _define_flags():
   flags.DEFINE_enum("matmul_precision", d.matmul_precision, ["default", "high", "highest"],
                     "Matmul precision while tracing (GPUs and TPUs run float32 matmuls as TF32 by default).")
   flags.DEFINE_integer("packed", d.packed, "Random sequence boundaries per row (segment_ids); 0: none.")
+  flags.DEFINE_enum("gates", d.gates, list(common.GATES), "Gate values (experiments/common.py).")
   flags.DEFINE_string("workdir", "runs/equivalence", "Where equivalence.json is written.")
 
 
@@ -167,7 +174,8 @@ def main(argv):
   f = flags.FLAGS
   config = Config(variants=tuple(f.variants), T=tuple(int(t) for t in f.T), B=f.B, H=f.H, H_v=f.H_v,
                   K=f.K, V=f.V, dtype=f.dtype, seed=f.seed, impls=tuple(f.impls),
-                  chunk_size=f.chunk_size, matmul_precision=f.matmul_precision, packed=f.packed)
+                  chunk_size=f.chunk_size, matmul_precision=f.matmul_precision, packed=f.packed,
+                  gates=f.gates)
   run_equivalence(config, f.workdir)
 
 

@@ -326,7 +326,10 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
     delta_backward: with `fused`, the delta family with no or scalar decay (packed or not) computes its
       gradients in kernels (`delta_grads.py`: every chunk's gradients in parallel, no XLA vjp of the
       preparation; on the H200 gated_delta_rule's value and gradients at (4, 8192, 16, 128) take 3.4 ms
-      against 7.5 ms with XLA's vjp, NOTES.md v10-v22). `False`: XLA's vjp of the preparation.
+      against 7.5 ms with XLA's vjp, NOTES.md v10-v22); so does kda with `channel_kernel`
+      (`channel_delta_grads.py`: the forward keeps the prepared tensors and `(I + L)^-1`; fwd+bwd at
+      (4, 8192, 16, 128) 5.3 ms against 15.5 with XLA's vjp, NOTES.md v36). `False`: XLA's vjp of the
+      preparation.
     qk_l2norm: l2-normalise q and k over K first (`x * rsqrt(sum(x^2) + 1e-6)` in float32, rounded to
       the inputs' dtype), gradients of the raw q, k. Where the delta kernels run (`fused`,
       `delta_backward`, no or scalar decay) the preparation and gradient kernels do it on load, so no
@@ -352,8 +355,10 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
     channel_kernel: per-channel decay (gla, kda): the forward's chunk tensors from one kernel
       (`channel_prep.py`: the decayed grams as one whole-tile product about a per-channel reference,
       where every chunk's decay fits `prep.ref_bound`; else XLA's preparation with the merge form, one
-      `lax.cond`). kda's backward still recomputes them in XLA for its vjp; gla's backward
-      (`channel_grads.py`) needs no preparation. False: XLA's preparation.
+      `lax.cond`). The backward needs no preparation: gla's in `channel_grads.py`, kda's (with
+      `delta_backward`) in `channel_delta_grads.py`, from what the forward kept; a call beyond the bound
+      takes XLA's vjp of the merge form, one batch row and value head at a time. False: XLA's
+      preparation (and, for kda, XLA's vjp).
     gram_method: per-channel decay on the prepared path: XLA's decayed grams (`prep.decayed_gram`),
       forward and backward, as "auto" (default: one C x C product per gram about a per-channel
       reference, wherever every chunk's decay fits its bound, else the merge form for the whole call),

@@ -8,6 +8,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from experiments import benchmark, common, equivalence
@@ -98,10 +99,25 @@ def test_benchmark_parses_shapes_and_rejects_bad_configs():
     benchmark.Config(stream=-1)
   with pytest.raises(ValueError, match="impls"):
     equivalence.Config(impls=("recurrent",))
+  with pytest.raises(ValueError, match="gates"):
+    equivalence.Config(gates="weak")
+
+
+def test_gate_recipes_give_the_documented_values():
+  make = lambda gates: np.asarray(common.make_inputs("kda", np.random.default_rng(0), B=1, T=64, H=1, K=8,
+                                                     V=8, gates=gates)["g"])
+  bench, edge, strong = make("benchmark"), make("edge"), make("strong")
+  assert (bench < 0).all() and bench.mean() > -0.1           # log_sigmoid(N(0, 1) + 4): mild decay
+  assert (edge[..., ::2] == np.float32(-1.8)).all()           # 115 nats over a chunk on half the channels
+  np.testing.assert_array_equal(edge[..., 1::2], bench[..., 1::2])
+  assert strong.min() >= -20 and strong.max() <= 0 and strong.mean() < -5
+  with pytest.raises(ValueError, match="gates"):
+    make("weak")
 
 
 @pytest.mark.parametrize("script, flags, output", [
-    ("equivalence.py", ["--variants=simple_gla", "--T=3", "--K=4", "--V=4"], "equivalence.json"),
+    ("equivalence.py", ["--variants=simple_gla", "--T=3", "--K=4", "--V=4", "--gates=strong"],
+     "equivalence.json"),
     ("benchmark.py", ["--variants=simple_gla", "--impls=chunk", "--modes=fwd", "--shapes=1,8,1,4",
                       "--nosoftmax", "--warmup=0", "--iters=1"], "benchmark.json"),
     ("kernel_breakdown.py", ["--variants=gated_delta_rule", "--shape=1,64,1,64", "--iters=1",

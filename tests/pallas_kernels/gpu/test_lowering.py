@@ -171,24 +171,28 @@ def test_per_channel_preparation_kernel_exports_for_hopper(kind, D, packed):
   assert "chunk_prep_channel" in fwd and "chunk_walk_fwd" in fwd
 
 
-@pytest.mark.parametrize("D,group,packed,pieces", [(128, 1, True, 2), (64, 2, False, 1)])
-def test_gla_gradient_kernel_exports_for_hopper(D, group, packed, pieces):
-  # gla's backward: the reverse walk over q e^G, then chunk_grads_channel (halves of 64 key channels,
-  # column sums across warps, ~209 KB of shared memory at K = V = 128), inside the lax.cond whose
-  # other branch is XLA's vjp of the merge form around the prepared walks
+@pytest.mark.parametrize("kind,D,group,packed,pieces", [("gla", 128, 1, True, 2), ("gla", 64, 2, False, 1),
+                                                        ("kda", 128, 1, True, 2), ("kda", 64, 2, False, 1)])
+def test_per_channel_gradient_kernels_export_for_hopper(kind, D, group, packed, pieces):
+  # the backward: the reverse walk over the saved tensors, then gla's chunk_grads_channel (halves of 64
+  # key channels, ~209 KB of shared memory at K = V = 128) or kda's value-side and key-side kernels
+  # (~192 / ~218 KB), inside the lax.cond whose other branch is XLA's vjp of the merge form
   Hv = group * H
+  delta = kind == "kda"
   args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, Hv, D), _spec(B, T, Hv, D, dtype=jnp.float32),
-          _spec(B, Hv, D, D, dtype=jnp.float32))
+          _spec(B, T, Hv, dtype=jnp.float32) if delta else None, _spec(B, Hv, D, D, dtype=jnp.float32))
   seg = jnp.zeros((B, T), jnp.int32).at[:, T // 3:].set(1) if packed else None
 
-  def loss(q, k, v, g, h0):
-    o, final = gpu.chunked_attention(q, k, v, g, initial_state=h0, segment_ids=seg, sequence_pieces=pieces)
+  def loss(q, k, v, g, beta, h0):
+    o, final = gpu.chunked_attention(q, k, v, g, beta, initial_state=h0, segment_ids=seg,
+                                     sequence_pieces=pieces)
     return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
 
+  argnums = tuple(i for i, a in enumerate(args) if a is not None)
   with jax.sharding.use_abstract_mesh(H200):
-    bwd = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))),
-                            platforms=["cuda"])(*args).mlir_module()
-  assert "chunk_grads_channel" in bwd
+    bwd = jax.export.export(jax.jit(jax.grad(loss, argnums=argnums)), platforms=["cuda"])(*args).mlir_module()
+  names = ["chunk_grads_channel_delta_v", "chunk_grads_channel_delta_k"] if delta else ["chunk_grads_channel"]
+  assert all(name in bwd for name in names)
   assert "chunk_walk_bwd" in bwd
 
 
