@@ -211,6 +211,13 @@ def _sum_over_extra_axes(ct, primal):
   return jax.lax.psum(ct, tuple(sorted(extra))) if extra else ct
 
 
+def summed_like(grads, primals):
+  """`_sum_over_extra_axes` of each gradient against its primal (None stays None): what a backend's
+  kernel branch returns where a `lax.cond` pairs it with `_prepared_backward_per_head`, whose
+  gradients already vary as their primals do (the branches' types must match under shard_map)."""
+  return tuple(None if d is None else _sum_over_extra_axes(d, x) for d, x in zip(grads, primals))
+
+
 chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 

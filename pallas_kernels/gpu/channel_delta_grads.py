@@ -42,7 +42,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import prep
+from pallas_kernels import prep, vjp
 from pallas_kernels.gpu import walk
 from pallas_kernels.gpu.channel_grads import HALF, fits
 from pallas_kernels.gpu.fused import ROWS, SEG_ROWS, _segment_masks, segment_vectors
@@ -326,7 +326,8 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
     dbeta = jnp.swapaxes(dbeta_v + dbeta_k, 1, 2)[:, :T]
     per_head = lambda x: (x[:, :T].astype(F32).reshape(B, T, H, group, K).sum(3) if group > 1
                           else x[:, :T])
-    return (per_head(dq).astype(q.dtype), per_head(dk).astype(k.dtype), dv[:, :T].astype(v.dtype),
-            dg.astype(g.dtype), dbeta.astype(beta.dtype), dh0.astype(F32))
+    grads = (per_head(dq).astype(q.dtype), per_head(dk).astype(k.dtype), dv[:, :T].astype(v.dtype),
+             dg.astype(g.dtype), dbeta.astype(beta.dtype))
+    return vjp.summed_like(grads, (q, k, v, g, beta)) + (dh0.astype(F32),)
 
   return lax.cond(fits(G, C, dtype), kernels, fallback)

@@ -36,7 +36,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import prep
+from pallas_kernels import prep, vjp
 from pallas_kernels.gpu import walk
 from pallas_kernels.gpu.fused import SEG_ROWS, _segment_masks, segment_vectors
 from pallas_kernels.gpu.walk import COLS, F32, WGMMA, _vary_like, matmul, smem
@@ -237,7 +237,8 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
     dg = jnp.flip(jnp.cumsum(jnp.flip(dG, 2), 2), 2).reshape(B, T_pad, Hv, K)[:, :T]
     per_head = lambda x: (x[:, :T].astype(F32).reshape(B, T, H, group, K).sum(3) if group > 1
                           else x[:, :T])
-    return (per_head(dq).astype(q.dtype), per_head(dk).astype(k.dtype), dv[:, :T].astype(v.dtype),
-            dg.astype(g.dtype), None, dh0.astype(F32))
+    grads = (per_head(dq).astype(q.dtype), per_head(dk).astype(k.dtype), dv[:, :T].astype(v.dtype),
+             dg.astype(g.dtype))
+    return vjp.summed_like(grads, (q, k, v, g)) + (None, dh0.astype(F32))
 
   return lax.cond(fits(G, C, dtype), kernels, fallback)

@@ -64,7 +64,11 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
     fallback = lambda f=fallback: (f(), no_inverse)
   kernel = lambda: _prepare_kernel(q, k, v, G, refs, beta, chunk_size=C, dtype=dtype,
                                    segment_ids=segment_ids, interpret=interpret, with_inverse=with_inverse)
-  return lax.cond(fits(G, C, dtype), kernel, fallback)
+  # under shard_map both branches' tensors vary over every mesh axis the inputs vary over (the
+  # kernel's results say so of all of them; the types of a lax.cond's branches must match)
+  axes = vjp.varying_axes([x for x in (q, k, v, g, beta, segment_ids) if x is not None])
+  varying = lambda branch: lambda: jax.tree.map(lambda x: vjp.vary_over(x, axes), branch())
+  return lax.cond(fits(G, C, dtype), varying(kernel), varying(fallback))
 
 
 def _xla_per_head(q, k, v, g, beta, segment_ids, *, C, chunk_multiple, dtype):

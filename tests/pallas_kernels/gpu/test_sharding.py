@@ -20,8 +20,9 @@ AXES = pytest.mark.parametrize("axes", [{"batch_axis": "data", "head_axis": "mod
                                 ids=["batch+heads", "batch+values"])
 
 
-def _export_grad(axes, T, delta):
-  """`jax.export` of the gradient of the sharded op (B=4, H=8, K=V=128, bf16) for a 2 x 2 H200 mesh."""
+def _export_grad(axes, T, delta, per_channel=False):
+  """`jax.export` of the gradient of the sharded op (B=4, H=8, K=V=128, bf16; scalar or per-channel
+  decay) for a 2 x 2 H200 mesh."""
   mesh = AbstractMesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2,
                       abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
                                                      platform="gpu"))
@@ -30,7 +31,8 @@ def _export_grad(axes, T, delta):
   rows = P("data", None, "model") if "head_axis" in axes else P("data")
   values = P("data", None, "model") if "head_axis" in axes else P("data", None, None, "model")
   args = (spec((B, T, H, D), jnp.bfloat16, rows), spec((B, T, H, D), jnp.bfloat16, rows),
-          spec((B, T, H, D), jnp.bfloat16, values), spec((B, T, H), jnp.float32, rows))
+          spec((B, T, H, D), jnp.bfloat16, values),
+          spec((B, T, H, D) if per_channel else (B, T, H), jnp.float32, rows))
   if delta:
     args += (spec((B, T, H), jnp.float32, rows),)
   fn = gpu.sharded_chunked_attention(mesh, **axes)
@@ -64,3 +66,13 @@ def test_sharded_walks_in_sequence_pieces_export(axes, delta):
   # starts, reverse walk, per-chunk gradients
   assert module.count("custom_call @mosaic_gpu") == (6 if delta else 5)
   assert ("chunk_walk_bwd_starts" if delta else "chunk_walk_fused_bwd_starts") in module
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["gla", "kda"])
+@AXES
+def test_sharded_per_channel_gradients_export(axes, delta):
+  # per-channel decay: the preparation kernel and walk forward; the reverse walk and the per-chunk
+  # gradient kernels (gla's one, kda's value side and key side) inside each shard
+  module = _export_grad(axes, T=1024, delta=delta, per_channel=True).mlir_module()
+  names = ["chunk_grads_channel_delta_v", "chunk_grads_channel_delta_k"] if delta else ["chunk_grads_channel"]
+  assert all(name in module for name in ["chunk_prep_channel", "chunk_walk_fwd", "chunk_walk_bwd"] + names)
