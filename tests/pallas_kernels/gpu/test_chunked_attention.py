@@ -198,7 +198,13 @@ def test_fused_forward_equals_the_prepared_path(variant):
   run = lambda fused, wg=1: gpu.chunked_attention(q, k, v, g, initial_state=jnp.asarray(inp["h0"]),
                                                   fused=fused, forward_warpgroups=wg, interpret=PARAMS)
   (o, final), (ro, rfinal) = run(True), run(False)
-  assert rel_rms(o, ro) < 1e-6 and rel_rms(final, rfinal) < 1e-6
+  assert rel_rms(final, rfinal) < 1e-6
+  # o leaves in bfloat16: a float32 sum that lands next to a rounding boundary may round either way
+  # when the interpreter's matmuls add in another order (with numpy 2.5.5, 3 of 38400 elements do);
+  # no more than 0.1% of the elements may differ, by at most one bfloat16 step
+  o, ro = np.asarray(o, np.float32), np.asarray(ro, np.float32)
+  assert np.mean(o != ro) < 1e-3
+  np.testing.assert_allclose(o, ro, rtol=2.0 ** -7, atol=0)
   o3, final3 = run(True, 3)
   assert rel_rms(o3, ro) < 4e-3 and rel_rms(final3, rfinal) < 4e-3
 
