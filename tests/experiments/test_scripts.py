@@ -133,8 +133,7 @@ def test_gate_recipes_give_the_documented_values():
                              "main walk"],
      "kernel_breakdown.json"),
     ("kernel_breakdown.py", ["--variants=kda", "--shape=1,64,1,64", "--iters=1", "--interpret",
-                             "--stages=channel prep kernel,op fwd channel kernel,channel check,"
-                             "gram merge fwd+bwd"],
+                             "--stages=channel prep kernel,op fwd channel kernel,channel check"],
      "kernel_breakdown.json"),
 ])
 def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):

@@ -66,9 +66,9 @@ def test_kda_gradient_kernels_at_strong_decay_within_the_bound(monkeypatch):
 def test_kda_beyond_the_bound_takes_the_merge_form():
   # g down to -20 a token: beyond float16's bound, so the call's tensors and gradients come from XLA's
   # merge form, one batch row and value head at a time (two rows, grouped heads, packed rows)
-  inp = make_inputs("kda", B=2, T=97, H=1, Hv=2, K=64, V=64, gates="strong", seed=43)
+  inp = make_inputs("kda", B=2, T=70, H=1, Hv=2, K=64, V=64, gates="strong", seed=43)
   G, _ = channel_grads.chunk_cumsum(jnp.asarray(inp["g"]), 128, 64)
   assert not bool(channel_grads.fits(G, 64, jnp.float16))
-  seg = np.zeros((2, 97), np.int32)
-  seg[0, 30:], seg[1, 70:] = 1, 1
+  seg = np.zeros((2, 70), np.int32)
+  seg[0, 30:], seg[1, 66:] = 1, 1
   check("kda", inp, seg=seg, **KERNELS)
