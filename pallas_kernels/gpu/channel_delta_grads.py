@@ -44,7 +44,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import prep, vjp
 from pallas_kernels.gpu import walk
-from pallas_kernels.gpu.channel_grads import HALF, fits
+from pallas_kernels.gpu.channel_grads import HALF, fits, key_grads
 from pallas_kernels.gpu.fused import ROWS, SEG_ROWS, _segment_masks, segment_vectors
 from pallas_kernels.gpu.walk import COLS, F32, WGMMA, _flat, _vary_like, matmul, matmuls, smem
 
@@ -306,7 +306,6 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
   C = chunk_size
   NC = saved.states.shape[2]
   T_pad = NC * C
-  group = Hv // H
   G, refs = saved.G, saved.refs
   pad = lambda x: jnp.pad(x.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
 
@@ -321,13 +320,9 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
                                             dtype=dtype, masks=masks, interpret=interpret)
     dq, dk, dG, dbeta_k = key_side(pad(q), pad(k), G, refs, b, _flat(do_c), u, dr, dP, dL, saved.states,
                                    dstates, dtype=dtype, masks=masks, interpret=interpret)
-    dG = dG.reshape(B, NC, C, Hv, K)
-    dg = jnp.flip(jnp.cumsum(jnp.flip(dG, 2), 2), 2).reshape(B, T_pad, Hv, K)[:, :T]
-    dbeta = jnp.swapaxes(dbeta_v + dbeta_k, 1, 2)[:, :T]
-    per_head = lambda x: (x[:, :T].astype(F32).reshape(B, T, H, group, K).sum(3) if group > 1
-                          else x[:, :T])
-    grads = (per_head(dq).astype(q.dtype), per_head(dk).astype(k.dtype), dv[:, :T].astype(v.dtype),
-             dg.astype(g.dtype), dbeta.astype(beta.dtype))
+    dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C)
+    dbeta = jnp.swapaxes(dbeta_v + dbeta_k, 1, 2)[:, :T].astype(beta.dtype)
+    grads = (dq, dk, dv[:, :T].astype(v.dtype), dg, dbeta)
     return vjp.summed_like(grads, (q, k, v, g, beta)) + (dh0.astype(F32),)
 
   return lax.cond(fits(G, C, dtype), kernels, fallback)

@@ -219,7 +219,6 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
   C = chunk_size
   NC = saved.states.shape[2]
   T_pad = NC * C
-  group = Hv // H
   G, refs = saved.G, saved.refs
   pad = lambda x: jnp.pad(x.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
 
@@ -233,12 +232,22 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
                                         sequence_pieces=sequence_pieces, transitions=saved.transitions)
     dq, dk, dv, dG = backward_chunks(qp, kp, vp, G, refs, saved.states, dstates, dos, dtype=dtype,
                                      masks=masks, interpret=interpret)
-    dG = dG.reshape(B, NC, C, Hv, K)
-    dg = jnp.flip(jnp.cumsum(jnp.flip(dG, 2), 2), 2).reshape(B, T_pad, Hv, K)[:, :T]
-    per_head = lambda x: (x[:, :T].astype(F32).reshape(B, T, H, group, K).sum(3) if group > 1
-                          else x[:, :T])
-    grads = (per_head(dq).astype(q.dtype), per_head(dk).astype(k.dtype), dv[:, :T].astype(v.dtype),
-             dg.astype(g.dtype))
+    dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C)
+    grads = (dq, dk, dv[:, :T].astype(v.dtype), dg)
     return vjp.summed_like(grads, (q, k, v, g)) + (None, dh0.astype(F32))
 
   return lax.cond(fits(G, C, dtype), kernels, fallback)
+
+
+def key_grads(dq, dk, dG, q, k, g, C: int):
+  """`(dq, dk, dg)` in q, k, g's dtypes and lengths from the kernels' per-value-head dq, dk `[B, T_pad,
+  H_v, K]` and per-token dG: dg is dG's reverse cumsum within each chunk (G = cumsum(g) there), and
+  grouped heads add their value heads' dq, dk."""
+  B, T, H, K = q.shape
+  T_pad, Hv = dG.shape[1:3]
+  group = Hv // H
+  dG = dG.reshape(B, T_pad // C, C, Hv, K)
+  dg = jnp.flip(jnp.cumsum(jnp.flip(dG, 2), 2), 2).reshape(B, T_pad, Hv, K)[:, :T]
+  per_head = lambda x: (x[:, :T].astype(F32).reshape(B, T, H, group, K).sum(3) if group > 1
+                        else x[:, :T])
+  return per_head(dq).astype(q.dtype), per_head(dk).astype(k.dtype), dg.astype(g.dtype)

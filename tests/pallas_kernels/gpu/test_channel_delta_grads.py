@@ -10,15 +10,9 @@ import pytest
 
 from pallas_kernels.gpu import channel_delta_grads, channel_grads
 from tests.ops.conftest import make_inputs
-from tests.pallas_kernels.gpu.util import check
+from tests.pallas_kernels.gpu.util import check, packed_runs
 
 KERNELS = dict(fused=True, delta_backward=True, channel_kernel=True)
-
-
-def _segments(T):
-  seg = np.zeros((1, T), np.int32)
-  seg[0, 40:64], seg[0, 64:110], seg[0, 110:] = 3, 1, 2   # a run ends on a chunk boundary, two inside
-  return seg
 
 
 def _spy(monkeypatch):
@@ -45,7 +39,7 @@ def test_kda_gradient_kernels_match_the_float64_loop(monkeypatch, K, V, Hv, pack
   inp["g"] = np.asarray(inp["g"]) * 0.4
   G, _ = channel_grads.chunk_cumsum(jnp.asarray(inp["g"]), 256, 64)
   assert bool(channel_grads.fits(G, 64, jnp.float16))
-  check("kda", inp, seg=_segments(T) if packed else None, pieces=pieces, **KERNELS)
+  check("kda", inp, seg=packed_runs(T) if packed else None, pieces=pieces, **KERNELS)
   assert sorted(set(calls)) == ["key_side", "value_side"], "the gradient kernels did not run"
 
 

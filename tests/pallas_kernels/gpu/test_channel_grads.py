@@ -9,13 +9,7 @@ import pytest
 
 from pallas_kernels.gpu import channel_grads
 from tests.ops.conftest import make_inputs
-from tests.pallas_kernels.gpu.util import check
-
-
-def _segments(T):
-  seg = np.zeros((1, T), np.int32)
-  seg[0, 40:64], seg[0, 64:110], seg[0, 110:] = 3, 1, 2   # a run ends on a chunk boundary, two inside
-  return seg
+from tests.pallas_kernels.gpu.util import check, packed_runs
 
 
 @pytest.mark.parametrize("K,V,Hv,packed,pieces,h0", [(64, 64, 2, False, None, False),
@@ -35,7 +29,7 @@ def test_gla_gradient_kernel_matches_the_float64_loop(monkeypatch, K, V, Hv, pac
   inp["g"] = np.asarray(inp["g"]) * 0.4
   G, _ = channel_grads.chunk_cumsum(jnp.asarray(inp["g"]), 256, 64)
   assert bool(channel_grads.fits(G, 64, jnp.float16))
-  check("gla", inp, seg=_segments(T) if packed else None, fused=True, pieces=pieces)
+  check("gla", inp, seg=packed_runs(T) if packed else None, fused=True, pieces=pieces)
   assert calls, "the gradient kernel did not run"
 
 

@@ -87,3 +87,10 @@ def check(variant, inp, *, seg=None, params=PARAMS, dtype=jnp.float16, tol=F16_T
   for name, e in errors.items():
     assert e <= tol, (name, errors)
   return errors
+
+
+def packed_runs(T):
+  """`[1, T]` segment ids of four runs: one ends on a chunk boundary (64), two end inside chunks."""
+  seg = np.zeros((1, T), np.int32)
+  seg[0, 40:64], seg[0, 64:110], seg[0, 110:] = 3, 1, 2
+  return seg
