@@ -36,7 +36,7 @@ import numpy as np
 from absl import app, flags
 
 from experiments import benchmark, common
-from pallas_kernels import gpu, prep, vjp
+from pallas_kernels import common, gpu, prep
 from pallas_kernels.gpu import channel_prep, delta_grads, delta_prep, fused, walk
 
 STAGES = ("op fwd", "op fwd fused", "op fwd fused streamed", "op fwd walk streamed",
@@ -81,7 +81,7 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
   beta = None if beta is None else beta.astype(jnp.float32)
   args = (x["q"], k, x["v"], x.get("g"), beta)
   prepare = lambda *a: prep.prepare(*a, None, chunk_size=64, dtype=dtype, inverse_dtype=jnp.float32)
-  prep_fwd = jax.jit(lambda *a: vjp._cast(prepare(*a), dtype))
+  prep_fwd = jax.jit(lambda *a: common.cast_tensors(prepare(*a), dtype))
   t = prep_fwd(*args)
   do = jnp.asarray(rng.standard_normal(t.u.shape), dtype)
   states_fn = jax.jit(lambda t: walk.forward(t, None, with_o=False, with_states=True, out_dtype=dtype,

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import prep
+from pallas_kernels import common, prep
 
 
 class Walk(NamedTuple):
@@ -88,10 +88,6 @@ def _prepare(static: Static, q, k, v, g, beta, segment_ids):
                       gram_method=static.gram_method)
 
 
-def _cast(t: prep.ChunkTensors, dtype) -> prep.ChunkTensors:
-  cast = lambda x: None if x is None else x.astype(dtype)
-  return t._replace(qg=cast(t.qg), kd=cast(t.kd), w=cast(t.w), u=cast(t.u), p=cast(t.p))
-
 
 def _padded_length(static: Static, T: int) -> int:
   NC = -(-T // static.chunk_size)
@@ -115,7 +111,7 @@ def chunked(static: Static, q, k, v, g, beta, h0, segment_ids):
     t = static.walk.kernel_prepare(q, k, v, g, beta, segment_ids, options=static.options,
                                    chunk_size=static.chunk_size, compute_dtype=static.compute_dtype)
   if t is None:
-    t = _cast(_prepare(static, q, k, v, g, beta, segment_ids), static.compute_dtype)
+    t = common.cast_tensors(_prepare(static, q, k, v, g, beta, segment_ids), static.compute_dtype)
   o, _, final = static.walk.forward(t, h0, options=static.options, with_o=True, with_states=False,
                                     out_dtype=static.out_dtype)
   o = prep.from_chunks(o, q.shape[1])
@@ -146,9 +142,9 @@ def _chunked_bwd(static, residuals, cotangents):
                                      residuals=saved, fallback=lean)
     if out is not None:
       dq, dk, dv, dg, dbeta, dh0 = out
-      dq, dk, dv = (_sum_over_extra_axes(d, x) for d, x in ((dq, q), (dk, k), (dv, v)))
-      dg = None if g is None else _sum_over_extra_axes(dg, g)
-      dbeta = None if beta is None else _sum_over_extra_axes(dbeta, beta)
+      dq, dk, dv = (common.sum_over_extra_axes(d, x) for d, x in ((dq, q), (dk, k), (dv, v)))
+      dg = None if g is None else common.sum_over_extra_axes(dg, g)
+      dbeta = None if beta is None else common.sum_over_extra_axes(dbeta, beta)
       return dq, dk, dv, dg, dbeta, (None if h0 is None else dh0.astype(h0.dtype)), None
   dq, dk, dv, dg, dbeta, dh0 = prepared()
   return dq, dk, dv, dg, dbeta, (None if h0 is None else dh0.astype(h0.dtype)), None
@@ -158,7 +154,7 @@ def _prepared_backward(static, q, k, v, g, beta, h0, segment_ids, do, dfinal):
   """The prepared path's `(dq, dk, dv, dg, dbeta, dh0 float32)`: XLA's vjp of the preparation around
   the backend's walks."""
   t32, prep_vjp = jax.vjp(lambda *x: _prepare(static, *x, segment_ids), q, k, v, g, beta)
-  t = _cast(t32, static.compute_dtype)
+  t = common.cast_tensors(t32, static.compute_dtype)
   _, states, _ = static.walk.forward(t, h0, options=static.options, with_o=False, with_states=True,
                                      out_dtype=static.out_dtype)
   # the cotangent of the unscaled o in chunk layout, rounded to o's dtype as autodiff of the forward's
@@ -166,18 +162,9 @@ def _prepared_backward(static, q, k, v, g, beta, h0, segment_ids, do, dfinal):
   do = (do.astype(jnp.float32) * static.scale).astype(static.out_dtype)
   do = prep.to_chunks(do, static.chunk_size, _padded_length(static, q.shape[1]))
   grads, dh0 = static.walk.backward(t, states, do, dfinal, options=static.options)
-  dq, dk, dv, dg, dbeta = prep_vjp(jax.tree.map(_sum_over_extra_axes, grads, t32))
+  dq, dk, dv, dg, dbeta = prep_vjp(jax.tree.map(common.sum_over_extra_axes, grads, t32))
   return dq, dk, dv, dg, dbeta, dh0.astype(jnp.float32)
 
-
-def row_and_head(i, Hv: int):
-  """For the i-th (batch row, value head) pair of a `lax.map` over `B * Hv`: `(h, row, head)`, where
-  `row(x)` slices x's batch row (axis 0) and `head(x, j, axis)` also the head j on `axis` (size-1
-  slices; None stays None)."""
-  b, h = i // Hv, i % Hv
-  row = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, b, 1, 0)
-  head = lambda x, j, axis=2: None if x is None else lax.dynamic_slice_in_dim(row(x), j, 1, axis)
-  return h, row, head
 
 
 def _prepared_backward_per_head(static, q, k, v, g, beta, h0, segment_ids, do, dfinal):
@@ -190,7 +177,7 @@ def _prepared_backward_per_head(static, q, k, v, g, beta, h0, segment_ids, do, d
   group = Hv // H
 
   def one(i):
-    h, row, head = row_and_head(i, Hv)
+    h, row, head = common.row_and_head(i, Hv)
     dq, dk, dv, dg, dbeta, dh0 = _prepared_backward(
         static, head(q, h // group, 2), head(k, h // group, 2), head(v, h, 2), head(g, h, 2),
         head(beta, h, 2), head(h0, h, 1), row(segment_ids), head(do, h, 2), head(dfinal, h, 1))
@@ -204,18 +191,6 @@ def _prepared_backward_per_head(static, q, k, v, g, beta, h0, segment_ids, do, d
           None if dbeta is None else heads(dbeta), dh0.reshape(B, Hv, K, V))
 
 
-def _sum_over_extra_axes(ct, primal):
-  """Under `jax.shard_map`, a cotangent that varies over mesh axes its primal does not (K-side tensors
-  when V is sharded) holds per-shard partial sums: add them up."""
-  extra = jax.typeof(ct).manual_axis_type.varying - jax.typeof(primal).manual_axis_type.varying
-  return jax.lax.psum(ct, tuple(sorted(extra))) if extra else ct
-
-
-def summed_like(grads, primals):
-  """`_sum_over_extra_axes` of each gradient against its primal (None stays None): what a backend's
-  kernel branch returns where a `lax.cond` pairs it with `_prepared_backward_per_head`, whose
-  gradients already vary as their primals do (the branches' types must match under shard_map)."""
-  return tuple(None if d is None else _sum_over_extra_axes(d, x) for d, x in zip(grads, primals))
 
 
 chunked.defvjp(_chunked_fwd, _chunked_bwd)
@@ -225,65 +200,3 @@ def chunked_op(static: Static, q, k, v, g, beta, *, scale: float, initial_state,
   """`chunked` with the read-out scale: `(o [B, T, H_v, V] out_dtype, final [B, H_v, K, V] float32)`."""
   h0 = None if initial_state is None else jnp.asarray(initial_state, jnp.float32)
   return chunked(dataclasses.replace(static, scale=float(scale)), q, k, v, g, beta, h0, segment_ids)
-
-
-def explicitly_sharded(*arrays) -> bool:
-  """True if an array is split over mesh axes that are not manual: a sharded jit (explicit mesh) outside
-  `jax.shard_map`, where a pallas_call cannot run. (Under an auto mesh the sharding is not visible at
-  trace time; XLA would then replicate the kernel's operands.)"""
-  for x in arrays:
-    spec = None if x is None else getattr(jax.typeof(x).sharding, "spec", None)
-    if spec is not None and any(p is not None for p in spec):
-      return True
-  return False
-
-
-def check_shapes(q, k, v, g, beta, initial_state, segment_ids):
-  """`(B, T, H, K, H_v, V)`, or a ValueError naming the argument whose shape is wrong."""
-  if q.ndim != 4 or k.shape != q.shape:
-    raise ValueError(f"q and k must have one shape [B, T, H, K]; got q {q.shape}, k {k.shape}")
-  B, T, H, K = q.shape
-  if v.ndim != 4 or v.shape[:2] != (B, T) or v.shape[2] % H:
-    raise ValueError(f"v must be [B, T, H_v, V] with B={B}, T={T} and H_v a multiple of H={H}; "
-                     f"got {v.shape}")
-  Hv, V = v.shape[2:]
-  want = {"g": (None, (B, T, Hv), (B, T, Hv, K)), "beta": (None, (B, T, Hv)),
-          "initial_state": (None, (B, Hv, K, V)), "segment_ids": (None, (B, T))}
-  for name, x in (("g", g), ("beta", beta), ("initial_state", initial_state),
-                  ("segment_ids", segment_ids)):
-    shape = None if x is None else tuple(x.shape)
-    if shape not in want[name]:
-      raise ValueError(f"{name} must be one of {want[name]} (None: absent); got {shape}")
-  return B, T, H, K, Hv, V
-
-
-class InterpretSwitch:
-  """A backend's "run the kernels in the interpreter" switch: `use(params)` is a context manager
-  inside which `current()` returns `params` (else None). jit caches do not see it: trace inside."""
-
-  def __init__(self, name: str, default_params: Callable[[], Any]):
-    self._var = contextvars.ContextVar(name, default=None)
-    self._default = default_params
-
-  @contextlib.contextmanager
-  def use(self, params=None):
-    token = self._var.set(self._default() if params is None else params)
-    try:
-      yield
-    finally:
-      self._var.reset(token)
-
-  def current(self):
-    return self._var.get()
-
-
-def varying_axes(arrays) -> frozenset:
-  """The mesh axes over which any of `arrays` varies (under `jax.shard_map`; empty outside)."""
-  return frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in arrays))
-
-
-def vary_over(x, axes: frozenset):
-  """`x`, made to vary over every mesh axis in `axes` (`check_vma=True` wants a kernel's operands and
-  results to say so; a kernel call itself does not track it)."""
-  missing = axes - jax.typeof(x).manual_axis_type.varying
-  return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x

@@ -26,7 +26,7 @@ from linear_attention_jax.ops.packing import Packing, from_cu_seqlens, from_segm
 from linear_attention_jax.ops.recurrent import recurrent_form
 from pallas_kernels import gpu as gpu_kernels
 from pallas_kernels import tpu as tpu_kernels
-from pallas_kernels import vjp as kernel_vjp
+from pallas_kernels import common as kernel_common
 
 
 def pallas_reason(*, K: int, V: int, chunk_size: int, packing: str = "none", dtype=jnp.float32,
@@ -102,7 +102,7 @@ def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_sta
   packing_kind = "segments" if segment_ids is not None else ("none" if cu_seqlens is None else "cu_seqlens")
   compute_dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)  # the kernel's matmul dtype
   form = select_impl(impl, variant, K=K, V=V + v_extra, chunk_size=chunk_size, packing=packing_kind,
-                     dtype=compute_dtype, sharded=kernel_vjp.explicitly_sharded(q, k, v),
+                     dtype=compute_dtype, sharded=kernel_common.explicitly_sharded(q, k, v),
                      v_extra=v_extra)
 
   scale = K ** -0.5 if scale is None else scale

@@ -42,7 +42,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import prep, vjp
+from pallas_kernels import common, prep
 from pallas_kernels.gpu import walk
 from pallas_kernels.gpu.channel_grads import HALF, fits, key_grads
 from pallas_kernels.gpu.fused import ROWS, SEG_ROWS, _segment_masks, segment_vectors
@@ -323,6 +323,6 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
     dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C)
     dbeta = jnp.swapaxes(dbeta_v + dbeta_k, 1, 2)[:, :T].astype(beta.dtype)
     grads = (dq, dk, dv[:, :T].astype(v.dtype), dg, dbeta)
-    return vjp.summed_like(grads, (q, k, v, g, beta)) + (dh0.astype(F32),)
+    return common.summed_like(grads, (q, k, v, g, beta)) + (dh0.astype(F32),)
 
   return lax.cond(fits(G, C, dtype), kernels, fallback)

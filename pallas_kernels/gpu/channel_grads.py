@@ -36,7 +36,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import prep, vjp
+from pallas_kernels import common, prep
 from pallas_kernels.gpu import walk
 from pallas_kernels.gpu.fused import SEG_ROWS, _segment_masks, segment_vectors
 from pallas_kernels.gpu.walk import COLS, F32, WGMMA, _vary_like, matmul, smem
@@ -234,7 +234,7 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
                                      masks=masks, interpret=interpret)
     dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C)
     grads = (dq, dk, dv[:, :T].astype(v.dtype), dg)
-    return vjp.summed_like(grads, (q, k, v, g)) + (None, dh0.astype(F32))
+    return common.summed_like(grads, (q, k, v, g)) + (None, dh0.astype(F32))
 
   return lax.cond(fits(G, C, dtype), kernels, fallback)
 

@@ -26,7 +26,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import prep, vjp
+from pallas_kernels import common, prep
 from pallas_kernels.gpu.channel_grads import chunk_cumsum, fits
 from pallas_kernels.gpu.delta_prep import unit_lower_inverse
 from pallas_kernels.gpu.fused import ROWS, SEG_ROWS, _segment_masks, segment_vectors
@@ -66,8 +66,8 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
                                    segment_ids=segment_ids, interpret=interpret, with_inverse=with_inverse)
   # under shard_map both branches' tensors vary over every mesh axis the inputs vary over (the
   # kernel's results say so of all of them; the types of a lax.cond's branches must match)
-  axes = vjp.varying_axes([x for x in (q, k, v, g, beta, segment_ids) if x is not None])
-  varying = lambda branch: lambda: jax.tree.map(lambda x: vjp.vary_over(x, axes), branch())
+  axes = common.varying_axes([x for x in (q, k, v, g, beta, segment_ids) if x is not None])
+  varying = lambda branch: lambda: jax.tree.map(lambda x: common.vary_over(x, axes), branch())
   return lax.cond(fits(G, C, dtype), varying(kernel), varying(fallback))
 
 
@@ -80,11 +80,11 @@ def _xla_per_head(q, k, v, g, beta, segment_ids, *, C, chunk_multiple, dtype):
   group = Hv // H
 
   def one(i):
-    h, row, head = vjp.row_and_head(i, Hv)
+    h, row, head = common.row_and_head(i, Hv)
     t = prep.prepare(head(q, h // group), head(k, h // group), head(v, h), head(g, h), head(beta, h),
                      row(segment_ids), chunk_size=C, chunk_multiple=chunk_multiple, dtype=dtype,
                      inverse_dtype=jnp.float32, gram_method="merge")
-    return jax.tree.map(lambda x: x[0, 0], vjp._cast(t, dtype))
+    return jax.tree.map(lambda x: x[0, 0], common.cast_tensors(t, dtype))
 
   t = lax.map(one, jnp.arange(B * Hv))
   heads = lambda x: None if x is None else x.reshape((B, Hv) + x.shape[1:])

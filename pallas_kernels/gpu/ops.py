@@ -13,12 +13,12 @@ import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import prep, vjp
+from pallas_kernels import common, prep, vjp
 from pallas_kernels.gpu import channel_delta_grads, channel_grads, channel_prep, delta_grads, delta_prep
 from pallas_kernels.gpu import fused as fused_kernel
 from pallas_kernels.gpu import walk
 
-_INTERPRET = vjp.InterpretSwitch("pallas_kernels_gpu_interpret", plgpu.InterpretGPUParams)
+_INTERPRET = common.InterpretSwitch("pallas_kernels_gpu_interpret", plgpu.InterpretGPUParams)
 DTYPES = (jnp.bfloat16, jnp.float16)
 HEAD_DIMS = (64, 128)
 CHUNK_SIZES = (64,)
@@ -101,7 +101,7 @@ def supports(*, K: int, V: int, chunk_size: int, dtype=jnp.bfloat16, packing: st
       the state is float32). packing: "none", "segments" or "cu_seqlens".
     backend: None is the running backend (a Hopper GPU, or any inside `interpret_kernels`);
       "hopper" takes a Hopper target as given.
-    sharded: the operands are split over non-manual mesh axes (`vjp.explicitly_sharded`).
+    sharded: the operands are split over non-manual mesh axes (`common.explicitly_sharded`).
   """
   reason = hopper_reason(backend)
   if reason is not None:
@@ -192,7 +192,7 @@ def _fused_forward(q, k, v, g, beta, h0, segment_ids, *, options, chunk_size, co
     t = _kernel_prepare(q, k, v, g, beta, segment_ids, options=options, chunk_size=chunk_size,
                         compute_dtype=compute_dtype, cumsum=cumsum)
     if t is None:
-      t = vjp._cast(prep.prepare(q, k, v, g, beta, segment_ids, chunk_size=chunk_size,
+      t = common.cast_tensors(prep.prepare(q, k, v, g, beta, segment_ids, chunk_size=chunk_size,
                                  chunk_multiple=_chunks_per_group(0, options), dtype=compute_dtype,
                                  gram_method=options.gram_method), compute_dtype)
     o, (states, transitions), final = _forward(t, h0, options=options, with_o=True, with_states=True,
@@ -372,13 +372,13 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
 
   The call targets a Hopper GPU (or the interpreter); `supports(...)` says whether this machine is one.
   """
-  B, T, H, K, Hv, V = vjp.check_shapes(q, k, v, g, beta, initial_state, segment_ids)
+  B, T, H, K, Hv, V = common.check_shapes(q, k, v, g, beta, initial_state, segment_ids)
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype) if compute_dtype is None else compute_dtype
   interpret = interpreting() if interpret is None else interpret
   reason = supports(K=K, V=V, chunk_size=chunk_size, dtype=dtype,
                     packing="none" if segment_ids is None else "segments",
                     backend="hopper",
-                    sharded=vjp.explicitly_sharded(q, k, v, g, beta, initial_state, segment_ids))
+                    sharded=common.explicitly_sharded(q, k, v, g, beta, initial_state, segment_ids))
   if reason is not None:
     raise ValueError(reason)
   sixteen_bit = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

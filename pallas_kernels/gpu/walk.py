@@ -37,7 +37,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import vjp
+from pallas_kernels import common
 from pallas_kernels.prep import ChunkTensors
 
 F32 = jnp.float32
@@ -113,8 +113,8 @@ def _flat(x):
 def _vary_like(outs, args):
   """Under `jax.shard_map(check_vma=True)`: the kernel's outputs vary over the mesh axes its inputs vary
   over (`plgpu.kernel` itself does not track them)."""
-  axes = vjp.varying_axes(args)
-  return [vjp.vary_over(x, axes) for x in outs]
+  axes = common.varying_axes(args)
+  return [common.vary_over(x, axes) for x in outs]
 
 
 def _program(bv):

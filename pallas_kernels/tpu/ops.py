@@ -10,12 +10,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import vjp
-from pallas_kernels.vjp import explicitly_sharded  # noqa: F401  (re-exported)
+from pallas_kernels import common, vjp
+from pallas_kernels.common import explicitly_sharded  # noqa: F401  (re-exported)
 from pallas_kernels.tpu import walk
 from pallas_kernels.tpu.walk import BlockSizes
 
-_INTERPRET = vjp.InterpretSwitch("pallas_kernels_tpu_interpret", pltpu.InterpretParams)
+_INTERPRET = common.InterpretSwitch("pallas_kernels_tpu_interpret", pltpu.InterpretParams)
 MIN_CHUNK = 16  # a bfloat16 (16, 128) tile: blocks of C rows are whole tiles
 DTYPES = (jnp.float32, jnp.bfloat16)
 
@@ -119,13 +119,13 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
   Returns:
     `(o [B, T, H_v, V] in v's dtype, final_state [B, H_v, K, V] float32)`.
   """
-  B, T, H, K, Hv, V = vjp.check_shapes(q, k, v, g, beta, initial_state, segment_ids)
+  B, T, H, K, Hv, V = common.check_shapes(q, k, v, g, beta, initial_state, segment_ids)
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype) if compute_dtype is None else compute_dtype
   interpret = interpreting() if interpret is None else interpret
   bs = BlockSizes() if block_sizes is None else block_sizes
   reason = supports(K=K, V=V, chunk_size=chunk_size, dtype=dtype, block_sizes=bs,
                     packing="none" if segment_ids is None else "segments", backend="tpu",
-                    sharded=vjp.explicitly_sharded(q, k, v, g, beta, initial_state, segment_ids))
+                    sharded=common.explicitly_sharded(q, k, v, g, beta, initial_state, segment_ids))
   if reason is not None:
     raise ValueError(reason)
   static = vjp.Static(walk=TPU_WALK, options=_Options(block_sizes=bs, interpret=interpret or False),

@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import vjp
+from pallas_kernels import common
 from pallas_kernels.prep import ChunkTensors
 
 MiB = 1 << 20
@@ -233,10 +233,10 @@ def _backward_kernel(*refs, nb: int, delta: bool, has_dfinal: bool):
 def _vary_alike(args):
   """Under `jax.shard_map(check_vma=True)` a pallas_call's outputs must say over which mesh axes they
   vary: make every input vary over the union of the inputs' axes and return that for the outputs."""
-  axes = vjp.varying_axes(args)
+  axes = common.varying_axes(args)
   if not axes:
     return args, None
-  args = [vjp.vary_over(x, axes) for x in args]
+  args = [common.vary_over(x, axes) for x in args]
   return args, jax.typeof(args[0]).manual_axis_type
 
 
