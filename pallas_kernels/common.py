@@ -8,6 +8,7 @@ import contextvars
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import prep
@@ -30,6 +31,16 @@ def check_shapes(q, k, v, g, beta, initial_state, segment_ids):
     if shape not in want[name]:
       raise ValueError(f"{name} must be one of {want[name]} (None: absent); got {shape}")
   return B, T, H, K, Hv, V
+
+
+L2_EPS = 1e-6   # `x * rsqrt(sum(x^2) + eps)`, as linear_attention_jax.ops.l2_normalize
+
+
+def l2_normalize(x):
+  """`x * rsqrt(sum(x^2) + L2_EPS)` over the last axis (K) in float32, back in x's dtype (XLA;
+  differentiable): `qk_l2norm` where a backend's kernels do not normalise on load."""
+  x32 = x.astype(jnp.float32)
+  return (x32 * lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + L2_EPS)).astype(x.dtype)
 
 
 def cast_tensors(t: prep.ChunkTensors, dtype) -> prep.ChunkTensors:

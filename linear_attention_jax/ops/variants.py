@@ -21,58 +21,11 @@ import jax.numpy as jnp
 
 from linear_attention_jax.ops import checks
 from linear_attention_jax.ops.chunk import chunk_form
+from linear_attention_jax.ops.dispatch import pallas_form, pallas_reason, select_impl  # noqa: F401
 from linear_attention_jax.ops.feature_maps import l2_normalize, resolve_feature_map
 from linear_attention_jax.ops.packing import Packing, from_cu_seqlens, from_segment_ids
 from linear_attention_jax.ops.recurrent import recurrent_form
-from pallas_kernels import gpu as gpu_kernels
-from pallas_kernels import tpu as tpu_kernels
 from pallas_kernels import common as kernel_common
-
-
-def pallas_reason(*, K: int, V: int, chunk_size: int, packing: str = "none", dtype=jnp.float32,
-                  sharded: bool = False, v_extra: int = 0):
-  """None if a Pallas kernel serves a call of this kind on this backend, else why not.
-
-  The TPU kernels serve a TPU backend, or any backend inside `pallas_kernels.tpu.interpret_kernels()`;
-  the Mosaic GPU kernels serve a Hopper GPU, or any backend inside `pallas_kernels.gpu.interpret_kernels()`
-  (the interpreters, for tests). `V` counts the state's value columns and `v_extra` of them are
-  appended ones (the linear-attention normaliser): the TPU kernels walk all of them, the GPU kernels the
-  first `V - v_extra` (the walk is independent per value column, so the chunked form takes the rest).
-  `sharded`: the operands are split over mesh axes outside `jax.shard_map`.
-  """
-  backend = _kernel_backend()
-  call = dict(K=K, chunk_size=chunk_size, dtype=dtype, packing=packing, sharded=sharded)
-  if backend == "tpu":
-    return tpu_kernels.supports(**call, V=V, backend="tpu")
-  if backend == "gpu":
-    return gpu_kernels.supports(**call, V=V - v_extra)
-  return f"no Pallas kernel runs on backend {backend!r} (the kernels are for TPUs and Hopper GPUs)"
-
-
-def _kernel_backend() -> str:
-  """"tpu" or "gpu" inside that backend's interpreter context, else the running backend."""
-  if tpu_kernels.interpreting() is not None:
-    return "tpu"
-  if gpu_kernels.interpreting() is not None:
-    return "gpu"
-  return jax.default_backend()
-
-
-def select_impl(impl: str, variant: str, **call) -> str:
-  """The implementation that serves a call: a named impl, or for "auto" the Pallas kernel where
-  `pallas_reason(**call)` is None, else the chunked form. `impl="pallas"` raises with that reason.
-
-  `call`: the keywords of `pallas_reason` (K, V, chunk_size, packing, dtype, sharded); without them
-  "auto" takes the chunked form and "pallas" raises.
-  """
-  if impl not in ("pallas", "auto"):
-    return impl
-  reason = pallas_reason(**call) if call else "the call's shapes were not given to select_impl"
-  if reason is None:
-    return "pallas"
-  if impl == "pallas":
-    raise ValueError(f"impl='pallas' cannot serve {variant}: {reason}; use impl='chunk' or impl='auto'")
-  return "chunk"
 
 
 def _expand_heads(x, Hv):
@@ -106,14 +59,8 @@ def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_sta
                      v_extra=v_extra)
 
   scale = K ** -0.5 if scale is None else scale
-  q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
-  # the GPU kernels l2-normalise q, k themselves (no XLA pass over them); every other form here
-  l2_in_kernel = (qk_map is l2_normalize and form == "pallas" and _kernel_backend() == "gpu")
-  if l2_in_kernel:
-    q_raw, k_raw = _expand_heads(q32, Hv), _expand_heads(k32, Hv)
-  if qk_map is not None:
-    q32, k32 = qk_map(q32), qk_map(k32)
-  q32, k32 = _expand_heads(q32, Hv), _expand_heads(k32, Hv)
+  q_raw, k_raw = _expand_heads(q.astype(jnp.float32), Hv), _expand_heads(k.astype(jnp.float32), Hv)
+  mapped = lambda: (q_raw, k_raw) if qk_map is None else (qk_map(q_raw), qk_map(k_raw))
   v32 = v.astype(jnp.float32)
   if v_extra:
     v32 = jnp.concatenate([v32, jnp.ones(v32.shape[:-1] + (v_extra,), jnp.float32)], axis=-1)
@@ -127,35 +74,19 @@ def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_sta
   else:
     packing = Packing()
 
-  if form == "recurrent":
-    o, final = recurrent_form(q32, k32, v32, g32, b32, scale=scale, initial_state=h0,
-                              packing=packing)
-  elif form == "pallas" and _kernel_backend() == "gpu":
-    # bfloat16 / float16 operands and output (the state and every sum stay float32); the normaliser
-    # columns (v_extra) walk in the chunked form: every value column walks independently. The kernels
-    # read q, k, v in the matmul dtype (the inputs' own: exact for raw inputs; a feature map's output is
-    # rounded where the kernels would round it), so they enter in that dtype and the gradients come
-    # back in it with no float32 round trip.
-    sixteen = lambda x: x.astype(compute_dtype)
-    q_in, k_in = (q_raw, k_raw) if l2_in_kernel else (q32, k32)
-    o, final = gpu_kernels.chunked_attention(
-        sixteen(q_in), sixteen(k_in), sixteen(v32[..., :V]), g32, b32, scale=scale,
-        initial_state=None if h0 is None else h0[..., :V],
-        segment_ids=segment_ids, chunk_size=chunk_size, compute_dtype=compute_dtype,
-        out_dtype=compute_dtype, qk_l2norm=l2_in_kernel)
-    o = o.astype(jnp.float32)
-    if v_extra:
-      o_x, final_x = chunk_form(q32, k32, v32[..., V:], g32, b32, scale=scale,
-                                initial_state=None if h0 is None else h0[..., V:], packing=packing,
-                                chunk_size=chunk_size)
-      o, final = jnp.concatenate([o, o_x], axis=-1), jnp.concatenate([final, final_x], axis=-1)
-  elif form == "pallas":
-    o, final = tpu_kernels.chunked_attention(q32, k32, v32, g32, b32, scale=scale, initial_state=h0,
-                                             segment_ids=segment_ids, chunk_size=chunk_size,
-                                             compute_dtype=compute_dtype)
+  if form == "pallas":
+    # the backend decides where q, k are l2-normalised (`qk_l2norm`) and where they are cast to the
+    # matmul dtype (the inputs' own: exact for raw inputs)
+    l2 = qk_map is l2_normalize
+    q_in, k_in = (q_raw, k_raw) if l2 else mapped()
+    o, final = pallas_form(q_in, k_in, v32, g32, b32, scale=scale, initial_state=h0,
+                           segment_ids=segment_ids, chunk_size=chunk_size, compute_dtype=compute_dtype,
+                           qk_l2norm=l2, v_extra=v_extra, mapped_qk=mapped, packing=packing)
+  elif form == "recurrent":
+    o, final = recurrent_form(*mapped(), v32, g32, b32, scale=scale, initial_state=h0, packing=packing)
   else:
-    o, final = chunk_form(q32, k32, v32, g32, b32, scale=scale, initial_state=h0,
-                          packing=packing, chunk_size=chunk_size)
+    o, final = chunk_form(*mapped(), v32, g32, b32, scale=scale, initial_state=h0, packing=packing,
+                          chunk_size=chunk_size)
   return o, (final if output_final_state else None)
 
 

@@ -293,13 +293,13 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
 
 
 def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None,
-             interpret=None, sequence_pieces=None, scale: float = 1.0, saved: Saved, fallback):
+             interpret=None, sequence_pieces=None, scale: float = 1.0, saved: Saved):
   """`(dq, dk, dv, dg, dbeta, dh0)` of kda's prepared forward (`o` scaled by `scale`; in q, k, v, g,
   beta's dtypes, dh0 float32) for `do: [B, T, H_v, V]` and `dfinal` None or `[B, H_v, K, V]`, from what
   the forward `saved`: the reverse walk over the saved tensors, then `value_side` and `key_side`; XLA
   takes dG's reverse cumsum within the chunks and, for grouped heads, adds the value heads' dq, dk. A
-  call where some chunk's decay does not fit the one-reference bound returns `fallback()` instead (one
-  `lax.cond`)."""
+  call where some chunk's decay does not fit the one-reference bound takes XLA's vjp instead: the
+  caller's `lax.cond` (`vjp.py`)."""
   del h0   # the state entering each chunk is saved
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
@@ -325,4 +325,4 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
     grads = (dq, dk, dv[:, :T].astype(v.dtype), dg, dbeta)
     return common.summed_like(grads, (q, k, v, g, beta)) + (dh0.astype(F32),)
 
-  return lax.cond(fits(G, C, dtype), kernels, fallback)
+  return kernels()

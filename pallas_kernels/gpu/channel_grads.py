@@ -202,7 +202,7 @@ class Saved(NamedTuple):
 
 
 def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
-             sequence_pieces=None, scale: float = 1.0, saved: Saved, fallback):
+             sequence_pieces=None, scale: float = 1.0, saved: Saved):
   """`(dq, dk, dv, dg, None, dh0)` of the prepared forward of gla (`o` scaled by `scale`; dq, dk, dv,
   dg in q, k, v, g's dtypes, dh0 float32) for `do: [B, T, H_v, V]` and `dfinal` None or
   `[B, H_v, K, V]`, from what the forward `saved`.
@@ -210,8 +210,8 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
   The reverse walk (`walk.backward_states`, over the saved q e^G and decay) gives the gradient of the
   state leaving every chunk; then `backward_chunks` forms every chunk's gradients and XLA takes dG's
   reverse cumsum within the chunks and, for grouped heads, adds the value heads' dq, dk. A call where
-  some chunk's decay does not fit the one-reference bound (`fits`) returns `fallback()` instead (the
-  same tuple; one `lax.cond`).
+  some chunk's decay does not fit the one-reference bound (`fits`) takes XLA's vjp instead: the caller's
+  `lax.cond` (`vjp.py`).
   """
   del h0   # the state entering each chunk is saved
   B, T, H, K = q.shape
@@ -236,7 +236,7 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
     grads = (dq, dk, dv[:, :T].astype(v.dtype), dg)
     return common.summed_like(grads, (q, k, v, g)) + (None, dh0.astype(F32))
 
-  return lax.cond(fits(G, C, dtype), kernels, fallback)
+  return kernels()
 
 
 def key_grads(dq, dk, dG, q, k, g, C: int):

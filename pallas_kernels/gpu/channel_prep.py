@@ -15,7 +15,7 @@ form: per chunk and channel `R = (max G + min G) / 2`, and one whole-tile produc
 
 whose factors all lie within e^(+-bound) when the chunk's decay spans at most twice the bound
 (`prep.ref_bound`: 60 nats for bfloat16 operands, 8 for float16). A call where some chunk does not fit
-takes prep.py's XLA preparation with the merge form instead (one `lax.cond`; `fallback`).
+takes prep.py's XLA preparation with the merge form instead: the caller's `lax.cond` (`vjp.py`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import common, prep
-from pallas_kernels.gpu.channel_grads import chunk_cumsum, fits
+from pallas_kernels.gpu.channel_grads import chunk_cumsum
 from pallas_kernels.gpu.delta_prep import unit_lower_inverse
 from pallas_kernels.gpu.fused import ROWS, SEG_ROWS, _segment_masks, segment_vectors
 from pallas_kernels.gpu.walk import COLS, F32, WGMMA, _vary_like, matmul, matmuls, smem
@@ -40,55 +40,22 @@ def serves(g, beta, segment_ids) -> bool:
 
 
 def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
-            chunk_multiple: int = 1, fallback=None, cumsum=None, with_inverse: bool = False):
-  """`prep.prepare(q, k, v, g, beta, segment_ids, ...)` for per-channel `g: [B, T, H_v, K]`, with every
-  matmul operand in `dtype` (16-bit), the tensors in `dtype` and `decay` float32; shapes as there
-  (`[B, H_v, NC, C, ...]`); beta None (gla) or `[B, T, H_v]` (kda). chunk_multiple: T is padded to
-  whole groups of this many chunks (as in prep.py). fallback: what a call beyond the one-reference bound
-  returns (default: prep.prepare with the merge form, cast to `dtype`). cumsum: `chunk_cumsum(g, T_pad,
-  C)` if the caller has it. with_inverse (kda): return `(tensors, X)` with `X = (I + L)^-1`
-  `[B, H_v, NC, C, C]` in `dtype`, which kda's gradient kernels read (`channel_delta_grads.py`); the
-  merge-form branch, whose backward recomputes everything, returns zeros there."""
-  B, T, H, K = q.shape
+            chunk_multiple: int = 1, cumsum=None, with_inverse: bool = False):
+  """`prep.prepare(q, k, v, g, beta, segment_ids, ...)` for per-channel `g: [B, T, H_v, K]` whose every
+  chunk fits the one-reference bound (`channel_grads.fits`; the caller takes XLA's merge form for the
+  others), with every matmul operand in `dtype` (16-bit), the tensors in `dtype` and `decay` float32;
+  shapes as there (`[B, H_v, NC, C, ...]`); beta None (gla) or `[B, T, H_v]` (kda). chunk_multiple: T is
+  padded to whole groups of this many chunks (as in prep.py). cumsum: `chunk_cumsum(g, T_pad, C)` if the
+  caller has it. with_inverse (kda): return `(tensors, X)` with `X = (I + L)^-1` `[B, H_v, NC, C, C]` in
+  `dtype`, which kda's gradient kernels read (`channel_delta_grads.py`)."""
+  T = q.shape[1]
   C = chunk_size
   T_pad = prep.padded_length(T, C, chunk_multiple)
   G, refs = chunk_cumsum(g, T_pad, C) if cumsum is None else cumsum
   if with_inverse and beta is None:
     raise ValueError("with_inverse is for the delta family (kda): beta must be given")
-  if fallback is None:
-    fallback = lambda: _xla_per_head(q, k, v, g, beta, segment_ids, C=C, chunk_multiple=chunk_multiple,
-                                     dtype=dtype)
-  if with_inverse:
-    Hv = v.shape[2]
-    no_inverse = jnp.zeros((B, Hv, T_pad // C, C, C), dtype)
-    fallback = lambda f=fallback: (f(), no_inverse)
-  kernel = lambda: _prepare_kernel(q, k, v, G, refs, beta, chunk_size=C, dtype=dtype,
-                                   segment_ids=segment_ids, interpret=interpret, with_inverse=with_inverse)
-  # under shard_map both branches' tensors vary over every mesh axis the inputs vary over (the
-  # kernel's results say so of all of them; the types of a lax.cond's branches must match)
-  axes = common.varying_axes([x for x in (q, k, v, g, beta, segment_ids) if x is not None])
-  varying = lambda branch: lambda: jax.tree.map(lambda x: common.vary_over(x, axes), branch())
-  return lax.cond(fits(G, C, dtype), varying(kernel), varying(fallback))
-
-
-def _xla_per_head(q, k, v, g, beta, segment_ids, *, C, chunk_multiple, dtype):
-  """prep.prepare with the merge form, cast to `dtype`, one (batch row, value head) at a time
-  (`lax.map`): XLA allocates the scratch of both branches of the `lax.cond`, and the merge form's
-  levels need several times the kernel's."""
-  B, T, H, K = q.shape
-  Hv = v.shape[2]
-  group = Hv // H
-
-  def one(i):
-    h, row, head = common.row_and_head(i, Hv)
-    t = prep.prepare(head(q, h // group), head(k, h // group), head(v, h), head(g, h), head(beta, h),
-                     row(segment_ids), chunk_size=C, chunk_multiple=chunk_multiple, dtype=dtype,
-                     inverse_dtype=jnp.float32, gram_method="merge")
-    return jax.tree.map(lambda x: x[0, 0], common.cast_tensors(t, dtype))
-
-  t = lax.map(one, jnp.arange(B * Hv))
-  heads = lambda x: None if x is None else x.reshape((B, Hv) + x.shape[1:])
-  return prep.ChunkTensors(*(heads(x) for x in t))
+  return _prepare_kernel(q, k, v, G, refs, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
+                         interpret=interpret, with_inverse=with_inverse)
 
 
 def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_ids, interpret,

@@ -6,9 +6,9 @@
 """
 
 from pallas_kernels.tpu.ops import (chunked_attention, explicitly_sharded, interpret_kernels, interpreting,
-                                    supports)
+                                    supports, walked_columns)
 from pallas_kernels.tpu.sharding import sharded_chunked_attention
 from pallas_kernels.tpu.walk import BlockSizes
 
 __all__ = ["BlockSizes", "chunked_attention", "explicitly_sharded", "interpret_kernels", "interpreting",
-           "sharded_chunked_attention", "supports"]
+           "sharded_chunked_attention", "supports", "walked_columns"]

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import common, vjp
+from pallas_kernels import common, prepared, vjp
 from pallas_kernels.common import explicitly_sharded  # noqa: F401  (re-exported)
 from pallas_kernels.tpu import walk
 from pallas_kernels.tpu.walk import BlockSizes
@@ -93,13 +93,20 @@ def _backward(t, states, do, dfinal, *, options):
                        interpret=options.interpret)
 
 
-TPU_WALK = vjp.Walk(forward=_forward, backward=_backward,
+TPU_WALK = prepared.Walk(forward=_forward, backward=_backward,
                     chunks_per_group=lambda NC, options: options.block_sizes.forward_steps(NC))
+
+
+def walked_columns(V: int, appended: int) -> int:
+  """How many leading value columns of a call with `appended` columns of ones (the linear-attention
+  normaliser) the kernels walk: all of them (any V that fits VMEM is a block of the walk)."""
+  del appended
+  return V
 
 
 def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None, segment_ids=None,
                       chunk_size: int = 64, block_sizes: BlockSizes | None = None, compute_dtype=None,
-                      interpret=None):
+                      qk_l2norm: bool = False, interpret=None):
   """Either family in chunked form, with the chunk walk as a Pallas TPU kernel; differentiable in
   q, k, v, g, beta and initial_state.
 
@@ -113,6 +120,8 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
       (initial_state applies to each row's first segment).
     chunk_size: C, a power of two >= 16. block_sizes: `BlockSizes`, default `BlockSizes()`.
     compute_dtype: matmul dtype of the kernels (float32 or bfloat16); default: q, k, v's common dtype.
+    qk_l2norm: l2-normalise q and k over K first (`x * rsqrt(sum(x^2) + 1e-6)` in float32, in XLA
+      before the kernels), gradients of the raw q, k.
     interpret: None (the `interpret_kernels` context's parameters, else compiled), False, or a
       `pltpu.InterpretParams`.
 
@@ -128,7 +137,10 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
                     sharded=common.explicitly_sharded(q, k, v, g, beta, initial_state, segment_ids))
   if reason is not None:
     raise ValueError(reason)
-  static = vjp.Static(walk=TPU_WALK, options=_Options(block_sizes=bs, interpret=interpret or False),
-                      chunk_size=chunk_size, compute_dtype=jnp.dtype(dtype), out_dtype=v.dtype)
+  if qk_l2norm:
+    q, k = common.l2_normalize(q), common.l2_normalize(k)
+  static = prepared.Static(plan=vjp.PREPARED, walk=TPU_WALK,
+                           options=_Options(block_sizes=bs, interpret=interpret or False),
+                           chunk_size=chunk_size, compute_dtype=jnp.dtype(dtype), out_dtype=v.dtype)
   return vjp.chunked_op(static, q, k, v, g, beta, scale=K ** -0.5 if scale is None else scale,
                         initial_state=initial_state, segment_ids=segment_ids)

@@ -10,9 +10,7 @@ import pytest
 
 from pallas_kernels.gpu import channel_delta_grads, channel_grads
 from tests.ops.conftest import make_inputs
-from tests.pallas_kernels.gpu.util import check, packed_runs
-
-KERNELS = dict(fused=True, delta_backward=True, channel_kernel=True)
+from tests.pallas_kernels.gpu.util import KERNELS, check, packed_runs
 
 
 def _spy(monkeypatch):
@@ -39,7 +37,7 @@ def test_kda_gradient_kernels_match_the_float64_loop(monkeypatch, K, V, Hv, pack
   inp["g"] = np.asarray(inp["g"]) * 0.4
   G, _ = channel_grads.chunk_cumsum(jnp.asarray(inp["g"]), 256, 64)
   assert bool(channel_grads.fits(G, 64, jnp.float16))
-  check("kda", inp, seg=packed_runs(T) if packed else None, pieces=pieces, **KERNELS)
+  check("kda", inp, seg=packed_runs(T) if packed else None, pieces=pieces, config=KERNELS)
   assert sorted(set(calls)) == ["key_side", "value_side"], "the gradient kernels did not run"
 
 
@@ -53,7 +51,7 @@ def test_kda_gradient_kernels_at_strong_decay_within_the_bound(monkeypatch):
   inp["g"] = g
   G, _ = channel_grads.chunk_cumsum(jnp.asarray(g), 192, 64)
   assert bool(channel_grads.fits(G, 64, jnp.bfloat16))
-  check("kda", inp, dtype=jnp.bfloat16, tol=1e-2, **KERNELS)
+  check("kda", inp, dtype=jnp.bfloat16, tol=1e-2, config=KERNELS)
   assert calls
 
 
@@ -65,4 +63,4 @@ def test_kda_beyond_the_bound_takes_the_merge_form():
   assert not bool(channel_grads.fits(G, 64, jnp.float16))
   seg = np.zeros((2, 70), np.int32)
   seg[0, 30:], seg[1, 66:] = 1, 1
-  check("kda", inp, seg=seg, **KERNELS)
+  check("kda", inp, seg=seg, config=KERNELS)

@@ -9,7 +9,7 @@ import pytest
 
 from pallas_kernels.gpu import channel_grads
 from tests.ops.conftest import make_inputs
-from tests.pallas_kernels.gpu.util import check, packed_runs
+from tests.pallas_kernels.gpu.util import KERNEL_BACKWARD, check, packed_runs
 
 
 @pytest.mark.parametrize("K,V,Hv,packed,pieces,h0", [(64, 64, 2, False, None, False),
@@ -29,7 +29,7 @@ def test_gla_gradient_kernel_matches_the_float64_loop(monkeypatch, K, V, Hv, pac
   inp["g"] = np.asarray(inp["g"]) * 0.4
   G, _ = channel_grads.chunk_cumsum(jnp.asarray(inp["g"]), 256, 64)
   assert bool(channel_grads.fits(G, 64, jnp.float16))
-  check("gla", inp, seg=packed_runs(T) if packed else None, fused=True, pieces=pieces)
+  check("gla", inp, seg=packed_runs(T) if packed else None, config=KERNEL_BACKWARD, pieces=pieces)
   assert calls, "the gradient kernel did not run"
 
 
@@ -43,7 +43,7 @@ def test_gla_gradient_kernel_at_strong_decay_within_the_bound():
   G, _ = channel_grads.chunk_cumsum(jnp.asarray(g), 128, 64)
   assert bool(channel_grads.fits(G, 64, jnp.bfloat16))
   assert not bool(channel_grads.fits(G, 64, jnp.float16))   # float16 would overflow: merge form
-  check("gla", inp, fused=True, dtype=jnp.bfloat16, tol=1e-2)
+  check("gla", inp, config=KERNEL_BACKWARD, dtype=jnp.bfloat16, tol=1e-2)
 
 
 def test_gla_beyond_the_bound_takes_the_merge_form():
@@ -56,4 +56,4 @@ def test_gla_beyond_the_bound_takes_the_merge_form():
   assert not bool(channel_grads.fits(G, 64, jnp.float16))
   seg = np.zeros((2, 96), np.int32)
   seg[0, 30:], seg[1, 70:] = 1, 1
-  check("gla", inp, seg=seg, fused=True)
+  check("gla", inp, seg=seg, config=KERNEL_BACKWARD)

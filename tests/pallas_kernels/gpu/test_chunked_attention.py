@@ -8,16 +8,18 @@ float16 (tolerance `util.F16_TOL`) and bfloat16 (`util.BF16_TOL`); the mirror ch
 Uninitialised memory is NaN and out-of-bounds reads raise in every case.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import numpy as np
 import pytest
 
-from pallas_kernels import gpu, prep
-from pallas_kernels.gpu import walk
+from pallas_kernels import common, gpu, prep
+from pallas_kernels.gpu import GpuConfig, walk
 from tests.ops.conftest import make_inputs, rel_rms
-from tests.pallas_kernels.gpu.util import BF16_TOL, PARAMS, check
+from tests.pallas_kernels.gpu.util import BF16_TOL, KERNEL_FORWARD, KERNELS, PARAMS, XLA, check
 
 KINDS = ("linear_attention", "simple_gla", "gla", "delta_rule", "gated_delta_rule", "kda")
 
@@ -195,9 +197,10 @@ def test_fused_forward_equals_the_prepared_path(variant):
   inp = make_inputs(variant, B=1, T=150, H=1, Hv=2, K=64, V=128, seed=14)
   q, k, v = (jnp.asarray(inp[n], jnp.bfloat16) for n in ("q", "k", "v"))
   g = None if inp.get("g") is None else jnp.asarray(inp["g"])
-  run = lambda fused, wg=1: gpu.chunked_attention(q, k, v, g, initial_state=jnp.asarray(inp["h0"]),
-                                                  fused=fused, forward_warpgroups=wg, interpret=PARAMS)
-  (o, final), (ro, rfinal) = run(True), run(False)
+  run = lambda config, wg=1: gpu.chunked_attention(q, k, v, g, initial_state=jnp.asarray(inp["h0"]),
+                                                   config=dataclasses.replace(config, forward_warpgroups=wg),
+                                                   interpret=PARAMS)
+  (o, final), (ro, rfinal) = run(KERNELS), run(XLA)
   assert rel_rms(final, rfinal) < 1e-6
   # o leaves in bfloat16: a float32 sum that lands next to a rounding boundary may round either way
   # when the interpreter's matmuls add in another order (with numpy 2.5.5, 3 of 38400 elements do);
@@ -205,7 +208,7 @@ def test_fused_forward_equals_the_prepared_path(variant):
   o, ro = np.asarray(o, np.float32), np.asarray(ro, np.float32)
   assert np.mean(o != ro) < 1e-3
   np.testing.assert_allclose(o, ro, rtol=2.0 ** -7, atol=0)
-  o3, final3 = run(True, 3)
+  o3, final3 = run(KERNELS, 3)
   assert rel_rms(o3, ro) < 4e-3 and rel_rms(final3, rfinal) < 4e-3
 
 
@@ -221,7 +224,7 @@ def test_fused_path_matches_the_float64_loop(variant, gates, h0, H, V):
   inp = make_inputs(variant, B=1, T=150, H=H, Hv=2, K=64, V=V, gates=gates, seed=15)
   if not h0:
     inp["h0"] = None
-  check(variant, inp, fused=True)
+  check(variant, inp, config=KERNELS)
 
 
 def test_fused_path_serves_only_the_additive_family_with_scalar_or_no_decay():
@@ -241,14 +244,16 @@ def test_fused_path_with_segment_ids():
   seg[0, 30:31], seg[0, 31:64], seg[0, 64:71], seg[0, 71:] = 5, 1, 2, 0
   inp = make_inputs("simple_gla", B=1, T=T, H=1, Hv=2, K=64, V=64, seed=16)
   q, k, v = (jnp.asarray(inp[n], jnp.bfloat16) for n in ("q", "k", "v"))
-  run = lambda fused, wg=1: gpu.chunked_attention(q, k, v, jnp.asarray(inp["g"]), segment_ids=jnp.asarray(seg),
-                                                  initial_state=jnp.asarray(inp["h0"]), fused=fused,
-                                                  forward_warpgroups=wg, interpret=PARAMS)
-  (o, final), (ro, rfinal) = run(True), run(False)   # one warpgroup: prep.py's roundings
+  run = lambda config, wg=1: gpu.chunked_attention(q, k, v, jnp.asarray(inp["g"]),
+                                                   segment_ids=jnp.asarray(seg),
+                                                   initial_state=jnp.asarray(inp["h0"]),
+                                                   config=dataclasses.replace(config, forward_warpgroups=wg),
+                                                   interpret=PARAMS)
+  (o, final), (ro, rfinal) = run(KERNELS), run(XLA)   # one warpgroup: prep.py's roundings
   assert rel_rms(o, ro) < 1e-6 and rel_rms(final, rfinal) < 1e-6
-  o3, final3 = run(True, 3)
+  o3, final3 = run(KERNELS, 3)
   assert rel_rms(o3, ro) < 4e-3 and rel_rms(final3, rfinal) < 4e-3
-  check("simple_gla", inp, seg=seg, fused=True)
+  check("simple_gla", inp, seg=seg, config=KERNELS)
 
 
 @pytest.mark.parametrize("pieces,packed", [(2, False), (3, True), (4, True)])
@@ -262,12 +267,13 @@ def test_fused_path_split_into_sequence_pieces(pieces, packed):
   if packed:
     seg = np.zeros((1, T), np.int32)
     seg[0, 40:128], seg[0, 128:] = 1, 2
-  check("simple_gla", inp, seg=seg, fused=True, pieces=pieces)
+  check("simple_gla", inp, seg=seg, config=KERNELS, pieces=pieces)
   q, k, v = (jnp.asarray(inp[n], jnp.bfloat16) for n in ("q", "k", "v"))
   # (one warpgroup: the main walk rounds as the pieces' end-state walk does)
   run = lambda p: gpu.chunked_attention(q, k, v, jnp.asarray(inp["g"]), initial_state=jnp.asarray(inp["h0"]),
                                         segment_ids=None if seg is None else jnp.asarray(seg),
-                                        sequence_pieces=p, forward_warpgroups=1, interpret=PARAMS)
+                                        config=GpuConfig(sequence_pieces=p, forward_warpgroups=1),
+                                        interpret=PARAMS)
   (o, final), (ro, rfinal) = run(pieces), run(1)
   assert rel_rms(o, ro) < 2e-3 and rel_rms(final, rfinal) < 1e-5
 
@@ -315,13 +321,13 @@ def test_delta_preparation_kernel_equals_xla(variant, gates, K, V, packed):
                                                   ("gated_delta_rule", "strong", False),
                                                   ("gated_delta_rule", "normal", True)])
 def test_delta_family_with_the_preparation_kernel_matches_the_float64_loop(variant, gates, packed):
-  # fused=True: the forward's tensors come from the kernel, the backward recomputes them in XLA.
+  # backward="xla_vjp": the forward's tensors come from the kernel, the backward recomputes them in XLA.
   inp = make_inputs(variant, B=1, T=150, H=1, Hv=2, K=64, V=64, gates=gates, seed=19)
   seg = None
   if packed:
     seg = np.zeros((1, 150), np.int32)
     seg[0, 33:64], seg[0, 64:100], seg[0, 100:] = 4, 1, 7
-  check(variant, inp, seg=seg, fused=True)
+  check(variant, inp, seg=seg, config=KERNEL_FORWARD)
 
 
 def test_delta_preparation_kernel_serves_scalar_or_no_decay_only():
@@ -342,7 +348,7 @@ def test_delta_preparation_kernel_serves_scalar_or_no_decay_only():
     ("delta_rule", "normal", 2, 128, 128, True, True, 2),
     ("gated_delta_rule", "strong", 2, 64, 128, True, False, 2)])
 def test_delta_backward_kernel_matches_the_float64_loop(variant, gates, H, K, V, packed, h0, warpgroups):
-  # delta_backward=True: every chunk's gradients in one kernel (dq, dk, dv, dbeta, dg, dh0), from the
+  # the default backward: every chunk's gradients in one kernel (dq, dk, dv, dbeta, dg, dh0), from the
   # preparation kernel's X and the two walks, with no XLA vjp of the preparation.
   inp = make_inputs(variant, B=1, T=150, H=H, Hv=2, K=K, V=V, gates=gates, seed=22)
   if not h0:
@@ -352,15 +358,15 @@ def test_delta_backward_kernel_matches_the_float64_loop(variant, gates, H, K, V,
     seg = np.zeros((1, 150), np.int32)
     seg[0, 10:64], seg[0, 64:90], seg[0, 90:] = 3, 1, 2
   # errors are ~5e-4 here: a tolerance of 1.5e-3 (not float16's 4e-3) fails a 1% error in one term of dg
-  check(variant, inp, seg=seg, fused=True, delta_backward=True, tol=1.5e-3, delta_warpgroups=warpgroups)
+  check(variant, inp, seg=seg, tol=1.5e-3, config=dataclasses.replace(KERNELS, delta_warpgroups=warpgroups))
 
 
-@pytest.mark.parametrize("variant,pieces,packed,fused", [
+@pytest.mark.parametrize("variant,pieces,packed,kernel_forward", [
     ("delta_rule", 2, False, False),           # 3 chunks padded to 4
     ("gated_delta_rule", 3, True, True),       # preparation kernel; a run ends on a piece boundary
     ("gla", 3, False, False),                  # per-channel decay: diagonal transitions
     ("simple_gla", 2, True, False)])
-def test_prepared_walks_split_into_sequence_pieces(variant, pieces, packed, fused):
+def test_prepared_walks_split_into_sequence_pieces(variant, pieces, packed, kernel_forward):
   # The walks of walk.py in pieces: a first walk gives every piece's affine map S_end = A S_start + F
   # (A from the identity with u = 0), XLA chains them; the reverse walk chains A^T backwards.
   inp = make_inputs(variant, B=1, T=150, H=1, Hv=2, K=64, V=64, seed=23)
@@ -368,12 +374,12 @@ def test_prepared_walks_split_into_sequence_pieces(variant, pieces, packed, fuse
   if packed:
     seg = np.zeros((1, 150), np.int32)
     seg[0, 30:64], seg[0, 64:] = 1, 2
-  check(variant, inp, seg=seg, fused=fused, pieces=pieces)
+  check(variant, inp, seg=seg, config=KERNEL_FORWARD if kernel_forward else XLA, pieces=pieces)
 
 
 def test_delta_backward_kernel_with_sequence_pieces():
   inp = make_inputs("gated_delta_rule", B=1, T=150, H=1, Hv=2, K=64, V=64, seed=24)
-  check("gated_delta_rule", inp, fused=True, delta_backward=True, pieces=3)
+  check("gated_delta_rule", inp, config=KERNELS, pieces=3)
 
 
 @pytest.mark.parametrize("variant,l2", [("linear_attention", False), ("simple_gla", False),
@@ -418,7 +424,8 @@ def test_backward_recomputes_what_the_forward_did_not_keep(variant):
   dfinal = jnp.asarray(np.random.default_rng(5).normal(size=h0.shape), jnp.float32)
   args = (q, k, v, g) if beta is None else (q, k, v, g, beta)
   # (the additive forward in one warpgroup: the states it keeps round as the backward's recomputation)
-  _, pull = jax.vjp(lambda *a: gpu.chunked_attention(*a[:-1], initial_state=a[-1], forward_warpgroups=1,
+  _, pull = jax.vjp(lambda *a: gpu.chunked_attention(*a[:-1], initial_state=a[-1],
+                                                     config=GpuConfig(forward_warpgroups=1),
                                                      interpret=PARAMS), *args, h0)
   kept = pull((do, dfinal))
   kw = dict(chunk_size=64, dtype=jnp.float16, interpret=PARAMS, scale=64 ** -0.5)
@@ -464,7 +471,6 @@ def test_l2_norm_on_load_in_the_delta_kernels_equals_xla_before_them(packed):
   # qk_l2norm=True: the preparation and gradient kernels normalise q, k as they load them and return the
   # gradients of the raw q, k; against the same kernels fed XLA-normalised q, k (o, final state and
   # every gradient, initial state and final-state cotangent included).
-  from pallas_kernels.gpu import ops as gops
   inp = make_inputs("gated_delta_rule", B=1, T=150, H=1, Hv=2, K=64, V=128, seed=41)
   q, k, v = (jnp.asarray(inp[n] * 3.0, jnp.float16) for n in ("q", "k", "v"))
   g, beta, h0 = (jnp.asarray(inp[n]) for n in ("g", "beta", "h0"))
@@ -480,7 +486,7 @@ def test_l2_norm_on_load_in_the_delta_kernels_equals_xla_before_them(packed):
   def run(fused_norm, *a):
     q, k = a[:2]
     if not fused_norm:
-      q, k = gops._l2_normalize(q), gops._l2_normalize(k)
+      q, k = common.l2_normalize(q), common.l2_normalize(k)
     o, final = gpu.chunked_attention(q, k, *a[2:5], initial_state=a[5], segment_ids=seg,
                                      qk_l2norm=fused_norm, interpret=PARAMS)
     return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(final * dfinal), (o, final)

@@ -71,5 +71,5 @@ def test_public_option_is_checked():
   from pallas_kernels import gpu
   x = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="delta_warpgroups"):
-    gpu.chunked_attention(x, x, x, beta=jnp.zeros((1, 64, 1)), delta_warpgroups=3,
+    gpu.chunked_attention(x, x, x, beta=jnp.zeros((1, 64, 1)), config=gpu.GpuConfig(delta_warpgroups=3),
                           interpret=plgpu.InterpretGPUParams())

@@ -2,6 +2,8 @@
 `chunked_attention(..., forward_warpgroups=3)`, the default) in the Mosaic GPU interpreter: against the
 one-warpgroup walk with the race detector on, and end to end against the float64 loop."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import numpy as np
@@ -11,7 +13,7 @@ from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 from pallas_kernels import gpu
 from pallas_kernels.gpu import fused
 from tests.ops.conftest import make_inputs
-from tests.pallas_kernels.gpu.util import assert_walk_outputs_close, check
+from tests.pallas_kernels.gpu.util import KERNELS, assert_walk_outputs_close, check
 
 RACES = plgpu.InterpretGPUParams(detect_races=True)
 
@@ -56,13 +58,14 @@ def test_streamed_forward_matches_the_float64_loop(variant, packed, pieces):
   if packed:
     seg = np.zeros((1, T), np.int32)
     seg[0, 30:70], seg[0, 70:] = 1, 2
-  check(variant, inp, seg=seg, fused=True, pieces=pieces, forward_warpgroups=3)
+  check(variant, inp, seg=seg, pieces=pieces, config=dataclasses.replace(KERNELS, forward_warpgroups=3))
 
 
 def test_public_option_is_checked():
   x = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="forward_warpgroups"):
-    gpu.chunked_attention(x, x, x, forward_warpgroups=0, interpret=plgpu.InterpretGPUParams())
+    gpu.chunked_attention(x, x, x, config=gpu.GpuConfig(forward_warpgroups=0),
+                          interpret=plgpu.InterpretGPUParams())
   with pytest.raises(ValueError, match="warpgroups"):
     fused.forward(x, x, x, None, None, chunk_size=64, dtype=jnp.bfloat16, out_dtype=jnp.bfloat16,
                   warpgroups=2)
@@ -78,11 +81,12 @@ def test_interpreter_without_threads_for_every_warpgroup_raises_instead_of_hangi
   with pytest.raises(ValueError, match="forward_warpgroups=3 needs 4.*NPROC"):
     gpu.chunked_attention(x, x, x, interpret=params)
   with pytest.raises(ValueError, match="walk_warpgroups=3 needs 4"):
-    gpu.chunked_attention(x, x, x, beta=jnp.zeros((1, 64, 1)), walk_warpgroups=3, interpret=params)
+    gpu.chunked_attention(x, x, x, beta=jnp.zeros((1, 64, 1)), config=gpu.GpuConfig(walk_warpgroups=3),
+                          interpret=params)
   v128 = jnp.zeros((1, 64, 1, 128), jnp.bfloat16)
   with pytest.raises(ValueError, match="delta_warpgroups=2 needs 3"):
     gpu.chunked_attention(x, x, v128, beta=jnp.zeros((1, 64, 1)), interpret=params)
   # one warpgroup everywhere runs (and the pair does not serve V = 64)
-  o, _ = gpu.chunked_attention(x, x, x, forward_warpgroups=1, interpret=params)
+  o, _ = gpu.chunked_attention(x, x, x, config=gpu.GpuConfig(forward_warpgroups=1), interpret=params)
   o2, _ = gpu.chunked_attention(x, x, x, beta=jnp.zeros((1, 64, 1)), interpret=params)
   assert o.shape == o2.shape == x.shape

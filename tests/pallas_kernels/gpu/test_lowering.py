@@ -31,9 +31,10 @@ def test_exports_for_hopper(kind, D):
   args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D), g,
           _spec(B, T, H, dtype=jnp.float32) if delta else None, _spec(B, H, D, D, dtype=jnp.float32),
           _spec(B, T, dtype=jnp.int32))
-  # the prepared path (XLA preparation + walks), which every kind can take (fused=False)
-  fn = lambda q, k, v, g, beta, h0, seg: gpu.chunked_attention(q, k, v, g, beta, initial_state=h0,
-                                                               segment_ids=seg, fused=False)
+  # the prepared path (XLA preparation + walks), which every kind can take
+  fn = lambda q, k, v, g, beta, h0, seg: gpu.chunked_attention(
+      q, k, v, g, beta, initial_state=h0, segment_ids=seg,
+      config=gpu.GpuConfig(forward="xla_prep", backward="xla_vjp"))
 
   def loss(*xs):
     o, final = fn(*xs)
@@ -58,7 +59,7 @@ def test_fused_path_exports_for_hopper(kind, D, group, pieces, packed):
           _spec(B, Hv, D, D, dtype=jnp.float32))
   seg = jnp.zeros((B, T), jnp.int32).at[:, T // 3:].set(1) if packed else None
   fn = lambda q, k, v, g, h0: gpu.chunked_attention(q, k, v, g, initial_state=h0, segment_ids=seg,
-                                                    fused=True, sequence_pieces=pieces)
+                                                    config=gpu.GpuConfig(sequence_pieces=pieces))
 
   def loss(*xs):
     o, final = fn(*xs)
@@ -101,7 +102,7 @@ def test_delta_backward_kernel_exports_for_hopper(D, packed, l2):
 
   def loss(q, k, v, g, beta, h0):
     o, final = gpu.chunked_attention(q, k, v, g, beta, initial_state=h0, segment_ids=seg,
-                                     delta_backward=True, qk_l2norm=l2)
+                                     qk_l2norm=l2)
     return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
 
   with jax.sharding.use_abstract_mesh(H200):
@@ -123,7 +124,7 @@ def test_delta_walks_in_sequence_pieces_export_for_hopper():
           _spec(B, T, H, dtype=jnp.float32))
 
   def loss(q, k, v, g, beta):
-    o, final = gpu.chunked_attention(q, k, v, g, beta, sequence_pieces=2)
+    o, final = gpu.chunked_attention(q, k, v, g, beta, config=gpu.GpuConfig(sequence_pieces=2))
     return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
 
   with jax.sharding.use_abstract_mesh(H200):
@@ -137,16 +138,15 @@ def test_delta_walks_in_sequence_pieces_export_for_hopper():
 
 @pytest.mark.parametrize("delta", [False, True], ids=["simple_gla", "gated_delta_rule"])
 def test_float32_inputs_fit_shared_memory(delta):
-  # linear_attention_jax.ops hands the kernels float32 q, k, v (cast to bfloat16 inside): staging tiles
-  # sized by the inputs' dtype double. Lowering checks each kernel against the 227 KB of an H200.
+  # float32 q, k, v with a bfloat16 compute dtype (the entry casts them before any kernel: staging tiles
+  # sized by float32 would double). Lowering checks each kernel against the 227 KB of an H200.
   D = 128
   args = (_spec(B, T, H, D, dtype=jnp.float32), _spec(B, T, H, D, dtype=jnp.float32),
           _spec(B, T, H, D, dtype=jnp.float32), _spec(B, T, H, dtype=jnp.float32),
           _spec(B, T, H, dtype=jnp.float32) if delta else None)
 
   def loss(q, k, v, g, beta):
-    o, final = gpu.chunked_attention(q, k, v, g, beta, compute_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16,
-                                     delta_backward=delta)
+    o, final = gpu.chunked_attention(q, k, v, g, beta, compute_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16)
     return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
 
   argnums = tuple(i for i, a in enumerate(args) if a is not None)
@@ -157,14 +157,13 @@ def test_float32_inputs_fit_shared_memory(delta):
 
 @pytest.mark.parametrize("kind,D,packed", [("gla", 128, False), ("kda", 128, True), ("kda", 64, False)])
 def test_per_channel_preparation_kernel_exports_for_hopper(kind, D, packed):
-  # channel_kernel=True: the forward's chunk tensors from chunk_prep_channel (one-reference grams, in a
+  # the default: the forward's chunk tensors from chunk_prep_channel (one-reference grams, in a
   # lax.cond with the XLA merge form), then the walk
   delta = kind == "kda"
   args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D, dtype=jnp.float32),
           _spec(B, T, H, dtype=jnp.float32) if delta else None)
   seg = jnp.zeros((B, T), jnp.int32).at[:, T // 3:].set(1) if packed else None
-  fn = lambda q, k, v, g, beta: gpu.chunked_attention(q, k, v, g, beta, segment_ids=seg,
-                                                      channel_kernel=True)
+  fn = lambda q, k, v, g, beta: gpu.chunked_attention(q, k, v, g, beta, segment_ids=seg)
   with jax.sharding.use_abstract_mesh(H200):
     fwd = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
   assert fwd.count("custom_call @mosaic_gpu") == 2
@@ -185,7 +184,7 @@ def test_per_channel_gradient_kernels_export_for_hopper(kind, D, group, packed, 
 
   def loss(q, k, v, g, beta, h0):
     o, final = gpu.chunked_attention(q, k, v, g, beta, initial_state=h0, segment_ids=seg,
-                                     sequence_pieces=pieces)
+                                     config=gpu.GpuConfig(sequence_pieces=pieces))
     return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
 
   argnums = tuple(i for i, a in enumerate(args) if a is not None)
@@ -206,7 +205,7 @@ def test_delta_gradients_in_two_warpgroups_export_for_hopper(l2, packed):
 
   def loss(q, k, v, g, beta, h0):
     o, final = gpu.chunked_attention(q, k, v, g, beta, initial_state=h0, segment_ids=seg,
-                                     qk_l2norm=l2, delta_warpgroups=2)
+                                     qk_l2norm=l2, config=gpu.GpuConfig(delta_warpgroups=2))
     return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
 
   with jax.sharding.use_abstract_mesh(H200):
@@ -227,8 +226,8 @@ def test_fused_forward_in_three_warpgroups_exports_for_hopper(D, pieces, packed)
           _spec(B, H, D, D, dtype=jnp.float32))
   seg = jnp.zeros((B, T), jnp.int32).at[:, T // 3:].set(1) if packed else None
   fn = lambda q, k, v, g, h0: gpu.chunked_attention(q, k, v, g, initial_state=h0, segment_ids=seg,
-                                                    sequence_pieces=pieces,
-                                                    forward_warpgroups=warpgroups)
+                                                    config=gpu.GpuConfig(sequence_pieces=pieces,
+                                                                         forward_warpgroups=warpgroups))
 
   def loss(*xs):
     o, final = fn(*xs)
@@ -254,7 +253,8 @@ def test_streamed_walks_export_for_hopper(kind, D, pieces):
           _spec(B, T, H, dtype=jnp.float32))
 
   def loss(q, k, v, g, beta):
-    o, final = gpu.chunked_attention(q, k, v, g, beta, sequence_pieces=pieces, walk_warpgroups=3)
+    o, final = gpu.chunked_attention(q, k, v, g, beta,
+                                     config=gpu.GpuConfig(sequence_pieces=pieces, walk_warpgroups=3))
     return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
 
   with jax.sharding.use_abstract_mesh(H200):

@@ -3,13 +3,15 @@
 decay that overflows a naive split (against a float64 sum), and the float64 loop end to end; the
 prepared path with the whole-tile levels gram (`gram_method="levels"`)."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels import gpu, prep
 from tests.ops.conftest import make_inputs, rel_rms
-from tests.pallas_kernels.gpu.util import PARAMS, check
+from tests.pallas_kernels.gpu.util import KERNEL_FORWARD, KERNELS, PARAMS, check
 
 
 @pytest.mark.parametrize("variant,gates,K,V,packed", [("gla", "normal", 64, 64, False),
@@ -23,7 +25,8 @@ def test_per_channel_preparation_kernel_equals_xla(variant, gates, K, V, packed)
   # operands, grouped heads, T = 150, runs changing inside a chunk and on its boundary. "normal" gates
   # are halved so that every chunk fits float16's bound (8 nats each side) and the kernel runs; "strong"
   # ones (g down to -20 a token) do not, and the call returns the merge form's tensors.
-  from pallas_kernels.gpu import channel_grads, channel_prep
+  from pallas_kernels import vjp
+  from pallas_kernels.gpu import channel_grads
   inp = make_inputs(variant, B=1, T=150, H=1, Hv=2, K=K, V=V, gates=gates, seed=18)
   q, k, v = (jnp.asarray(inp[n], jnp.float16) for n in ("q", "k", "v"))
   g = jnp.asarray(inp["g"]) * (0.5 if gates == "normal" else 1.0)
@@ -36,7 +39,7 @@ def test_per_channel_preparation_kernel_equals_xla(variant, gates, K, V, packed)
     seg[0, 20:64], seg[0, 64:130], seg[0, 130:] = 1, 2, 3
     seg = jnp.asarray(seg)
   ref = prep.prepare(q, k, v, g, beta, seg, chunk_size=64, dtype=jnp.float16, inverse_dtype=jnp.float32)
-  out = channel_prep.prepare(q, k, v, g, beta, chunk_size=64, dtype=jnp.float16, segment_ids=seg,
+  out = vjp.channel_tensors(q, k, v, g, beta, chunk_size=64, dtype=jnp.float16, segment_ids=seg,
                              interpret=PARAMS)
   for name in ("qg", "kd", "w", "u", "p", "decay"):
     a, r = getattr(out, name), getattr(ref, name)
@@ -51,13 +54,13 @@ def test_per_channel_gram_survives_decay_that_overflows_a_naive_split():
   # g = -20 on half the channels: e^(-G) reaches e^1260 inside a chunk, far beyond the one-reference
   # bound, so the call takes the merge form (exponents <= 0 only): P equals the float64 sum wherever it
   # is representable.
-  from pallas_kernels.gpu import channel_prep
+  from pallas_kernels import vjp
   B, T, H, K = 1, 64, 1, 64
   r = np.random.default_rng(9)
   q, k, v = (jnp.asarray(r.normal(size=(B, T, H, K)), jnp.float16) for _ in range(3))
   g = np.full((B, T, H, K), -20.0, np.float32)
   g[..., : K // 2] = -0.01   # half the channels barely decay
-  out = channel_prep.prepare(q, k, v, jnp.asarray(g), None, chunk_size=64, dtype=jnp.float16,
+  out = vjp.channel_tensors(q, k, v, jnp.asarray(g), None, chunk_size=64, dtype=jnp.float16,
                              interpret=PARAMS)
   G = np.cumsum(g[0, :, 0].astype(np.float64), axis=0)
   qn, kn = np.asarray(q[0, :, 0], np.float64), np.asarray(k[0, :, 0], np.float64)
@@ -71,14 +74,15 @@ def test_per_channel_gram_survives_decay_that_overflows_a_naive_split():
 @pytest.mark.parametrize("variant,gates,packed", [("gla", "normal", False), ("kda", "strong", False),
                                                   ("kda", "normal", True)])
 def test_per_channel_family_with_the_preparation_kernel_matches_the_float64_loop(variant, gates, packed):
-  # channel_kernel=True: the forward's tensors come from the per-channel kernel, the backward recomputes
+  # the default forward: the forward's tensors come from the per-channel kernel, the backward recomputes
   # them in XLA; o, final state and every gradient against the float64 loop.
   inp = make_inputs(variant, B=1, T=150, H=1, Hv=2, K=64, V=64, gates=gates, seed=27)
   seg = None
   if packed:
     seg = np.zeros((1, 150), np.int32)
     seg[0, 33:64], seg[0, 64:100], seg[0, 100:] = 4, 1, 7
-  check(variant, inp, seg=seg, fused=True, channel_kernel=True)
+  # (gla's backward in its gradient kernel, kda's through XLA's vjp)
+  check(variant, inp, seg=seg, config=KERNELS if variant == "gla" else KERNEL_FORWARD)
 
 
 def test_per_channel_preparation_kernel_serves_per_channel_gates_only():
@@ -98,7 +102,8 @@ def test_per_channel_prepared_path_with_the_levels_gram_matches_the_float64_loop
   if packed:
     seg = np.zeros((1, 150), np.int32)
     seg[0, 50:64], seg[0, 64:120], seg[0, 120:] = 2, 5, 1
-  check(variant, inp, seg=seg, fused=True, channel_kernel=True, gram_method="levels")
+  config = KERNELS if variant == "gla" else KERNEL_FORWARD
+  check(variant, inp, seg=seg, config=dataclasses.replace(config, gram_method="levels"))
   with pytest.raises(ValueError, match="gram_method"):
-    gpu.chunked_attention(*(jnp.zeros((1, 64, 1, 64), jnp.bfloat16),) * 3, gram_method="direct",
-                          interpret=PARAMS)
+    gpu.chunked_attention(*(jnp.zeros((1, 64, 1, 64), jnp.bfloat16),) * 3,
+                          config=gpu.GpuConfig(gram_method="direct"), interpret=PARAMS)

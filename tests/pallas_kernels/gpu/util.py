@@ -2,6 +2,7 @@
 it against the NumPy float64 loop of tests/ops (o, final state, every gradient); and a float32 mirror of
 the walk that rounds exactly where the kernels round, for tight checks of the kernels alone."""
 
+import dataclasses
 import functools
 
 import jax
@@ -10,6 +11,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import numpy as np
 
 from pallas_kernels import gpu
+from pallas_kernels.gpu import GpuConfig
 from tests.ops.conftest import rel_rms
 from tests.ops.test_equivalence import _reference
 
@@ -35,13 +37,16 @@ def assert_walk_outputs_close(reference, got, tol):
     assert rel_rms(b, a) < tol, name
 
 
-@functools.partial(jax.jit, static_argnames=("params", "dtype", "fused", "pieces", "delta_backward",
-                                             "channel_kernel", "gram_method", "delta_warpgroups",
-                                             "forward_warpgroups", "walk_warpgroups"),
-                   compiler_options=FAST_COMPILE)
-def run_with_grads(inp, do, dhT, seg, *, params, dtype, fused=False, pieces=None, delta_backward=False,
-                   channel_kernel=False, gram_method="auto", delta_warpgroups=1, forward_warpgroups=1,
-                   walk_warpgroups=1):
+# The prepared path (XLA's preparation and vjp around the walk kernels), every cell's kernels, and each
+# half of them; one warpgroup a program unless a test asks for more (the interpreter's threads).
+XLA = GpuConfig(forward="xla_prep", backward="xla_vjp", forward_warpgroups=1, delta_warpgroups=1)
+KERNELS = GpuConfig(forward_warpgroups=1, delta_warpgroups=1)
+KERNEL_FORWARD = dataclasses.replace(KERNELS, backward="xla_vjp")
+KERNEL_BACKWARD = dataclasses.replace(KERNELS, forward="xla_prep")
+
+
+@functools.partial(jax.jit, static_argnames=("params", "dtype", "config"), compiler_options=FAST_COMPILE)
+def run_with_grads(inp, do, dhT, seg, *, params, dtype, config=XLA):
   """`(o, final_state, {name: gradient})` of the kernel op under cotangents `do`, `dhT`; q, k, v enter
   in `dtype`, g, beta and h0 in float32."""
   names = [n for n in NAMES if inp.get(n) is not None]
@@ -50,21 +55,16 @@ def run_with_grads(inp, do, dhT, seg, *, params, dtype, fused=False, pieces=None
   def f(*xs):
     x = {n: xs[names.index(n)].astype(cast.get(n, jnp.float32)) if n in names else None for n in NAMES}
     return gpu.chunked_attention(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
-                                 segment_ids=seg, fused=fused, sequence_pieces=pieces,
-                                 delta_backward=delta_backward, channel_kernel=channel_kernel,
-                                 gram_method=gram_method, delta_warpgroups=delta_warpgroups,
-                                 forward_warpgroups=forward_warpgroups, walk_warpgroups=walk_warpgroups,
-                                 interpret=params)
+                                 segment_ids=seg, config=config, interpret=params)
 
   (o, hT), vjp = jax.vjp(f, *[jnp.asarray(inp[n], jnp.float32) for n in names])
   return o, hT, dict(zip(names, vjp((do.astype(o.dtype), dhT))))
 
 
-def check(variant, inp, *, seg=None, params=PARAMS, dtype=jnp.float16, tol=F16_TOL, seed=1,
-          fused=False, pieces=None, delta_backward=False, channel_kernel=False, gram_method="auto",
-          delta_warpgroups=1, forward_warpgroups=1, walk_warpgroups=1):
+def check(variant, inp, *, seg=None, params=PARAMS, dtype=jnp.float16, tol=F16_TOL, seed=1, config=XLA,
+          pieces=None):
   """Asserts relative RMS errors <= tol for o, the final state and every gradient; returns them. The
-  reference sees q, k, v rounded to `dtype` as the kernel does."""
+  reference sees q, k, v rounded to `dtype` as the kernel does. `pieces`: the config's sequence pieces."""
   rng = np.random.default_rng(seed)
   B, T, Hv, V = inp["v"].shape
   K = inp["q"].shape[-1]
@@ -73,11 +73,10 @@ def check(variant, inp, *, seg=None, params=PARAMS, dtype=jnp.float16, tol=F16_T
          for n, x in inp.items()}
   do = rng.normal(size=inp["v"].shape).astype(np.float32)
   dhT = rng.normal(size=(B, Hv, K, V)).astype(np.float32)
+  if pieces is not None:
+    config = dataclasses.replace(config, sequence_pieces=pieces)
   o, hT, grads = run_with_grads(inp, do, dhT, None if seg is None else jnp.asarray(seg), params=params,
-                                dtype=dtype, fused=fused, pieces=pieces,
-                                delta_backward=delta_backward, channel_kernel=channel_kernel,
-                                gram_method=gram_method, delta_warpgroups=delta_warpgroups,
-                                forward_warpgroups=forward_warpgroups, walk_warpgroups=walk_warpgroups)
+                                dtype=dtype, config=config)
   ref_inp = dict(inp, h0=np.zeros((B, Hv, K, V), np.float32) if inp.get("h0") is None else inp["h0"])
   ro, rhT, rgrads = _reference(variant, ref_inp, do, dhT, segment_ids=seg)
   errors = {"o": rel_rms(o, ro), "state": rel_rms(hT, rhT)}

@@ -1,0 +1,84 @@
+"""Which implementation serves a call (`select_impl`, `pallas_reason`) and the Pallas kernels' call, the
+same for every backend: each backend's `chunked_attention` takes q, k, v in any float dtype with the
+matmul dtype, and `qk_l2norm`; it decides where to cast and where to normalise, and `walked_columns`
+says how many value columns its kernels walk (the chunked form here walks the rest: every value column
+walks independently)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from linear_attention_jax.ops.chunk import chunk_form
+from pallas_kernels import gpu as gpu_kernels
+from pallas_kernels import tpu as tpu_kernels
+
+BACKENDS = {"gpu": gpu_kernels, "tpu": tpu_kernels}
+
+
+def kernel_backend() -> str:
+  """"tpu" or "gpu" inside that backend's interpreter context, else the running backend."""
+  if tpu_kernels.interpreting() is not None:
+    return "tpu"
+  if gpu_kernels.interpreting() is not None:
+    return "gpu"
+  return jax.default_backend()
+
+
+def pallas_reason(*, K: int, V: int, chunk_size: int, packing: str = "none", dtype=jnp.float32,
+                  sharded: bool = False, v_extra: int = 0):
+  """None if a Pallas kernel serves a call of this kind on this backend, else why not.
+
+  The TPU kernels serve a TPU backend, or any backend inside `pallas_kernels.tpu.interpret_kernels()`;
+  the Mosaic GPU kernels serve a Hopper GPU, or any backend inside `pallas_kernels.gpu.interpret_kernels()`
+  (the interpreters, for tests). `V` counts the state's value columns and `v_extra` of them are
+  appended ones (the linear-attention normaliser); the backend's `walked_columns` says how many it walks.
+  `sharded`: the operands are split over mesh axes outside `jax.shard_map`.
+  """
+  backend = kernel_backend()
+  if backend not in BACKENDS:
+    return f"no Pallas kernel runs on backend {backend!r} (the kernels are for TPUs and Hopper GPUs)"
+  kernels = BACKENDS[backend]
+  call = dict(K=K, V=kernels.walked_columns(V, v_extra), chunk_size=chunk_size, dtype=dtype,
+              packing=packing, sharded=sharded)
+  return kernels.supports(**call)
+
+
+def select_impl(impl: str, variant: str, **call) -> str:
+  """The implementation that serves a call: a named impl, or for "auto" the Pallas kernel where
+  `pallas_reason(**call)` is None, else the chunked form. `impl="pallas"` raises with that reason.
+
+  `call`: the keywords of `pallas_reason` (K, V, chunk_size, packing, dtype, sharded); without them
+  "auto" takes the chunked form and "pallas" raises.
+  """
+  if impl not in ("pallas", "auto"):
+    return impl
+  reason = pallas_reason(**call) if call else "the call's shapes were not given to select_impl"
+  if reason is None:
+    return "pallas"
+  if impl == "pallas":
+    raise ValueError(f"impl='pallas' cannot serve {variant}: {reason}; use impl='chunk' or impl='auto'")
+  return "chunk"
+
+
+def pallas_form(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_size, compute_dtype,
+                qk_l2norm, v_extra, mapped_qk, packing):
+  """The running backend's kernels on float32 `q, k` (raw when `qk_l2norm`), `v` with `v_extra`
+  appended columns, g, beta; the columns the kernels do not walk take the chunked form on `mapped_qk()`
+  (q, k through the variant's map). Returns float32 `(o, final)`."""
+  kernels = BACKENDS[kernel_backend()]
+  V = v.shape[-1]
+  cols = kernels.walked_columns(V, v_extra)
+  h0 = initial_state
+  o, final = kernels.chunked_attention(q, k, v[..., :cols], g, beta, scale=scale,
+                                       initial_state=None if h0 is None else h0[..., :cols],
+                                       segment_ids=segment_ids, chunk_size=chunk_size,
+                                       compute_dtype=compute_dtype, qk_l2norm=qk_l2norm)
+  o = o.astype(jnp.float32)
+  if cols < V:
+    q_m, k_m = mapped_qk()
+    o_x, final_x = chunk_form(q_m, k_m, v[..., cols:], g, beta, scale=scale,
+                              initial_state=None if h0 is None else h0[..., cols:], packing=packing,
+                              chunk_size=chunk_size)
+    o, final = jnp.concatenate([o, o_x], axis=-1), jnp.concatenate([final, final_x], axis=-1)
+  return o, final

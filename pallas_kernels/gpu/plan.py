@@ -1,0 +1,270 @@
+"""Which Mosaic GPU kernels run for a call: `GpuConfig` (the tuning values, validated once) and `select`, the
+one function that reads them and names the forward path and every backward stage of a call.
+
+What runs where. One row per cell (family x decay kind) and configuration; packing (`segment_ids`)
+changes no row, since every kernel takes packed rows (`cu_seqlens` is not taken: pass segment_ids).
+"keeps" is what a differentiated call's forward keeps for its backward ("inputs": nothing more, the
+backward recomputes). Per-channel cells decide on the data, once per call, whether every chunk's decay
+fits the one-reference bound (`prep.ref_bound`: 60 nats for bfloat16 operands, 8 for float16; one
+`lax.cond` each way): the last two columns name what runs beyond it ("-": no bound). "l2" is where
+`qk_l2norm=True` normalises q and k: in the kernels on load, or in XLA before them (`Plan.l2` is "none"
+for a call without it).
+
+    | variants                                | forward  | backward | plan.forward | keeps                           | plan.backward       | beyond: forward    | beyond: backward | l2      |
+    | --------------------------------------- | -------- | -------- | ------------ | ------------------------------- | ------------------- | ------------------ | ---------------- | ------- |
+    | linear_attention, retention, simple_gla | kernel   | kernel   | fused        | states                          | fused               | -                  | -                | xla     |
+    | linear_attention, retention, simple_gla | kernel   | xla_vjp  | fused        | inputs                          | xla_vjp             | -                  | -                | xla     |
+    | linear_attention, retention, simple_gla | xla_prep | kernel   | xla_prep     | inputs                          | fused               | -                  | -                | xla     |
+    | linear_attention, retention, simple_gla | xla_prep | xla_vjp  | xla_prep     | inputs                          | xla_vjp             | -                  | -                | xla     |
+    | gla                                     | kernel   | kernel   | channel_prep | states, qg, decay, cumsum       | channel_grads       | xla_merge_per_head | xla_vjp_per_head | xla     |
+    | gla                                     | kernel   | xla_vjp  | channel_prep | inputs                          | xla_vjp             | xla_merge_per_head | xla_vjp          | xla     |
+    | gla                                     | xla_prep | kernel   | xla_prep     | states, qg, decay, cumsum       | channel_grads       | xla_prep           | xla_vjp_per_head | xla     |
+    | gla                                     | xla_prep | xla_vjp  | xla_prep     | inputs                          | xla_vjp             | xla_prep           | xla_vjp          | xla     |
+    | delta_rule, gated_delta_rule            | kernel   | kernel   | delta_prep   | tensors, inverse, states        | delta_grads         | -                  | -                | on_load |
+    | delta_rule, gated_delta_rule            | kernel   | xla_vjp  | delta_prep   | inputs                          | xla_vjp             | -                  | -                | xla     |
+    | delta_rule, gated_delta_rule            | xla_prep | kernel   | xla_prep     | inputs                          | delta_grads         | -                  | -                | xla     |
+    | delta_rule, gated_delta_rule            | xla_prep | xla_vjp  | xla_prep     | inputs                          | xla_vjp             | -                  | -                | xla     |
+    | kda                                     | kernel   | kernel   | channel_prep | tensors, inverse, states, cumsum | channel_delta_grads | xla_merge_per_head | xla_vjp_per_head | xla     |
+    | kda                                     | kernel   | xla_vjp  | channel_prep | inputs                          | xla_vjp             | xla_merge_per_head | xla_vjp          | xla     |
+    | kda                                     | xla_prep | xla_vjp  | xla_prep     | inputs                          | xla_vjp             | xla_prep           | xla_vjp          | xla     |
+
+The stages, by the files that hold them (`pallas_kernels/gpu/`, XLA's in `pallas_kernels/prepared.py`):
+- fused: `fused.forward` forms the chunk tensors of the additive family (no or scalar decay) in shared
+  memory from the raw tiles and walks the chunks; its backward, `fused.backward`: the states walk (skipped
+  where the forward kept them), the reverse walk, then every chunk's gradients in parallel.
+- delta_prep / channel_prep: one kernel writes every chunk's tensors (`delta_prep.prepare`: the delta
+  family, no or scalar decay; `channel_prep.prepare`: per-channel decay, either family, the grams about
+  one reference per channel), then `walk.forward` walks them.
+- xla_prep: XLA's preparation (`prep.prepare`, per-channel grams by `GpuConfig.gram_method`), then
+  `walk.forward`. xla_merge_per_head: the same with the merge form, one (batch row, value head) at a time.
+- delta_grads, channel_grads, channel_delta_grads: the reverse walk (`walk.backward_states`), then
+  kernels that form every chunk's gradients in parallel (no XLA vjp of the preparation).
+- xla_vjp: the backend's walks around XLA's vjp of the preparation (`prepared.backward`);
+  xla_vjp_per_head: the same with the merge form, one (batch row, value head) at a time (XLA allocates
+  both branches' scratch of a `lax.cond`; one head at a time needs 1 / (B H_v) of it).
+kda's gradient kernels read the inverse `(I + L)^-1` that its preparation kernel writes, so kda with
+`forward="xla_prep"` takes `backward="xla_vjp"` (asking for its kernels raises).
+
+NOTES.md records what each stage costs on the H200 and the versions that led here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import prep
+from pallas_kernels.gpu import delta_grads, walk
+from pallas_kernels.gpu.interpret import interpreting
+
+DTYPES = (jnp.bfloat16, jnp.float16)
+HEAD_DIMS = (64, 128)
+CHUNK_SIZES = (64,)
+SMEM_BYTES = walk.SMEM_BYTES   # dynamic shared memory per block on sm_90
+FORWARDS = ("kernel", "xla_prep")
+BACKWARDS = ("kernel", "xla_vjp")
+VARIANTS = {   # variant -> (delta family, decay kind)
+    "linear_attention": (False, "none"), "retention": (False, "scalar"), "simple_gla": (False, "scalar"),
+    "gla": (False, "channel"), "delta_rule": (True, "none"), "gated_delta_rule": (True, "scalar"),
+    "kda": (True, "channel")}
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuConfig:
+  """The GPU kernels' tuning values (hashable; validated when built). The defaults are what the library
+  runs; the others exist to measure a stage against its XLA form or another program layout.
+
+  forward: "kernel" (each cell's forward kernels, the module table) or "xla_prep" (XLA's preparation,
+    then the walk kernel).
+  backward: "kernel" (each cell's gradient kernels) or "xla_vjp" (the walks around XLA's vjp of the
+    preparation).
+  sequence_pieces: split each sequence's walks into this many pieces that run in parallel, joined by
+    their end states (None: as many as keep one wave of programs on the GPU, `walk.pieces`; a number pads
+    T to whole pieces of chunks).
+  forward_warpgroups: the fused forward's programs, 3 (one fetches, one carries the state, one forms o;
+    NOTES.md v28-v29) or 1.
+  walk_warpgroups: the walk over prepared tensors, 1 or 3 (specialised as the fused forward's; NOTES.md
+    v30: not faster on the H200).
+  delta_warpgroups: delta_grads with V = 2 x 64 value blocks and 16-bit operands, 2 (both blocks in one
+    program sharing q, k and X; NOTES.md v27) or 1.
+  gram_method: XLA's per-channel decayed grams (`prep.GRAM_METHODS`) where XLA prepares: "auto" (one
+    product about a per-channel reference within the bound, else the merge form), "merge" or "levels".
+  inverse_dtype: operand dtype of the matmuls of `(I + L)^-1` in XLA's preparation (float32: exact, and
+    on the H200 not slower).
+  In the Mosaic GPU interpreter each warpgroup of a program runs as a computation of its own on XLA's
+  CPU pool: 3 warpgroups need `NPROC >= 4`, 2 need 3 (`interpret.interpreter_threads`).
+  """
+
+  forward: str = "kernel"
+  backward: str = "kernel"
+  sequence_pieces: int | None = None
+  forward_warpgroups: int = 3
+  walk_warpgroups: int = 1
+  delta_warpgroups: int = 2
+  gram_method: str = "auto"
+  inverse_dtype: Any = jnp.float32
+
+  def __post_init__(self):
+    for name, allowed in (("forward", FORWARDS), ("backward", BACKWARDS), ("forward_warpgroups", (1, 3)),
+                          ("walk_warpgroups", (1, 3)), ("delta_warpgroups", (1, 2)),
+                          ("gram_method", prep.GRAM_METHODS)):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"GpuConfig.{name} must be one of {allowed}; got {getattr(self, name)!r}")
+    pieces = self.sequence_pieces
+    if pieces is not None and (not isinstance(pieces, int) or isinstance(pieces, bool) or pieces < 1):
+      raise ValueError(f"GpuConfig.sequence_pieces must be None or a positive int; got {pieces!r}")
+    object.__setattr__(self, "inverse_dtype", jnp.dtype(self.inverse_dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What runs for one call (the module table's row): the stage names of the forward and the backward,
+  what the forward keeps when differentiated, the stages beyond the per-channel bound (None: the cell
+  has no bound), where q, k are l2-normalised, and the warpgroups of the programs that run."""
+
+  cell: str                    # "fused" | "channel" | "delta" | "channel_delta"
+  forward: str                 # "fused" | "delta_prep" | "channel_prep" | "xla_prep"
+  keeps: str                   # the table's "keeps"
+  backward: str                # "fused" | "delta_grads" | "channel_grads" | "channel_delta_grads" | "xla_vjp"
+  forward_beyond: str | None   # "xla_merge_per_head" | "xla_prep" | None
+  backward_beyond: str | None  # "xla_vjp_per_head" | "xla_vjp" | None
+  l2: str                      # "on_load" | "xla" | "none"
+  forward_warpgroups: int      # of the fused forward or the walk over prepared tensors
+  grads_warpgroups: int        # of delta_grads' programs (1 elsewhere)
+
+  def row(self) -> tuple[str, ...]:
+    """The module table's columns from plan.forward on."""
+    return (self.forward, self.keeps, self.backward, self.forward_beyond or "-",
+            self.backward_beyond or "-", self.l2)
+
+  def interpreter_threads(self) -> dict[str, int]:
+    """Option -> threads the interpreter needs, for each multi-warpgroup program this plan runs."""
+    need = {}
+    if self.forward_warpgroups == 3:
+      need["forward_warpgroups=3" if self.forward == "fused" else "walk_warpgroups=3"] = 4
+    if self.grads_warpgroups == 2:
+      need["delta_warpgroups=2"] = 3
+    return need
+
+
+def cell(delta: bool, decay: str) -> str:
+  """The kernels' cell of a family (`delta`) and decay kind ("none", "scalar" or "channel")."""
+  if decay not in ("none", "scalar", "channel"):
+    raise ValueError(f"decay must be 'none', 'scalar' or 'channel'; got {decay!r}")
+  return {(False, False): "fused", (False, True): "channel", (True, False): "delta",
+          (True, True): "channel_delta"}[bool(delta), decay == "channel"]
+
+
+_FORWARD = {"fused": "fused", "channel": "channel_prep", "delta": "delta_prep", "channel_delta": "channel_prep"}
+_BACKWARD = {"fused": "fused", "channel": "channel_grads", "delta": "delta_grads",
+             "channel_delta": "channel_delta_grads"}
+_KEEPS = {("fused", "fused"): "states", ("channel_prep", "channel_grads"): "states, qg, decay, cumsum",
+          ("xla_prep", "channel_grads"): "states, qg, decay, cumsum",
+          ("delta_prep", "delta_grads"): "tensors, inverse, states",
+          ("channel_prep", "channel_delta_grads"): "tensors, inverse, states, cumsum"}
+
+
+def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none", qk_l2norm: bool = True,
+         V: int = 64, chunk_size: int = 64, v_dtype=jnp.bfloat16, dtype=jnp.bfloat16) -> Plan:
+  """The plan of a call: family (`delta`: beta given), decay kind ("none", "scalar", "channel"),
+  `packing` ("none" or "segments"), whether q, k are l2-normalised, V, C, v's and the operands' dtypes,
+  and the configuration. The same
+  plan serves the call differentiated or not (`keeps` is what the forward of a differentiated call keeps).
+  Raises ValueError for a configuration no kernel pair serves (kda's gradient kernels after XLA's
+  preparation) and for `cu_seqlens`."""
+  if packing not in ("none", "segments"):
+    raise ValueError(f"the GPU kernels take packing 'none' or 'segments' (segment_ids); got {packing!r}")
+  c = cell(delta, decay)
+  forward = _FORWARD[c] if config.forward == "kernel" else "xla_prep"
+  backward = _BACKWARD[c] if config.backward == "kernel" else "xla_vjp"
+  if c == "channel_delta" and (forward, backward) == ("xla_prep", "channel_delta_grads"):
+    raise ValueError("kda's gradient kernels read the inverse that its preparation kernel writes: "
+                     "GpuConfig(forward='xla_prep') needs backward='xla_vjp'")
+  per_channel = decay == "channel"
+  forward_beyond = None if not per_channel else ("xla_prep" if forward == "xla_prep" else "xla_merge_per_head")
+  backward_beyond = None if not per_channel else ("xla_vjp" if backward == "xla_vjp" else "xla_vjp_per_head")
+  pair = (backward == "delta_grads" and config.delta_warpgroups == 2
+          and delta_grads.pair_serves(V, chunk_size, v_dtype, dtype))
+  return Plan(cell=c, forward=forward, keeps=_KEEPS.get((forward, backward), "inputs"), backward=backward,
+              forward_beyond=forward_beyond, backward_beyond=backward_beyond,
+              l2=("none" if not qk_l2norm else
+                  "on_load" if (forward, backward) == ("delta_prep", "delta_grads") else "xla"),
+              forward_warpgroups=config.forward_warpgroups if forward == "fused" else config.walk_warpgroups,
+              grads_warpgroups=2 if pair else 1)
+
+
+def hopper_reason(backend: str | None = None) -> str | None:
+  """None if this process runs on a Hopper GPU (or inside `interpret_kernels`), else why not.
+  `backend="hopper"` asserts a Hopper target (exporting for one from any machine)."""
+  if backend == "hopper" or (backend is None and interpreting() is not None):
+    return None
+  backend = jax.default_backend() if backend is None else backend
+  if backend != "gpu":
+    return (f"the Mosaic GPU kernels need a Hopper GPU and the backend is {backend!r} (tests run them "
+            f"on a CPU inside pallas_kernels.gpu.interpret_kernels())")
+  device = jax.devices()[0]
+  cc = getattr(device, "compute_capability", None)
+  if cc != "9.0":
+    return (f"the Mosaic GPU kernels are written for Hopper (compute capability 9.0, wgmma); "
+            f"{device.device_kind} has {cc}")
+  return None
+
+
+def smem_bytes(*, C: int, K: int, V: int, itemsize: int, delta: bool, out_itemsize: int,
+               backward: bool) -> int:
+  """Shared memory of one walk program (double-buffered inputs, staging tiles, state)."""
+  bv = min(walk.BLOCK_V, V)
+  if not backward:
+    ins = C * K * (2 + delta) + C * bv + C * C  # kd, qg, [w], u, p
+    return (2 * ins * itemsize + 2 * K * 4 + 2 * C * bv * out_itemsize + 2 * bv * K * itemsize
+            + bv * K * 4 + delta * bv * C * itemsize)
+  ins = C * K * (1 + 2 * delta) + C * bv + delta * C * C  # qg, [kd, w], do, [p]
+  return 2 * ins * itemsize + 2 * K * 4 + 2 * bv * K * itemsize + bv * K * 4 + delta * bv * C * itemsize
+
+
+def walked_columns(V: int, appended: int) -> int:
+  """How many leading value columns of a call with `appended` columns of ones (the linear-attention
+  normaliser) the kernels walk: all but the appended ones, which the caller walks in XLA (the walk is
+  independent per value column, and V + 1 is no kernel's head dim)."""
+  return V - appended
+
+
+def supports(*, K: int, V: int, chunk_size: int, dtype=jnp.bfloat16, packing: str = "none",
+             backend: str | None = None, sharded: bool = False) -> str | None:
+  """None if the Mosaic GPU kernels serve a call of this kind, else the reason they do not.
+
+  Args:
+    K, V: head dims of the state (V: the columns the kernels walk, `walked_columns`). chunk_size: C.
+      dtype: the matmul operand dtype (bfloat16 or float16; the state is float32). packing: "none",
+      "segments" or "cu_seqlens".
+    backend: None is the running backend (a Hopper GPU, or any inside `interpret_kernels`);
+      "hopper" takes a Hopper target as given.
+    sharded: the operands are split over non-manual mesh axes (`common.explicitly_sharded`).
+  """
+  reason = hopper_reason(backend)
+  if reason is not None:
+    return reason
+  if sharded:
+    return ("the inputs are sharded over mesh axes and XLA cannot partition a Pallas kernel: run it under "
+            "jax.shard_map (linear_attention_jax.sharding.shard_op)")
+  if packing == "cu_seqlens":
+    return "the GPU kernel does not take cu_seqlens (pass segment_ids instead)"
+  if packing not in ("none", "segments"):
+    return f"unknown packing {packing!r}"
+  if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES]:
+    return (f"the GPU kernel takes bfloat16 or float16 operands (wgmma would run float32 as tf32), not "
+            f"{jnp.dtype(dtype).name}; cast q, k, v or use the chunk form")
+  if K not in HEAD_DIMS or V not in HEAD_DIMS:
+    return f"the GPU kernel takes K and V in {HEAD_DIMS}; got K={K}, V={V}"
+  if chunk_size not in CHUNK_SIZES:
+    return f"the GPU kernel walks chunks of {CHUNK_SIZES} tokens; got chunk_size={chunk_size}"
+  size = jnp.dtype(dtype).itemsize
+  for backward in (False, True):
+    need = smem_bytes(C=chunk_size, K=K, V=V, itemsize=size, delta=True, out_itemsize=size,
+                      backward=backward)
+    if need > SMEM_BYTES:
+      return f"a program needs {need} bytes of shared memory, more than {SMEM_BYTES}"
+  return None

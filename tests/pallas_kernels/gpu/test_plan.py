@@ -1,0 +1,166 @@
+"""The GPU kernels' plan (`pallas_kernels/gpu/plan.py`) against its own table, cell by cell: every variant,
+decay kind, packing and configuration, differentiated or not, within and beyond the per-channel bound.
+
+The table in plan.py's docstring is parsed and `plan.select` must give each row; then every cell's call
+is traced (no kernel runs: tracing only, on any machine) with a spy on every stage function, and the
+stages the trace reaches must be exactly those the plan names (a per-channel `lax.cond` traces both of
+its branches: the kernels' and the one beyond the bound)."""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import prepared, vjp
+from pallas_kernels.gpu import (GpuConfig, call_plan, channel_delta_grads, channel_grads, channel_prep,
+                                chunked_attention, delta_grads, delta_prep, fused, plan, walk)
+
+ONE_WARPGROUP = dict(forward_warpgroups=1, walk_warpgroups=1, delta_warpgroups=1)
+
+
+def _table():
+  """plan.py's table: {(variant, forward, backward): row from plan.forward on}."""
+  rows = {}
+  for line in plan.__doc__.splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if len(cells) != 9 or cells[0] == "variants" or set(cells[0]) <= {"-", " "}:
+      continue
+    for variant in cells[0].split(", "):
+      key = (variant, cells[1], cells[2])
+      assert key not in rows, f"{key} twice in plan.py's table"
+      rows[key] = tuple(cells[3:])
+  return rows
+
+
+TABLE = _table()
+
+
+def test_the_table_covers_every_variant_and_configuration():
+  assert {v for v, _, _ in TABLE} == set(plan.VARIANTS)
+  for variant, (delta, decay) in plan.VARIANTS.items():
+    for forward in plan.FORWARDS:
+      for backward in plan.BACKWARDS:
+        config = GpuConfig(forward=forward, backward=backward)
+        if (variant, forward, backward) not in TABLE:
+          # the one configuration no kernel pair serves: kda's gradient kernels read its
+          # preparation kernel's inverse
+          assert (variant, forward, backward) == ("kda", "xla_prep", "kernel")
+          with pytest.raises(ValueError, match="inverse"):
+            plan.select(delta=delta, decay=decay, config=config)
+          continue
+        for packing in ("none", "segments"):
+          got = plan.select(delta=delta, decay=decay, config=config, packing=packing).row()
+          assert got == TABLE[variant, forward, backward], (variant, forward, backward, packing)
+  with pytest.raises(ValueError, match="segment_ids"):
+    plan.select(delta=True, decay="scalar", config=GpuConfig(), packing="cu_seqlens")
+
+
+def test_config_is_validated():
+  for field, bad in (("forward", "fused"), ("backward", "kernels"), ("forward_warpgroups", 2),
+                     ("walk_warpgroups", 0), ("delta_warpgroups", 3), ("gram_method", "direct"),
+                     ("sequence_pieces", 0)):
+    with pytest.raises(ValueError, match=f"GpuConfig.{field}"):
+      GpuConfig(**{field: bad})
+  x = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="config must be"):
+    chunked_attention(x, x, x, config={"forward": "kernel"})
+
+
+def test_the_plan_says_where_the_warpgroups_and_the_l2_norm_go():
+  kernels = GpuConfig()
+  p = plan.select(delta=True, decay="scalar", config=kernels, V=128, v_dtype=jnp.bfloat16)
+  assert p.grads_warpgroups == 2 and p.l2 == "on_load"
+  assert p.interpreter_threads() == {"delta_warpgroups=2": 3}
+  assert plan.select(delta=True, decay="scalar", config=kernels, V=64).grads_warpgroups == 1
+  assert plan.select(delta=True, decay="scalar", config=kernels, qk_l2norm=False).l2 == "none"
+  assert plan.select(delta=False, decay="scalar", config=kernels).interpreter_threads() == {
+      "forward_warpgroups=3": 4}
+  assert plan.select(delta=True, decay="channel", config=GpuConfig(walk_warpgroups=3)).interpreter_threads() == {
+      "walk_warpgroups=3": 4}
+
+
+# stage name -> the functions it calls (module, attribute); a stage's functions are spied on by name
+FORWARD_STAGES = {"fused": [(fused, "forward")], "delta_prep": [(delta_prep, "prepare"), (walk, "forward")],
+                  "channel_prep": [(channel_prep, "prepare"), (walk, "forward")],
+                  "xla_prep": [(prepared, "prepare"), (walk, "forward")],
+                  "xla_merge_per_head": [(prepared, "merge_tensors_per_head")]}
+BACKWARD_STAGES = {"fused": [(fused, "backward")], "delta_grads": [(delta_grads, "backward")],
+                   "channel_grads": [(channel_grads, "backward")],
+                   "channel_delta_grads": [(channel_delta_grads, "backward")],
+                   "xla_vjp": [(prepared, "backward")], "xla_vjp_per_head": [(prepared, "backward_per_head")]}
+SPIED = sorted({f for stages in (FORWARD_STAGES, BACKWARD_STAGES) for fs in stages.values() for f in fs},
+               key=lambda f: (f[0].__name__, f[1]))
+
+
+def _inputs(variant, T=70):
+  delta, decay = plan.VARIANTS[variant]
+  x = jnp.zeros((1, T, 1, 64), jnp.bfloat16)
+  g = {"none": None, "scalar": jnp.zeros((1, T, 1)), "channel": jnp.zeros((1, T, 1, 64))}[decay]
+  return x, g, (jnp.zeros((1, T, 1)) if delta else None)
+
+
+CELLS = [(variant, forward, backward) for variant, forward, backward in TABLE]
+
+
+@pytest.mark.parametrize("differentiated", [False, True], ids=["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("variant,forward,backward", CELLS)
+def test_the_trace_reaches_exactly_the_planned_stages(monkeypatch, variant, forward, backward, packed,
+                                                      differentiated):
+  calls = []
+  for module, name in SPIED:
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name,
+                        lambda *a, _f=original, _n=(module.__name__, name), **k: calls.append(_n) or _f(*a, **k))
+  x, g, beta = _inputs(variant)
+  seg = jnp.asarray(np.repeat([[0, 1]], 35, axis=1)) if packed else None
+  config = GpuConfig(forward=forward, backward=backward, **ONE_WARPGROUP)
+  p = call_plan(x, x, x, g, beta, segment_ids=seg, config=config)
+  op = lambda q, k, v, g, beta: chunked_attention(q, k, v, g, beta, segment_ids=seg, config=config)
+  args = (x, x, x, g, beta)
+  if differentiated:
+    argnums = tuple(i for i, a in enumerate(args) if a is not None)
+    jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(op(*a)[0].astype(jnp.float32)), argnums=argnums))(*args)
+  else:
+    jax.make_jaxpr(op)(*args)
+  want = set(FORWARD_STAGES[p.forward])
+  if p.forward_beyond == "xla_merge_per_head":
+    want |= set(FORWARD_STAGES["xla_merge_per_head"])
+  if differentiated:
+    want |= set(BACKWARD_STAGES[p.backward])
+    if p.backward_beyond == "xla_vjp_per_head":
+      want |= set(BACKWARD_STAGES["xla_vjp_per_head"]) | set(BACKWARD_STAGES["xla_vjp"])
+  reached = {(m.__name__, n) for m, n in SPIED if (m.__name__, n) in calls}
+  want = {(m.__name__, n) for m, n in want}
+  # walk.forward and prepared.prepare also serve backward stages that recompute (xla_vjp: the
+  # preparation and the states walk; fused and delta_grads after xla_prep: their own kernels)
+  helpers = {("pallas_kernels.gpu.walk", "forward"), ("pallas_kernels.prepared", "prepare"),
+             ("pallas_kernels.gpu.delta_prep", "prepare"), ("pallas_kernels.gpu.fused", "forward")}
+  assert want <= reached, (p, sorted(want - reached))
+  extra = reached - want
+  assert extra <= helpers, (p, sorted(extra))
+  if not differentiated:
+    assert extra == set(), (p, sorted(extra))
+  # the kernels' branch and the merge form's are chosen by the one-reference bound on the data
+  if p.forward_beyond is not None:
+    G, _ = channel_grads.chunk_cumsum(jnp.zeros((1, 70, 1, 64)), 128, 64)
+    assert bool(channel_grads.fits(G, 64, jnp.bfloat16))
+    G, _ = channel_grads.chunk_cumsum(jnp.full((1, 70, 1, 64), -20.0), 128, 64)
+    assert not bool(channel_grads.fits(G, 64, jnp.bfloat16))
+
+
+def test_the_plan_rides_in_the_static_argument(monkeypatch):
+  # the backward reads the forward's plan: one Plan object per call, hashable, in the custom_vjp's static
+  x, g, beta = _inputs("kda")
+  seen = []
+  original = vjp._backward
+  monkeypatch.setattr(vjp, "_backward", lambda static, *a: seen.append(static.plan) or original(static, *a))
+  config = GpuConfig(**ONE_WARPGROUP)
+  jax.make_jaxpr(jax.grad(lambda q: jnp.sum(chunked_attention(q, x, x, g, beta, config=config)[0].astype(
+      jnp.float32))))(x)
+  assert seen == [call_plan(x, x, x, g, beta, config=config)]
+  assert hash(seen[0]) == hash(dataclasses.replace(seen[0]))
+  assert re.match(r"Plan\(cell='channel_delta'", repr(seen[0]))
