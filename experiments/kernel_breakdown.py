@@ -2,14 +2,15 @@
 alone (jitted, median of `--iters` after warm-up) on the benchmark's inputs.
 
 Stages (pallas_kernels/gpu/NOTES.md): the whole op's forward and forward + backward (`jax.grad` of
-`sum(o * do)` w.r.t. q, k, v, g, beta), prepared and fused (`fused=True`: the additive family with no or
+`sum(o * do)` w.r.t. q, k, v, g, beta), prepared and fused (the forward's kernels: the additive family with no or
 scalar decay without any XLA preparation; the delta family with no or scalar decay with its forward's
-tensors from the preparation kernel; "-" for the others), the delta family's fwd+bwd with its gradients
-from kernels (`delta_backward=True`, the default) and without (XLA's vjp), the same as a training step
+tensors from the preparation kernel; "-" for the others; each stage's `gpu.GpuConfig`, the plan's table
+in pallas_kernels/gpu/plan.py), the delta family's fwd+bwd with its gradients from kernels (the
+default) and without (XLA's vjp), the same as a training step
 (`jax.value_and_grad`: `jax.grad` alone drops a forward whose outputs the backward does not read), the
 delta family's preparation kernel (with `(I + L)^-1`) and per-chunk gradient kernel alone, the XLA
 preparation forward and its vjp, the forward walk with outputs (and, when it is split into sequence
-pieces, its pieces' maps walk and its main walk from given piece states, each alone), the forward walk
+pieces, its pieces' maps walk alone), the forward walk
 that stores states, the reverse walk, and the reverse walk plus the batched cotangent matmuls. With
 `--jla`, jax-linear-attention's Mosaic GPU kernels are timed
 on the same inputs in the same process (jla l2-normalises q and k of the delta variants itself). Prints a
@@ -22,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -36,7 +38,8 @@ import numpy as np
 from absl import app, flags
 
 from experiments import benchmark, common
-from pallas_kernels import common, gpu, prep
+from pallas_kernels import common as kernel_common
+from pallas_kernels import gpu, prep, vjp
 from pallas_kernels.gpu import channel_prep, delta_grads, delta_prep, fused, walk
 
 STAGES = ("op fwd", "op fwd fused", "op fwd fused streamed", "op fwd walk streamed",
@@ -48,7 +51,7 @@ STAGES = ("op fwd", "op fwd fused", "op fwd fused streamed", "op fwd walk stream
           "delta grads kernel 2 blocks", "channel prep kernel", "op fwd channel kernel",
           "op fwd+bwd levels gram", "op fwd merge gram", "op fwd+bwd merge gram",
           "gram merge fwd+bwd", "gram levels fwd+bwd", "gram auto fwd+bwd", "prep fwd", "walk o",
-          "pieces maps", "main walk", "walk states", "reverse walk", "reverse + cotangents", "prep vjp")
+          "pieces maps", "walk states", "reverse walk", "reverse + cotangents", "prep vjp")
 
 
 def _time(fn, args, iters: int, label: str = "") -> float:
@@ -81,7 +84,7 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
   beta = None if beta is None else beta.astype(jnp.float32)
   args = (x["q"], k, x["v"], x.get("g"), beta)
   prepare = lambda *a: prep.prepare(*a, None, chunk_size=64, dtype=dtype, inverse_dtype=jnp.float32)
-  prep_fwd = jax.jit(lambda *a: common.cast_tensors(prepare(*a), dtype))
+  prep_fwd = jax.jit(lambda *a: kernel_common.cast_tensors(prepare(*a), dtype))
   t = prep_fwd(*args)
   do = jnp.asarray(rng.standard_normal(t.u.shape), dtype)
   states_fn = jax.jit(lambda t: walk.forward(t, None, with_o=False, with_states=True, out_dtype=dtype,
@@ -89,10 +92,19 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
   states = states_fn(t)
   cot = jax.tree.map(lambda a: jnp.full(a.shape, 1e-2, jnp.float32), prepare(*args))
   do_o = jnp.asarray(rng.standard_normal(x["v"].shape), jnp.float32)
-  forward = lambda use_fused, delta_backward=False, warpgroups=1, fwd_wg=1, walk_wg=1: lambda *a: (
-      gpu.chunked_attention(*a, fused=use_fused, sequence_pieces=sequence_pieces,
-                            delta_backward=delta_backward, delta_warpgroups=warpgroups,
-                            forward_warpgroups=fwd_wg, walk_warpgroups=walk_wg, interpret=interpret)[0])
+  def config(kernels, delta_backward=False, warpgroups=1, fwd_wg=1, walk_wg=1, **kw):
+    """The stage's `gpu.GpuConfig`: `kernels=False` the prepared path (XLA's preparation and vjp around
+    the walks); else the forward's kernels, with the delta family's gradients from kernels only with
+    `delta_backward` (else XLA's vjp)."""
+    if not kernels:
+      base = gpu.GpuConfig(forward="xla_prep", backward="xla_vjp")
+    else:
+      base = gpu.GpuConfig(backward="kernel" if beta is None or delta_backward else "xla_vjp")
+    return dataclasses.replace(base, sequence_pieces=sequence_pieces, delta_warpgroups=warpgroups,
+                               forward_warpgroups=fwd_wg, walk_warpgroups=walk_wg, **kw)
+
+  forward = lambda *c, **kw: lambda *a: gpu.chunked_attention(*a, config=config(*c, **kw),
+                                                              interpret=interpret)[0]
   op = lambda use_fused, fwd_wg=1, walk_wg=1: jax.jit(forward(use_fused, fwd_wg=fwd_wg, walk_wg=walk_wg))
   argnums = tuple(i for i, a in enumerate(args) if a is not None)
   op_grad = lambda use_fused, delta_backward=False: jax.jit(jax.grad(
@@ -154,22 +166,18 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
       "delta grads kernel 2 blocks": ((jax.jit(lambda *a: delta_grads.chunk_grads(
           *a, dtype=dtype, dv_dtype=dtype, partial_dtype=dtype, interpret=interpret,
           blocks_per_program=2)), grads_args) if delta_kernels else None),
-      "channel prep kernel": ((jax.jit(lambda *a: channel_prep.prepare(
+      "channel prep kernel": ((jax.jit(lambda *a: vjp.channel_tensors(
           *a, chunk_size=64, dtype=dtype, interpret=interpret)), args)
                               if channel_prep.serves(args[3], beta, None) else None),
-      "op fwd channel kernel": ((jax.jit(lambda *a: gpu.chunked_attention(
-          *a, sequence_pieces=sequence_pieces, channel_kernel=True, interpret=interpret)[0]), args)
+      "op fwd channel kernel": ((jax.jit(forward(True, True)), args)
                                 if channel_prep.serves(args[3], beta, None) else None),
-      "op fwd+bwd levels gram": ((jax.jit(jax.grad(lambda *a: jnp.sum(gpu.chunked_attention(
-          *a, sequence_pieces=sequence_pieces, channel_kernel=True, gram_method="levels",
-          interpret=interpret)[0].astype(jnp.float32) * do_o), argnums=argnums)), args)
+      "op fwd+bwd levels gram": ((jax.jit(jax.grad(lambda *a: jnp.sum(forward(
+          True, True, gram_method="levels")(*a).astype(jnp.float32) * do_o), argnums=argnums)), args)
                                  if per_channel else None),
-      "op fwd merge gram": ((jax.jit(lambda *a: gpu.chunked_attention(
-          *a, sequence_pieces=sequence_pieces, gram_method="merge", interpret=interpret)[0]), args)
+      "op fwd merge gram": ((jax.jit(forward(True, True, gram_method="merge")), args)
                             if per_channel else None),
-      "op fwd+bwd merge gram": ((jax.jit(jax.grad(lambda *a: jnp.sum(gpu.chunked_attention(
-          *a, sequence_pieces=sequence_pieces, gram_method="merge",
-          interpret=interpret)[0].astype(jnp.float32) * do_o), argnums=argnums)), args)
+      "op fwd+bwd merge gram": ((jax.jit(jax.grad(lambda *a: jnp.sum(forward(
+          True, True, gram_method="merge")(*a).astype(jnp.float32) * do_o), argnums=argnums)), args)
                                 if per_channel else None),
       "gram merge fwd+bwd": (_gram_step("merge"), gram_args) if per_channel else None,
       "gram auto fwd+bwd": (_gram_step("auto"), gram_args) if per_channel else None,
@@ -179,9 +187,6 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
                                                 interpret=interpret)[0]), (t,)),
       "pieces maps": ((jax.jit(lambda t: walk.piece_maps(t, pieces, interpret=interpret)), (t,))
                       if pieces > 1 else None),
-      "main walk": (jax.jit(lambda t, h: walk._forward_kernel(
-          t, h, S=pieces, with_o=True, with_states=False, out_dtype=dtype, interpret=interpret,
-          bv=min(walk.BLOCK_V, D), token_o=True)[0]), (t, jnp.zeros((B, H, pieces, D, D), jnp.float32))),
       "walk states": (states_fn, (t,)),
       "reverse walk": (jax.jit(lambda t, do: walk.backward_states(t, do, None, interpret=interpret)),
                        (t, do)),
