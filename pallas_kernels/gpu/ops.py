@@ -17,12 +17,12 @@ from pallas_kernels import common, prep, vjp
 from pallas_kernels.gpu import channel_delta_grads, channel_grads, channel_prep, delta_grads, delta_prep
 from pallas_kernels.gpu import fused as fused_kernel
 from pallas_kernels.gpu import walk
+from pallas_kernels.gpu.tiles import L2_EPS, SMEM_BYTES
 
 _INTERPRET = common.InterpretSwitch("pallas_kernels_gpu_interpret", plgpu.InterpretGPUParams)
 DTYPES = (jnp.bfloat16, jnp.float16)
 HEAD_DIMS = (64, 128)
 CHUNK_SIZES = (64,)
-SMEM_BYTES = 227 * 1024   # dynamic shared memory per block on sm_90
 
 
 def interpret_kernels(params: plgpu.InterpretGPUParams | None = None):
@@ -289,7 +289,7 @@ GPU_WALK = vjp.Walk(forward=_forward, backward=_backward, chunks_per_group=_chun
 def _l2_normalize(x):
   """`x * rsqrt(sum(x^2) + eps)` over K in float32, back in x's dtype (XLA; differentiable)."""
   x32 = x.astype(jnp.float32)
-  return (x32 * lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + fused_kernel.L2_EPS)).astype(x.dtype)
+  return (x32 * lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + L2_EPS)).astype(x.dtype)
 
 
 def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None, segment_ids=None,
