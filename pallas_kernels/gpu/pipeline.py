@@ -1,7 +1,7 @@
 """The walks' chunk pipeline: the sequence pieces (`pieces`, `chain_pieces`), a program's coordinates,
 the state's entry and exit through shared memory, the double-buffered TMA loop over chunks
 (`walk_chunks`) and the fetching warpgroup's loop of the streamed walks (`stream_chunks`,
-`streamed_stages`), and the prepared walk's per-chunk fetch and value steps.
+`deepest_stages`), and the prepared walk's per-chunk fetch and value steps.
 """
 
 from __future__ import annotations
