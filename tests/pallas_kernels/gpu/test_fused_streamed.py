@@ -60,6 +60,13 @@ def test_streamed_forward_matches_the_float64_loop(variant, packed, pieces):
   check(variant, inp, seg=seg, fused=True, pieces=pieces, forward_warpgroups=3)
 
 
+def test_a_forward_beyond_shared_memory_raises_saying_why():
+  # Given float32 operands at K = 128, when not even two input slots fit a block, then the stage count
+  # is a ValueError naming the forward and the bytes it needs (as the prepared walk's).
+  with pytest.raises(ValueError, match=r"streamed forward \(C=64, K=128.*does not fit .*it needs \d+"):
+    streamed_stages(64, 128, 64, jnp.float32, jnp.float32, False)
+
+
 def test_public_option_is_checked():
   x = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="forward_warpgroups"):

@@ -61,6 +61,13 @@ def test_streamed_walk_matches_the_float64_loop(variant, gates, packed, pieces):
   check(variant, inp, seg=seg, fused=True, delta_backward=True, pieces=pieces, walk_warpgroups=3)
 
 
+def test_a_walk_beyond_shared_memory_raises_saying_why():
+  # Given float32 operands at K = 128, when not even two input slots fit a block, then the stage count
+  # is a ValueError naming the walk and the bytes it needs (as the fused forward's).
+  with pytest.raises(ValueError, match=r"streamed walk \(C=64, K=128.*does not fit .*it needs \d+"):
+    streamed_stages(64, 128, 64, jnp.float32, jnp.float32, delta=True, with_o=True)
+
+
 def test_public_option_is_checked():
   x = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="walk_warpgroups"):
