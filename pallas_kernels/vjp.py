@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import common, prep, prepared
-from pallas_kernels.gpu import channel_delta_grads, channel_grads, channel_prep, delta_grads, delta_prep
+from pallas_kernels.gpu import channel, channel_delta_grads, channel_grads, channel_prep, delta_grads, delta_prep
 from pallas_kernels.gpu import fused, walk
 from pallas_kernels.gpu.plan import Plan
 
@@ -53,7 +53,7 @@ def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=Non
   `with_inverse` returns `(tensors, X)`, X zeros in the merge-form branch (whose backward recomputes)."""
   C = chunk_size
   if cumsum is None:
-    cumsum = channel_grads.chunk_cumsum(g, prep.padded_length(q.shape[1], C, chunk_multiple), C)
+    cumsum = channel.chunk_cumsum(g, prep.padded_length(q.shape[1], C, chunk_multiple), C)
   kernel = lambda: channel_prep.prepare(q, k, v, g, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
                                         interpret=interpret, chunk_multiple=chunk_multiple, cumsum=cumsum,
                                         with_inverse=with_inverse)
@@ -67,7 +67,7 @@ def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=Non
   # results say so of all of them; the types of a lax.cond's branches must match)
   axes = common.varying_axes([x for x in (q, k, v, g, beta, segment_ids) if x is not None])
   varying = lambda branch: lambda: jax.tree.map(lambda x: common.vary_over(x, axes), branch())
-  return lax.cond(channel_grads.fits(cumsum[0], C, dtype), varying(kernel), varying(beyond))
+  return lax.cond(channel.fits(cumsum[0], C, dtype), varying(kernel), varying(beyond))
 
 
 def _forward(static: Static, q, k, v, g, beta, h0, segment_ids, *, keep: bool):
@@ -80,7 +80,7 @@ def _forward(static: Static, q, k, v, g, beta, h0, segment_ids, *, keep: bool):
     case "xla_prep" if not saves:
       return prepared.forward(static, q, k, v, g, beta, h0, segment_ids), None
     case "xla_prep":   # gla's gradient kernels read the walk's states and the tensors they walked
-      cumsum = channel_grads.chunk_cumsum(g, prep.padded_length(T, C, _pieces(static)), C)
+      cumsum = channel.chunk_cumsum(g, prep.padded_length(T, C, _pieces(static)), C)
       t = common.cast_tensors(prepared.prepare(static, q, k, v, g, beta, segment_ids), dtype)
       o, states, final = _walk(static, t, h0, with_states=True)
       saved = channel_grads.Saved(*states, qg=t.qg, decay=t.decay, G=cumsum[0], refs=cumsum[1])
@@ -98,7 +98,7 @@ def _forward(static: Static, q, k, v, g, beta, h0, segment_ids, *, keep: bool):
       o, states, final = _walk(static, t, h0, with_states=saves)
       saved = (t, X) + states if saves else None
     case "channel_prep":
-      cumsum = channel_grads.chunk_cumsum(g, prep.padded_length(T, C, _pieces(static)), C)
+      cumsum = channel.chunk_cumsum(g, prep.padded_length(T, C, _pieces(static)), C)
       inverse = saves and plan.backward == "channel_delta_grads"
       out = channel_tensors(q, k, v, g, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
                             interpret=interpret, chunk_multiple=_pieces(static), cumsum=cumsum,
@@ -144,7 +144,7 @@ def _backward(static: Static, q, k, v, g, beta, h0, segment_ids, saved, do, dfin
       raise ValueError(f"no backward stage {other!r}")
   # the kernels sum their gradients over the mesh axes their primals do not vary over, as the per-head
   # branch's already are (the types of a lax.cond's branches must match under shard_map)
-  return lax.cond(channel_grads.fits(saved.G, static.chunk_size, static.compute_dtype), kernels, per_head)
+  return lax.cond(channel.fits(saved.G, static.chunk_size, static.compute_dtype), kernels, per_head)
 
 
 def _sequence_pieces(static: Static):

@@ -4,10 +4,22 @@
 docstring's table (`plan.select`), `call_plan` for given arguments, and `GpuConfig` holds the tuning values;
 `supports` says whether the kernels serve a call (and why not); `interpret_kernels` runs the kernels in
 the Mosaic GPU interpreter (whose multi-warpgroup kernels need `interpreter_threads()` above their
-warpgroups). The stages, one module each: `fused` (the additive family with no or scalar decay, no XLA
-preparation), `delta_prep` / `channel_prep` (the forward's preparation kernels), `walk` (the walks over
-prepared tensors), `delta_grads`, `channel_grads`, `channel_delta_grads` (the gradient kernels).
+warpgroups).
 NOTES.md holds the cost model and each measured version.
+
+The kernels, by stage (each file's `kernel_name`s are `chunk_{prep,walk,grads}_<cell>`):
+- `walk` (+ `walk_streamed`, its warpgroup-specialised form): the chunk walks over prepared tensors,
+  every variant;
+- `fused` (+ `fused_streamed`, `fused_grads`): the additive family with no or scalar decay, every stage
+  with no XLA preparation;
+- `delta_prep`, `delta_grads` (+ `delta_grads_pair`, `delta_terms`): the delta family with no or scalar
+  decay, its forward preparation and its per-chunk gradients;
+- `channel_prep`, `channel_grads`, `channel_delta_grads`: per-channel decay's preparation (gla, kda)
+  and gradients (gla, kda).
+
+What they share: `tiles` (layouts, shared memory, tensor-core products, l2 rows, the unit lower
+inverse), `masks` (packed rows), `decay` (scalar decay's G and its tiles), `pipeline` (the walks'
+TMA chunk pipeline and sequence pieces) and `channel` (per-channel decay's G, bound and key gradients).
 """
 
 from pallas_kernels.gpu.interpret import interpret_kernels, interpreter_threads, interpreting

@@ -44,9 +44,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import common, prep
 from pallas_kernels.gpu import walk
-from pallas_kernels.gpu.channel_grads import HALF, fits, key_grads
-from pallas_kernels.gpu.fused import ROWS, SEG_ROWS, _segment_masks, segment_vectors
-from pallas_kernels.gpu.walk import COLS, F32, WGMMA, _flat, _vary_like, matmul, matmuls, smem
+from pallas_kernels.gpu.channel import HALF, fits, key_grads
+from pallas_kernels.gpu.masks import SEG_ROWS, segment_masks, segment_vectors
+from pallas_kernels.gpu.tiles import COLS, F32, ROWS, WGMMA, flat, matmul, matmuls, smem, vary_like
 
 
 def serves(g, beta, segment_ids) -> bool:
@@ -62,7 +62,7 @@ class Saved(NamedTuple):
   X: jax.Array                 # [B, H_v, NC, C, C], (I + L)^-1 in the operand dtype
   states: jax.Array            # [B, H_v, NC, V, K], the state entering every chunk (transposed)
   transitions: Any             # the sequence pieces' A (`walk.forward(..., return_transitions=True)`)
-  G: jax.Array                 # channel_grads.chunk_cumsum(g, T_pad, C)
+  G: jax.Array                 # channel.chunk_cumsum(g, T_pad, C)
   refs: jax.Array
 
 
@@ -70,7 +70,7 @@ def _masks_of(m_s, C):
   """(same-run [C, C] or None, carry, to_last, carry of the last token) of this chunk."""
   if m_s is None:
     return None, None, None, 1.0
-  return _segment_masks(m_s, None, C)
+  return segment_masks(m_s, None, C)
 
 
 def value_side(t: prep.ChunkTensors, X, states, dstates, do, v, b, *, dtype, masks=None, interpret=None):
@@ -147,7 +147,7 @@ def value_side(t: prep.ChunkTensors, X, states, dstates, do, v, b, *, dtype, mas
     plgpu.copy_smem_to_gmem(dl_s, dl_r.at[bi, h, rows_t])
     plgpu.wait_smem_to_gmem(0)
 
-  args = [_flat(t.w), _flat(t.u), states, _flat(t.p), _flat(do), _flat(t.kd), dstates, _flat(X), v, b]
+  args = [flat(t.w), flat(t.u), states, flat(t.p), flat(do), flat(t.kd), dstates, flat(X), v, b]
   args = [x.astype(dtype) if i < 9 else x for i, x in enumerate(args)] + ([masks] if has_seg else [])
   by_head = lambda d: jax.ShapeDtypeStruct((B, Hv, T_pad, d), dtype)
   out_type = (by_head(V), by_head(V), by_head(C), by_head(C), jax.ShapeDtypeStruct((B, T_pad, Hv, V), dtype),
@@ -156,13 +156,13 @@ def value_side(t: prep.ChunkTensors, X, states, dstates, do, v, b, *, dtype, mas
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
       kernel_name="chunk_grads_channel_delta_v")(*args)
-  return _vary_like(outs, args)
+  return vary_like(outs, args)
 
 
 def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, masks=None, interpret=None):
   """The key side of every chunk (module docstring), one program per chunk of one value head.
 
-  Args: q, k `[B, T_pad, H, K]`; G, refs as `channel_grads.chunk_cumsum` returns them; b `[B, H_v,
+  Args: q, k `[B, T_pad, H, K]`; G, refs as `channel.chunk_cumsum` returns them; b `[B, H_v,
     T_pad]` float32; do, u, dr `[B, H_v, T_pad, V]`, dP, dL `[B, H_v, T_pad, C]` (value_side's);
     states, dstates `[B, H_v, NC, V, K]` (transposed); masks None or `segment_vectors(...)`.
   Returns: dq, dk `[B, T_pad, H_v, K]` (per value head) in `dtype`; dG `[B, T_pad, H_v, K]` float32
@@ -289,7 +289,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
       kernel_name="chunk_grads_channel_delta_k")(*args)
-  return _vary_like(outs, args)
+  return vary_like(outs, args)
 
 
 def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None,
@@ -318,7 +318,7 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
     b = jnp.swapaxes(jnp.pad(beta.astype(F32), [(0, 0), (0, T_pad - T), (0, 0)]), 1, 2)
     u, dr, dP, dL, dv, dbeta_v = value_side(saved.t, saved.X, saved.states, dstates, do_c, pad(v), b,
                                             dtype=dtype, masks=masks, interpret=interpret)
-    dq, dk, dG, dbeta_k = key_side(pad(q), pad(k), G, refs, b, _flat(do_c), u, dr, dP, dL, saved.states,
+    dq, dk, dG, dbeta_k = key_side(pad(q), pad(k), G, refs, b, flat(do_c), u, dr, dP, dL, saved.states,
                                    dstates, dtype=dtype, masks=masks, interpret=interpret)
     dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C)
     dbeta = jnp.swapaxes(dbeta_v + dbeta_k, 1, 2)[:, :T].astype(beta.dtype)

@@ -38,10 +38,10 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import common, prep
 from pallas_kernels.gpu import walk
-from pallas_kernels.gpu.fused import SEG_ROWS, _segment_masks, segment_vectors
-from pallas_kernels.gpu.walk import COLS, F32, WGMMA, _vary_like, matmul, smem
-
-HALF = 64   # key channels per pass
+from pallas_kernels.gpu.channel import HALF, fits, key_grads
+from pallas_kernels.gpu.channel import chunk_cumsum  # noqa: F401  (the dispatch calls it from here)
+from pallas_kernels.gpu.masks import SEG_ROWS, segment_masks, segment_vectors
+from pallas_kernels.gpu.tiles import COLS, F32, WGMMA, matmul, smem, vary_like
 
 
 def serves(g, beta, segment_ids) -> bool:
@@ -50,24 +50,7 @@ def serves(g, beta, segment_ids) -> bool:
   return beta is None and g is not None and g.ndim == 4
 
 
-def chunk_cumsum(g, T_pad: int, C: int):
-  """`(G [B, T_pad, H_v, K], R [B, NC, 2, H_v, K])` float32: the chunk-local cumulative log-decay in g's
-  token layout, and per chunk and channel the reference `R` (`prep.reference`, row 0) and the last
-  token's `G_C` (row 1)."""
-  B, T, Hv, K = g.shape
-  g = jnp.pad(g.astype(F32), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
-  G = jnp.cumsum(g.reshape(B, T_pad // C, C, Hv, K), axis=2)
-  return G.reshape(B, T_pad, Hv, K), jnp.concatenate([prep.reference(G, axis=2), G[:, :, -1:]], axis=2)
-
-
-def fits(G, C: int, dtype):
-  """`prep.one_reference_fits` for `G [B, T_pad, H_v, K]` in token layout and operands of `dtype`."""
-  B, T_pad, Hv, K = G.shape
-  return prep.one_reference_fits(jnp.moveaxis(G.reshape(B, T_pad // C, C, Hv, K), 2, -2),
-                                 prep.ref_bound(dtype))
-
-
-def backward_chunks(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, interpret=None):
+def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, interpret=None):
   """Every chunk's `(dq, dk, dv, dG)` (module docstring), one program per chunk of one value head.
 
   Args: q, k `[B, T_pad, H, K]`, v, do `[B, T_pad, H_v, V]` (16-bit; do the gradient of the unscaled
@@ -121,7 +104,7 @@ def backward_chunks(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None,
     carry = to_last = None
     carry_last = 1.0
     if has_seg:
-      same, carry, to_last, carry_last = _segment_masks(m_s, None, C)
+      same, carry, to_last, carry_last = segment_masks(m_s, None, C)
       lower = lower & same
     load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
     clamp = lambda x: jnp.exp(jnp.minimum(x, prep.ref_bound(dtype)))
@@ -187,7 +170,7 @@ def backward_chunks(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None,
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
       kernel_name="chunk_grads_channel")(*args)
-  return _vary_like(outs, args)
+  return vary_like(outs, args)
 
 
 class Saved(NamedTuple):
@@ -208,7 +191,7 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
   `[B, H_v, K, V]`, from what the forward `saved`.
 
   The reverse walk (`walk.backward_states`, over the saved q e^G and decay) gives the gradient of the
-  state leaving every chunk; then `backward_chunks` forms every chunk's gradients and XLA takes dG's
+  state leaving every chunk; then `chunk_grads` forms every chunk's gradients and XLA takes dG's
   reverse cumsum within the chunks and, for grouped heads, adds the value heads' dq, dk. A call where
   some chunk's decay does not fit the one-reference bound (`fits`) takes XLA's vjp instead: the caller's
   `lax.cond` (`vjp.py`).
@@ -230,8 +213,8 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
     t = prep.ChunkTensors(qg=saved.qg, kd=None, w=None, u=None, p=None, decay=saved.decay)
     dstates, dh0 = walk.backward_states(t, prep.to_chunks(dos, C, T_pad), dfinal, interpret=interpret,
                                         sequence_pieces=sequence_pieces, transitions=saved.transitions)
-    dq, dk, dv, dG = backward_chunks(qp, kp, vp, G, refs, saved.states, dstates, dos, dtype=dtype,
-                                     masks=masks, interpret=interpret)
+    dq, dk, dv, dG = chunk_grads(qp, kp, vp, G, refs, saved.states, dstates, dos, dtype=dtype,
+                                 masks=masks, interpret=interpret)
     dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C)
     grads = (dq, dk, dv[:, :T].astype(v.dtype), dg)
     return common.summed_like(grads, (q, k, v, g)) + (None, dh0.astype(F32))
@@ -239,15 +222,3 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
   return kernels()
 
 
-def key_grads(dq, dk, dG, q, k, g, C: int):
-  """`(dq, dk, dg)` in q, k, g's dtypes and lengths from the kernels' per-value-head dq, dk `[B, T_pad,
-  H_v, K]` and per-token dG: dg is dG's reverse cumsum within each chunk (G = cumsum(g) there), and
-  grouped heads add their value heads' dq, dk."""
-  B, T, H, K = q.shape
-  T_pad, Hv = dG.shape[1:3]
-  group = Hv // H
-  dG = dG.reshape(B, T_pad // C, C, Hv, K)
-  dg = jnp.flip(jnp.cumsum(jnp.flip(dG, 2), 2), 2).reshape(B, T_pad, Hv, K)[:, :T]
-  per_head = lambda x: (x[:, :T].astype(F32).reshape(B, T, H, group, K).sum(3) if group > 1
-                        else x[:, :T])
-  return per_head(dq).astype(q.dtype), per_head(dk).astype(k.dtype), dg.astype(g.dtype)

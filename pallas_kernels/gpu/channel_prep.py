@@ -27,15 +27,15 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import common, prep
-from pallas_kernels.gpu.channel_grads import chunk_cumsum
-from pallas_kernels.gpu.delta_prep import unit_lower_inverse
-from pallas_kernels.gpu.fused import ROWS, SEG_ROWS, _segment_masks, segment_vectors
-from pallas_kernels.gpu.walk import COLS, F32, WGMMA, _vary_like, matmul, matmuls, smem
+from pallas_kernels.gpu.channel import chunk_cumsum
+from pallas_kernels.gpu.masks import SEG_ROWS, segment_masks, segment_vectors
+from pallas_kernels.gpu.tiles import (COLS, F32, ROWS, WGMMA, matmul, matmuls, smem, unit_lower_inverse,
+                                      vary_like)
 
 
 def serves(g, beta, segment_ids) -> bool:
   """True for the calls this kernel prepares: per-channel decay `[B, T, H_v, K]`, either family."""
-  del beta, segment_ids  # both families; packed rows are served (`fused.segment_vectors`)
+  del beta, segment_ids  # both families; packed rows are served (`masks.segment_vectors`)
   return g is not None and g.ndim == 4
 
 
@@ -136,7 +136,7 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
 
     same = carry = to_last = None
     if has_seg:
-      same, carry, to_last, _ = _segment_masks(m_s, None, C)
+      same, carry, to_last, _ = segment_masks(m_s, None, C)
     keep = (i_sq >= j_sq) if same is None else (i_sq >= j_sq) & same
     # above the diagonal the factors do not cancel (they may overflow): the where drops them
     p_s[...] = jnp.where(keep, P, 0.0).astype(dtype)
@@ -191,7 +191,7 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
       kernel_name="chunk_prep_channel")(*args)
-  outs = [x.reshape(B, Hv, NC, C, x.shape[-1]) for x in _vary_like(outs, args)]
+  outs = [x.reshape(B, Hv, NC, C, x.shape[-1]) for x in vary_like(outs, args)]
   qg, kd, p = outs[:3]
   decay = jnp.swapaxes(jnp.exp(refs[:, :, 1]), 1, 2)     # e^(G_C), [B, H_v, NC, K]
   if has_seg:

@@ -34,13 +34,12 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import prep
 from pallas_kernels.gpu import delta_prep, walk
-from pallas_kernels.gpu.fused import (ROWS, SEG_ROWS, _decay_tile, _l2_normalize_grad, _l2_normalize_rows,
-                                      _last_state_term, _row_scales, local_cumsum, segment_vectors)
-from pallas_kernels.gpu.walk import (BLOCK_V, COLS, F32, SMEM_BYTES, WGMMA, _vary_like, matmul, matmuls,
-                                     smem)
-from pallas_kernels.gpu.walk import scratch_bytes as _smem_bytes
-
-
+from pallas_kernels.gpu.decay import decay_tile, last_state_term, local_cumsum, row_scales
+from pallas_kernels.gpu.delta_grads_pair import chunk_grads_pair
+from pallas_kernels.gpu.delta_terms import dbk_term, dl_and_m, dm_k
+from pallas_kernels.gpu.masks import SEG_ROWS, segment_vectors
+from pallas_kernels.gpu.tiles import (BLOCK_V, F32, ROWS, SMEM_BYTES, WGMMA, l2_normalize_grad,
+                                      l2_normalize_rows, matmul, matmuls, scratch_bytes, smem, vary_like)
 
 
 def _scratch(C, K, bv, dtype, partial_dtype, dv_dtype, slots, has_seg):
@@ -62,31 +61,6 @@ def _scratch(C, K, bv, dtype, partial_dtype, dv_dtype, slots, has_seg):
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
   return scratch
-
-
-def _dbk_term(dbv, st, k_s, vectors, ck):
-  """`dB_k = X^T dW = -dB_v S^T` (`dbv`: dB_v staged in shared memory) and `r = e^G rowsum(dB_k k)`,
-  which dG (times beta) and dbeta take; dk takes `dB_k beta e^G`."""
-  dBk = -matmul(dbv, st, ck)
-  beta, e_q, _ = vectors()
-  r = e_q * jnp.sum(dBk * plgpu.load(k_s, layout=WGMMA).astype(F32), axis=1)
-  return dBk, beta, e_q, r
-
-
-def _dl_and_m(x_s, dx, k_s, tmp, decay, dtype, sq):
-  """`dL = -X^T dX X^T` (X^T dX staged in `tmp`) and `M = (k k^T) D_excl`."""
-  tmp[...] = matmul(x_s.T, dx, sq).astype(dtype)
-  plgpu.commit_smem()
-  kk, dL = matmuls((sq, [(k_s, k_s.T)]), (sq, [(tmp, x_s.T)]))
-  return -dL, kk * decay(True, True)
-
-
-def _dm_k(dM, a, k_s, decay, dtype, ck):
-  """dk's `(dM D_excl) k + (dM D_excl)^T k`, with `dM D_excl` staged in `a`."""
-  a[...] = (dM * decay(True, True)).astype(dtype)
-  plgpu.commit_smem()
-  (dMk,) = matmuls((ck, [(a, k_s), (a.T, k_s)]))
-  return dMk
 
 
 def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, interpret=None,
@@ -118,8 +92,8 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
     raise ValueError(f"blocks_per_program must divide the {NVB} value blocks; got {blocks}")
   slots = min(blocks, 2)
   scratch = _scratch(C, K, bv, dtype, partial_dtype, dv_dtype, slots, has_seg)
-  if _smem_bytes(scratch) > SMEM_BYTES:
-    raise ValueError(f"blocks_per_program={blocks} needs {_smem_bytes(scratch)} bytes of shared memory "
+  if scratch_bytes(scratch) > SMEM_BYTES:
+    raise ValueError(f"blocks_per_program={blocks} needs {scratch_bytes(scratch)} bytes of shared memory "
                      f"(at most {SMEM_BYTES}); use 1")
 
   def body(*refs, q_s, k_s, v_s, do_s, st_s, dst_s, x_s, r_s, un_s, du_s, dbv_s, p_s, a_s, dx_s, out_k,
@@ -153,13 +127,13 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
       fetch(1)
     plgpu.barrier_wait(bar)
     if qk_l2norm:
-      norm_s.at[1][...] = _l2_normalize_rows(k_s, C)
+      norm_s.at[1][...] = l2_normalize_rows(k_s, C)
       plgpu.commit_smem()
 
     def wait_q():
       plgpu.barrier_wait(q_bar)
       if qk_l2norm:
-        norm_s.at[0][...] = _l2_normalize_rows(q_s, C)
+        norm_s.at[0][...] = l2_normalize_rows(q_s, C)
         plgpu.commit_smem()
 
     rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
@@ -171,9 +145,9 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
     fresh = lax.optimization_barrier
 
     def vectors():
-      return (fresh(plgpu.load(b_s, layout=ROWS)),) + _row_scales(g_s, m_s, C)
+      return (fresh(plgpu.load(b_s, layout=ROWS)),) + row_scales(g_s, m_s, C)
 
-    decay = lambda lower, strict: _decay_tile(g_s, gc_s, m_s, C, lower=lower, strict=strict)
+    decay = lambda lower, strict: decay_tile(g_s, gc_s, m_s, C, lower=lower, strict=strict)
     load_k = lambda: plgpu.load(k_s, layout=WGMMA).astype(F32)
 
     def emit(x, tile, dst):
@@ -220,7 +194,7 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
       dG = dG + e_q * jnp.sum(plgpu.load(q_s, layout=WGMMA).astype(F32) * dqg, axis=1)
       dq = dqg * rows(e_q, ck) + matmul(a_s, k_s, ck)
       if qk_l2norm:
-        dq = _l2_normalize_grad(dq, q_s, fresh(plgpu.load(norm_s.at[0], layout=ROWS)))
+        dq = l2_normalize_grad(dq, q_s, fresh(plgpu.load(norm_s.at[0], layout=ROWS)))
       emit(dq, out_k, dq_r.at[vb, bi, rows_t, h])
       # du = P^T do + kd dS (issued together)
       du_p, kdS = matmuls((cv, [(p_s.T, do_b)]), (cv, [(k_s, dst_b.T)]))
@@ -241,21 +215,21 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
       beta, _, _ = vectors()
       emit(dBv * rows(beta, cv), out_v, dv_r.at[bi, rows_t, h, pl.ds(vb * bv, bv)])
       dbeta = jnp.sum(dBv * plgpu.load(v_b, layout=WGMMA).astype(F32), axis=1)
-      dBk, beta, e_q, r = _dbk_term(dbv_s, st_b, k_s, vectors, ck)
+      dBk, beta, e_q, r = dbk_term(dbv_s, st_b, k_s, vectors, ck)
       dk = dk + dBk * rows(beta * e_q, ck)
       dG = dG + beta * r
       dbeta = dbeta + r
       # dM = beta dL (p_s is free again: it stages X^T dX)
-      dL, M = _dl_and_m(x_s, dx_s, k_s, p_s, decay, dtype, sq)
+      dL, M = dl_and_m(x_s, dx_s, k_s, p_s, decay, dtype, sq)
       dbeta = dbeta + jnp.sum(dL * M, axis=1)
       beta, _, _ = vectors()
       dM = dL * rows(beta, sq)
       A = dM * M
       col_s.at[1][...] = jnp.sum(A, axis=0)
       dG = dG + jnp.sum(A, axis=1)
-      dk = dk + _dm_k(dM, a_s, k_s, decay, dtype, ck)
+      dk = dk + dm_k(dM, a_s, k_s, decay, dtype, ck)
       if qk_l2norm:
-        dk = _l2_normalize_grad(dk, k_s, fresh(plgpu.load(norm_s.at[1], layout=ROWS)))
+        dk = l2_normalize_grad(dk, k_s, fresh(plgpu.load(norm_s.at[1], layout=ROWS)))
       emit(dk, out_k, dk_r.at[vb, bi, rows_t, h])
       # the column sums of A, read back one per row
       plgpu.commit_smem()
@@ -265,7 +239,7 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
       vec_s.at[1][...] = dbeta
       # the caller sums kdv over the chunk for the last token's dG, which also takes e^(G_C) sum(S dS)
       # (this block's rows of S, folded onto the chunk's rows: bv = C)
-      vec_s.at[2][...] = kdv + _last_state_term(g_s, m_s, st_b, dst_b, C)
+      vec_s.at[2][...] = kdv + last_state_term(g_s, m_s, st_b, dst_b, C)
       plgpu.commit_smem()
       for idx, dst in enumerate((dg_r, db_r, kdv_r)):
         plgpu.copy_smem_to_gmem(vec_s.at[idx], dst.at[vb, bi, h, rows_t])
@@ -286,7 +260,7 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC, NVB // blocks), grid_names=("b", "h", "n", "v"),
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
       kernel_name="chunk_grads_delta")(*args)
-  return _vary_like(outs, args)
+  return vary_like(outs, args)
 
 
 def pair_serves(V: int, chunk_size: int, v_dtype, dtype) -> bool:
@@ -350,245 +324,3 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
           jnp.swapaxes(dbeta, 1, 2)[:, :T].astype(beta.dtype), dh0)
 
 
-def _pair_scratch(C, K, bv, dtype, has_seg):
-  """Shared memory of `chunk_grads_pair`: q, k, X and the dq / dk staging tile once; per warpgroup
-  (leading 2) v, do, S, dS and four working tiles: `buf` holds r, then u, then r again (recomputed),
-  then dB_v; `p` holds P, then X dX^T, then X^T dX; `a` holds dP D, then dM D; `du` holds du, then dX.
-  dv is staged in v's tile once dbeta has read it."""
-  two = lambda shape: smem((2,) + shape, dtype)
-  scratch = dict(
-      q_s=smem((C, K), dtype), k_s=smem((C, K), dtype), x_s=smem((C, C), dtype), out_k=smem((C, K), dtype),
-      v_s=two((C, bv)), do_s=two((C, bv)), st_s=two((bv, K)), dst_s=two((bv, K)),
-      buf_s=two((C, bv)), p_s=two((C, C)), a_s=two((C, C)), du_s=two((C, bv)),
-      vec_s=plgpu.SMEM((2, 3, C), F32), norm_s=plgpu.SMEM((2, C), F32),
-      g_s=plgpu.SMEM((C,), F32), gc_s=plgpu.SMEM((C,), F32), b_s=plgpu.SMEM((C,), F32),
-      bc_s=plgpu.SMEM((C,), F32), bar=plgpu.Barrier(num_arrivals=6 + SEG_ROWS * has_seg),
-      q_bar=plgpu.Barrier(), early=plgpu.Barrier(num_arrivals=2, num_barriers=2),
-      late=plgpu.Barrier(num_arrivals=2, num_barriers=2),
-      # warpgroup 0 -> 1: k normalised, q normalised, out_k free again; 1 -> 0: its dq, dk, vectors staged
-      sync=plgpu.Barrier(num_barriers=6), done=plgpu.Barrier(num_arrivals=2))
-  if has_seg:
-    scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
-  return scratch
-
-
-def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, interpret=None,
-                     qk_l2norm: bool = False):
-  """`chunk_grads` for two value blocks (V = 2 x 64) in one program of two warpgroups, one per block,
-  sharing q, k and X: while one warpgroup waits on its tensor-core products or shared-memory fences the
-  other computes (one warpgroup alone leaves half of an SM's registers unused, and `chunk_grads` fits
-  one program per SM). The two blocks' partial dq, dk, dG, dbeta and kdv are added inside the program
-  (warpgroup 1 stages its partial, warpgroup 0 adds its own and writes the sum), so no partial sums reach
-  device memory. Same inputs and outputs as `chunk_grads` with one partial (leading dimension 1); dv
-  in the operand dtype. The column sums of `A = dP P + dM M` come from transposed products (as rows), not
-  cross-warp reductions, whose scratch the two warpgroups would share.
-
-  In the Mosaic GPU interpreter the two warpgroups run as separate computations on XLA's CPU thread
-  pool, which needs at least three threads (launcher + two warpgroups). That pool has one thread per
-  core unless the environment variable `NPROC` says otherwise, so a 2-core machine hangs without
-  `NPROC >= 3`, set before JAX's CPU backend starts (tests/conftest.py sets 6)."""
-  B, T_pad, H, K = q.shape
-  Hv, V = v.shape[2:]
-  NC = states.shape[2]
-  C = T_pad // NC
-  bv = BLOCK_V
-  if V != 2 * bv or C != bv:
-    raise ValueError(f"chunk_grads_pair serves V = {2 * bv} in chunks of {bv}; got V={V}, C={C}")
-  if jnp.dtype(v.dtype).itemsize != 2 or jnp.dtype(dtype).itemsize != 2:
-    raise ValueError(f"chunk_grads_pair needs 16-bit operands; got v {v.dtype}, dtype {jnp.dtype(dtype)}")
-  group = Hv // H
-  has_seg = masks is not None
-  scratch = _pair_scratch(C, K, bv, dtype, has_seg)
-  if _smem_bytes(scratch) > SMEM_BYTES:
-    raise ValueError(f"chunk_grads_pair needs {_smem_bytes(scratch)} bytes of shared memory "
-                     f"(at most {SMEM_BYTES})")
-  K_NORMED, Q_NORMED, DQ_STAGED, OUT_FREE, DK_STAGED, VEC_STAGED = range(6)
-
-  def body(*refs, q_s, k_s, x_s, out_k, v_s, do_s, st_s, dst_s, buf_s, p_s, a_s, du_s, vec_s, norm_s,
-           g_s, gc_s, b_s, bc_s, bar, q_bar, early, late, sync, done, m_s=None):
-    q_r, k_r, v_r, g_r, b_r, x_r, st_r, dst_r, do_r = refs[:9]
-    m_r = refs[9] if has_seg else None
-    dq_r, dk_r, dv_r, dg_r, db_r, kdv_r = refs[9 + has_seg:]
-    bi, h, n, wg = (lax.axis_index(a) for a in ("b", "h", "n", "wg"))
-    hk = lax.div(h, group)
-    rows_t = pl.ds(n * C, C)
-    vs = pl.ds(wg * bv, bv)
-    first, second = wg == 0, wg == 1
-    v_b, do_b, st_b, dst_b = v_s.at[wg], do_s.at[wg], st_s.at[wg], dst_s.at[wg]
-    buf, p_b, a_b, du_b = buf_s.at[wg], p_s.at[wg], a_s.at[wg], du_s.at[wg]
-
-    @pl.when(first)
-    def _shared_inputs():
-      copies = [(k_r.at[bi, rows_t, hk], k_s), (x_r.at[bi, h, rows_t], x_s), (g_r.at[bi, h, rows_t], g_s),
-                (g_r.at[bi, h, rows_t], gc_s), (b_r.at[bi, h, rows_t], b_s), (b_r.at[bi, h, rows_t], bc_s)]
-      copies += [(m_r.at[bi, r, rows_t], m_s.at[r]) for r in range(SEG_ROWS if has_seg else 0)]
-      for src, dst in copies:
-        plgpu.copy_gmem_to_smem(src, dst, bar)
-      plgpu.copy_gmem_to_smem(q_r.at[bi, rows_t, hk], q_s, q_bar)
-
-    plgpu.copy_gmem_to_smem(v_r.at[bi, rows_t, h, vs], v_b, early.at[wg])
-    plgpu.copy_gmem_to_smem(st_r.at[bi, h, n, vs], st_b, early.at[wg])
-    plgpu.copy_gmem_to_smem(do_r.at[bi, h, rows_t, vs], do_b, late.at[wg])
-    plgpu.copy_gmem_to_smem(dst_r.at[bi, h, n, vs], dst_b, late.at[wg])
-    plgpu.barrier_wait(bar)
-
-    def normalised(tile, idx, flag):
-      """q or k l2-normalised in place by warpgroup 0 (its reciprocal norms kept for the gradient); the
-      other warpgroup waits for it."""
-      if not qk_l2norm:
-        return
-      @pl.when(first)
-      def _():
-        norm_s.at[idx][...] = _l2_normalize_rows(tile, C)
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(sync.at[flag])
-
-      @pl.when(second)
-      def _():
-        plgpu.barrier_wait(sync.at[flag])
-
-    normalised(k_s, 1, K_NORMED)
-    rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
-    cols = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])
-    sq, ck, cv = (C, C), (C, K), (C, bv)
-    fresh = lax.optimization_barrier
-
-    def vectors():
-      return (fresh(plgpu.load(b_s, layout=ROWS)),) + _row_scales(g_s, m_s, C)
-
-    decay = lambda lower, strict: _decay_tile(g_s, gc_s, m_s, C, lower=lower, strict=strict)
-    load_k = lambda: plgpu.load(k_s, layout=WGMMA).astype(F32)
-
-    def form_r():
-      """r = B_v - B_k S^T = beta (v - e^G k S^T) into `buf`."""
-      beta, e_q, _ = vectors()
-      ks = matmul(k_s, st_b.T, cv)
-      buf[...] = (rows(beta, cv) * (plgpu.load(v_b, layout=WGMMA).astype(F32) - rows(e_q, cv) * ks)).astype(dtype)
-      plgpu.commit_smem()
-
-    def summed(x, staged, done=None):
-      """The two warpgroups' partial [C, K] tile `x`: warpgroup 1 stages its own (after `done`, the
-      barrier saying out_k is free) and signals `staged`; warpgroup 0 adds it to its own and returns the
-      sum (warpgroup 1 gets None)."""
-      @pl.when(second)
-      def _():
-        if done is not None:
-          plgpu.barrier_wait(sync.at[done])
-        out_k[...] = x.astype(dtype)
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(sync.at[staged])
-
-    def write_sum(x, staged, dst, done=None):
-      summed(x, staged, done)
-
-      @pl.when(first)
-      def _():
-        plgpu.barrier_wait(sync.at[staged])
-        total = x + plgpu.load(out_k, layout=WGMMA).astype(F32)
-        out_k[...] = total.astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_k, dst)
-        if done is None:   # out_k is read by this copy; warpgroup 1 may stage again once it is done
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          plgpu.barrier_arrive(sync.at[OUT_FREE])
-
-    plgpu.barrier_wait(early.at[wg])
-    form_r()
-    un = matmul(x_s, buf, cv)            # u = X r; buf then holds u
-    buf[...] = un.astype(dtype)
-    plgpu.commit_smem()
-    plgpu.barrier_wait(late.at[wg])
-    plgpu.barrier_wait(q_bar)
-    normalised(q_s, 0, Q_NORMED)
-    # P, dP; rowsum(dP P) now, and its column sums from the transposed products
-    P, dP = matmuls((sq, [(q_s, k_s.T)]), (sq, [(do_b, buf.T)]))
-    D = decay(True, False)
-    P = P * D
-    p_b[...] = P.astype(dtype)
-    a_b[...] = (dP * D).astype(dtype)
-    plgpu.commit_smem()
-    dG = jnp.sum(dP * P, axis=1)
-    ud, kq = matmuls((sq, [(buf, do_b.T)]), (sq, [(k_s, q_s.T)]))
-    dG = dG - jnp.sum(ud * kq * decay(False, False), axis=1)
-    # dq = e^G (do S^T) + (dP D) k, summed over the two blocks
-    _, e_q, _ = vectors()
-    dqg = matmul(do_b, st_b, ck)
-    dG = dG + e_q * jnp.sum(plgpu.load(q_s, layout=WGMMA).astype(F32) * dqg, axis=1)
-    dq = dqg * rows(e_q, ck) + matmul(a_b, k_s, ck)
-    if qk_l2norm:
-      dq = _l2_normalize_grad(dq, q_s, fresh(plgpu.load(norm_s.at[0], layout=ROWS)))
-    write_sum(dq, DQ_STAGED, dq_r.at[0, bi, rows_t, h])
-    # du = P^T do + kd dS
-    du_p, kdS = matmuls((cv, [(p_b.T, do_b)]), (cv, [(k_s, dst_b.T)]))
-    _, _, e_k = vectors()
-    du_b[...] = (du_p + rows(e_k, cv) * kdS).astype(dtype)
-    plgpu.commit_smem()
-    # dk, first terms: (dP D)^T q + e^(G_C - G) dkd, dkd = u dS^T; the last token's S dS term while dS
-    # is at hand
-    dkd = matmul(buf, dst_b, ck)
-    _, _, e_k = vectors()
-    kd_term = e_k * jnp.sum(dkd * load_k(), axis=1)
-    kdv = kd_term + _last_state_term(g_s, m_s, st_b, dst_b, C)
-    dk = matmul(a_b.T, q_s, ck, init=dkd * rows(e_k, ck))
-    dG = dG - kd_term
-    # r again (buf held u); dX = du r^T and dB_v = X^T du (issued together) into du's and buf's tiles
-    form_r()
-    dX, dBv = matmuls((sq, [(du_b, buf.T)]), (cv, [(x_s.T, du_b)]))
-    du_b[...] = dX.astype(dtype)
-    buf[...] = dBv.astype(dtype)
-    beta, _, _ = vectors()
-    dbeta = jnp.sum(dBv * plgpu.load(v_b, layout=WGMMA).astype(F32), axis=1)
-    v_b[...] = (dBv * rows(beta, cv)).astype(dtype)        # dv, staged in v's tile
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(v_b, dv_r.at[bi, rows_t, h, vs])
-    dBk, beta, e_q, r = _dbk_term(buf, st_b, k_s, vectors, ck)
-    dk = dk + dBk * rows(beta * e_q, ck)
-    dG = dG + beta * r
-    dbeta = dbeta + r
-    # column sums of dM M from the transposed products: (dM M)^T = beta_j dL^T (k k^T D_excl)^T,
-    # dL^T = -X dX^T X
-    p_b[...] = matmul(x_s, du_b.T, sq).astype(dtype)
-    plgpu.commit_smem()
-    dLt, kk = matmuls((sq, [(p_b, x_s)]), (sq, [(k_s, k_s.T)]))
-    beta_cols = fresh(plgpu.load(bc_s, layout=COLS))
-    dG = dG + jnp.sum(dLt * cols(beta_cols, sq) * kk * decay(False, True), axis=1)
-    # dM = beta dL (du's tile holds dX)
-    dL, M = _dl_and_m(x_s, du_b, k_s, p_b, decay, dtype, sq)
-    dbeta = dbeta + jnp.sum(dL * M, axis=1)
-    beta, _, _ = vectors()
-    dM = dL * rows(beta, sq)
-    dG = dG + jnp.sum(dM * M, axis=1)
-    dk = dk + _dm_k(dM, a_b, k_s, decay, dtype, ck)
-    if qk_l2norm:
-      dk = _l2_normalize_grad(dk, k_s, fresh(plgpu.load(norm_s.at[1], layout=ROWS)))
-    write_sum(dk, DK_STAGED, dk_r.at[0, bi, rows_t, h], done=OUT_FREE)
-    # the vectors: warpgroup 1 stages its own, warpgroup 0 adds them to its own and writes the sums
-    @pl.when(second)
-    def _():
-      for idx, x in enumerate((dG, dbeta, kdv)):
-        vec_s.at[1, idx][...] = x
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(sync.at[VEC_STAGED])
-
-    @pl.when(first)
-    def _():
-      plgpu.barrier_wait(sync.at[VEC_STAGED])
-      for idx, x in enumerate((dG, dbeta, kdv)):
-        vec_s.at[0, idx][...] = x + plgpu.load(vec_s.at[1, idx], layout=ROWS)
-      plgpu.commit_smem()
-      for idx, dst in enumerate((dg_r, db_r, kdv_r)):
-        plgpu.copy_smem_to_gmem(vec_s.at[0, idx], dst.at[0, bi, h, rows_t])
-
-    plgpu.wait_smem_to_gmem(0)
-    plgpu.barrier_arrive(done)   # neither warpgroup exits while the other still issues products
-    plgpu.barrier_wait(done)
-
-  args = [q, k, v, G, b, X, states, dstates, do] + ([masks] if has_seg else [])
-  vec = jax.ShapeDtypeStruct((1, B, Hv, T_pad), F32)
-  partial_k = jax.ShapeDtypeStruct((1, B, T_pad, Hv, K), dtype)
-  out_type = (partial_k, partial_k, jax.ShapeDtypeStruct((B, T_pad, Hv, V), v.dtype), vec, vec, vec)
-  outs = plgpu.kernel(
-      body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
-      num_threads=2, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=interpret, kernel_name="chunk_grads_delta_pair")(*args)
-  return _vary_like(outs, args)

@@ -11,12 +11,12 @@ prep.py for the definitions):
     w     = X (beta k e^G),  u = X (beta v),  qg = q e^G,  kd = k e^(G_C - G)
 
 Every exponent is masked before the exponential (<= 0). Packed rows (`segment_ids`) enter as prep.py's
-masks (`fused.segment_vectors`): pairs of one run only in P and L, `e^G` only where a token reads the
+masks (`masks.segment_vectors`): pairs of one run only in P and L, `e^G` only where a token reads the
 carried state, `kd` only where its write reaches the chunk's end, `decay` 0 where the chunk's last
-token left the carried run. `X` is built as prep.unit_lower_inverse builds
-it, on whole 64 x 64 tiles so that every step is a tensor-core product: with `X_s` the block-diagonal
-matrix of the inverses of the s x s diagonal blocks and `E_s` the part of L inside the 2s x 2s
-diagonal blocks but outside the s x s ones,
+token left the carried run. `X` is built as prep.unit_lower_inverse builds it
+(`tiles.unit_lower_inverse`), on whole 64 x 64 tiles so that every step is a tensor-core product: with
+`X_s` the block-diagonal matrix of the inverses of the s x s diagonal blocks and `E_s` the part of L
+inside the 2s x 2s diagonal blocks but outside the s x s ones,
 
     X_2s = X_s - (X_s E_s) X_s                               s = 1, 2, 4, ..., C / 2
 
@@ -34,37 +34,16 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import prep
-from pallas_kernels.gpu.fused import (ROWS, SEG_ROWS, _decay_tile, _l2_normalize_rows, _row_scales,
-                                      local_cumsum, segment_vectors)
-from pallas_kernels.gpu.walk import COLS, F32, WGMMA, _vary_like, matmul, smem
+from pallas_kernels.gpu.decay import decay_tile, local_cumsum, row_scales
+from pallas_kernels.gpu.masks import SEG_ROWS, segment_vectors
+from pallas_kernels.gpu.tiles import (F32, ROWS, WGMMA, l2_normalize_rows, matmul, smem, unit_lower_inverse,
+                                      vary_like)
 
 
 def serves(g, beta, segment_ids) -> bool:
   """True for the calls this kernel prepares: delta family, no or scalar decay (packed or not)."""
-  del segment_ids  # packed rows are served (`fused.segment_vectors`)
+  del segment_ids  # packed rows are served (`masks.segment_vectors`)
   return beta is not None and (g is None or g.ndim == 3)
-
-
-def unit_lower_inverse(l_s, x_s, e_s, y_s):
-  """`X = (I + L)^-1` of the strictly lower `[C, C]` tile `l_s` into `x_s` (the operand dtype) by block
-  doubling on whole tiles (module docstring); `e_s`, `y_s` are scratch tiles of the same shape. X stays
-  float32 in registers between the levels."""
-  C = l_s.shape[0]
-  sq = (C, C)
-  apart = (plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
-           ^ plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA))   # i XOR j
-  X = jnp.where(apart == 0, 1.0, 0.0).astype(F32)
-  s = 1
-  while s < C:
-    inside = (apart < 2 * s) & (apart >= s)   # same 2s block, different s blocks
-    e_s[...] = jnp.where(inside, plgpu.load(l_s, layout=WGMMA), 0.0).astype(e_s.dtype)
-    x_s[...] = X.astype(x_s.dtype)
-    plgpu.commit_smem()
-    y_s[...] = matmul(x_s, e_s, sq).astype(y_s.dtype)
-    plgpu.commit_smem()
-    X = X - matmul(y_s, x_s, sq)
-    s *= 2
-  x_s[...] = X.astype(x_s.dtype)
 
 
 def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
@@ -112,8 +91,8 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
       plgpu.copy_gmem_to_smem(src, dst, bar)
     plgpu.barrier_wait(bar)
     if qk_l2norm:
-      _l2_normalize_rows(q_s, C)
-      _l2_normalize_rows(k_s, C)
+      l2_normalize_rows(q_s, C)
+      l2_normalize_rows(k_s, C)
 
     # Register budget (one warpgroup, 255 registers a thread; a float32 [64, 128] tile takes 64): k is
     # not held as float32 across the inversion but read again, L waits in shared memory (it is rounded
@@ -121,7 +100,7 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
     rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
     sq, ck, cv = (C, C), (C, K), (C, V)
     beta_rows = lambda: lax.optimization_barrier(plgpu.load(b_s, layout=ROWS))
-    decay = lambda strict: _decay_tile(g_s, gc_s, m_s, C, strict=strict)
+    decay = lambda strict: decay_tile(g_s, gc_s, m_s, C, strict=strict)
 
     p_s[...] = (matmul(q_s, k_s.T, sq) * decay(False)).astype(dtype)
     l_s[...] = (matmul(k_s, k_s.T, sq) * decay(True) * rows(beta_rows(), sq)).astype(dtype)
@@ -137,7 +116,7 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
       plgpu.copy_smem_to_gmem(tile, dst)
 
     load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
-    q_scale, k_scale = _row_scales(g_s, m_s, C)
+    q_scale, k_scale = row_scales(g_s, m_s, C)
     emit(load(q_s) * rows(q_scale, ck), qg_r.at[bi, h, rows_t])
     emit(load(k_s) * rows(k_scale, ck), kd_r.at[bi, h, rows_t])
 
@@ -146,7 +125,7 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(x_s, x_r.at[bi, h, rows_t])
     # beta k e^G and beta v replace k and v in shared memory (k's other uses are done)
-    beta, (q_scale, _) = beta_rows(), _row_scales(g_s, m_s, C)
+    beta, (q_scale, _) = beta_rows(), row_scales(g_s, m_s, C)
     k_s[...] = (load(k_s) * rows(beta * q_scale, ck)).astype(dtype)
     v_s[...] = (load(v_s) * rows(beta, cv)).astype(dtype)
     plgpu.commit_smem()
@@ -163,7 +142,7 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
       grid=(B, Hv, NC), grid_names=("b", "h", "n"),
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
       kernel_name="chunk_prep_delta")(*args)
-  qg, kd, w, u, p, *inverse = (x.reshape(B, Hv, NC, C, x.shape[-1]) for x in _vary_like(outs, args))
+  qg, kd, w, u, p, *inverse = (x.reshape(B, Hv, NC, C, x.shape[-1]) for x in vary_like(outs, args))
   G_last = G.reshape(B, Hv, NC, C)[..., -1]
   decay = jnp.exp(G_last)
   if has_seg:

@@ -57,13 +57,13 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import prep
-from pallas_kernels.gpu import delta_grads, walk
+from pallas_kernels.gpu import delta_grads
 from pallas_kernels.gpu.interpret import interpreting
+from pallas_kernels.gpu.tiles import BLOCK_V, SMEM_BYTES
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 HEAD_DIMS = (64, 128)
 CHUNK_SIZES = (64,)
-SMEM_BYTES = walk.SMEM_BYTES   # dynamic shared memory per block on sm_90
 FORWARDS = ("kernel", "xla_prep")
 BACKWARDS = ("kernel", "xla_vjp")
 VARIANTS = {   # variant -> (delta family, decay kind)
@@ -82,7 +82,7 @@ class GpuConfig:
   backward: "kernel" (each cell's gradient kernels) or "xla_vjp" (the walks around XLA's vjp of the
     preparation).
   sequence_pieces: split each sequence's walks into this many pieces that run in parallel, joined by
-    their end states (None: as many as keep one wave of programs on the GPU, `walk.pieces`; a number pads
+    their end states (None: as many as keep one wave of programs on the GPU, `pipeline.pieces`; a number pads
     T to whole pieces of chunks).
   forward_warpgroups: the fused forward's programs, 3 (one fetches, one carries the state, one forms o;
     NOTES.md v28-v29) or 1.
@@ -216,7 +216,7 @@ def hopper_reason(backend: str | None = None) -> str | None:
 def smem_bytes(*, C: int, K: int, V: int, itemsize: int, delta: bool, out_itemsize: int,
                backward: bool) -> int:
   """Shared memory of one walk program (double-buffered inputs, staging tiles, state)."""
-  bv = min(walk.BLOCK_V, V)
+  bv = min(BLOCK_V, V)
   if not backward:
     ins = C * K * (2 + delta) + C * bv + C * C  # kd, qg, [w], u, p
     return (2 * ins * itemsize + 2 * K * 4 + 2 * C * bv * out_itemsize + 2 * bv * K * itemsize

@@ -152,9 +152,9 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
       assert 0 <= ms["check channel o rel rms"] < 2e-2, ms
     if "pair check" in stages:
       assert 0 <= ms["check pair rel rms"] < 1e-2, ms
-    if "forward streamed check" in stages:   # other roundings (fused._streamed_walk)
+    if "forward streamed check" in stages:   # other roundings (fused_streamed.streamed_walk)
       assert 0 <= ms["check forward streamed rel rms"] < 1e-2, ms
-    if "walk streamed check" in stages:   # the same roundings (walk._streamed_walk)
+    if "walk streamed check" in stages:   # the same roundings (walk_streamed.streamed_walk)
       assert 0 <= ms["check walk streamed rel rms"] < 1e-6, ms
 
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.gpu import channel_delta_grads, channel_grads
+from pallas_kernels.gpu import channel, channel_delta_grads
 from tests.ops.conftest import make_inputs
 from tests.pallas_kernels.gpu.util import KERNELS, check, packed_runs
 
@@ -35,8 +35,8 @@ def test_kda_gradient_kernels_match_the_float64_loop(monkeypatch, K, V, Hv, pack
   # milder gates, so that every chunk fits float16's one-reference bound and the kernels' branch runs
   # (the spy below only sees the trace, and lax.cond traces both branches)
   inp["g"] = np.asarray(inp["g"]) * 0.4
-  G, _ = channel_grads.chunk_cumsum(jnp.asarray(inp["g"]), 256, 64)
-  assert bool(channel_grads.fits(G, 64, jnp.float16))
+  G, _ = channel.chunk_cumsum(jnp.asarray(inp["g"]), 256, 64)
+  assert bool(channel.fits(G, 64, jnp.float16))
   check("kda", inp, seg=packed_runs(T) if packed else None, pieces=pieces, config=KERNELS)
   assert sorted(set(calls)) == ["key_side", "value_side"], "the gradient kernels did not run"
 
@@ -49,8 +49,8 @@ def test_kda_gradient_kernels_at_strong_decay_within_the_bound(monkeypatch):
   g = np.asarray(inp["g"]).copy()
   g[..., ::2] = -1.8
   inp["g"] = g
-  G, _ = channel_grads.chunk_cumsum(jnp.asarray(g), 192, 64)
-  assert bool(channel_grads.fits(G, 64, jnp.bfloat16))
+  G, _ = channel.chunk_cumsum(jnp.asarray(g), 192, 64)
+  assert bool(channel.fits(G, 64, jnp.bfloat16))
   check("kda", inp, dtype=jnp.bfloat16, tol=1e-2, config=KERNELS)
   assert calls
 
@@ -59,8 +59,8 @@ def test_kda_beyond_the_bound_takes_the_merge_form():
   # g down to -20 a token: beyond float16's bound, so the call's tensors and gradients come from XLA's
   # merge form, one batch row and value head at a time (two rows, grouped heads, packed rows)
   inp = make_inputs("kda", B=2, T=70, H=1, Hv=2, K=64, V=64, gates="strong", seed=43)
-  G, _ = channel_grads.chunk_cumsum(jnp.asarray(inp["g"]), 128, 64)
-  assert not bool(channel_grads.fits(G, 64, jnp.float16))
+  G, _ = channel.chunk_cumsum(jnp.asarray(inp["g"]), 128, 64)
+  assert not bool(channel.fits(G, 64, jnp.float16))
   seg = np.zeros((2, 70), np.int32)
   seg[0, 30:], seg[1, 66:] = 1, 1
   check("kda", inp, seg=seg, config=KERNELS)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.gpu import channel_grads
+from pallas_kernels.gpu import channel, channel_grads
 from tests.ops.conftest import make_inputs
 from tests.pallas_kernels.gpu.util import KERNEL_BACKWARD, check, packed_runs
 
@@ -18,8 +18,8 @@ from tests.pallas_kernels.gpu.util import KERNEL_BACKWARD, check, packed_runs
                          ids=["grouped", "K128-packed-h0", "V128-pieces-h0"])
 def test_gla_gradient_kernel_matches_the_float64_loop(monkeypatch, K, V, Hv, packed, pieces, h0):
   calls = []
-  original = channel_grads.backward_chunks
-  monkeypatch.setattr(channel_grads, "backward_chunks", lambda *a, **k: calls.append(1) or original(*a, **k))
+  original = channel_grads.chunk_grads
+  monkeypatch.setattr(channel_grads, "chunk_grads", lambda *a, **k: calls.append(1) or original(*a, **k))
   T = 150 + 7 * (K // 64) + V // 64 + Hv   # a fresh trace per case (the kernel's call is counted)
   inp = make_inputs("gla", B=1, T=T, H=1, Hv=Hv, K=K, V=V, gates="normal", seed=31)
   if not h0:
@@ -27,8 +27,8 @@ def test_gla_gradient_kernel_matches_the_float64_loop(monkeypatch, K, V, Hv, pac
   # milder gates, so that every chunk fits float16's one-reference bound and the kernels' branch runs
   # (the spy below only sees the trace, and lax.cond traces both branches)
   inp["g"] = np.asarray(inp["g"]) * 0.4
-  G, _ = channel_grads.chunk_cumsum(jnp.asarray(inp["g"]), 256, 64)
-  assert bool(channel_grads.fits(G, 64, jnp.float16))
+  G, _ = channel.chunk_cumsum(jnp.asarray(inp["g"]), 256, 64)
+  assert bool(channel.fits(G, 64, jnp.float16))
   check("gla", inp, seg=packed_runs(T) if packed else None, config=KERNEL_BACKWARD, pieces=pieces)
   assert calls, "the gradient kernel did not run"
 
@@ -40,9 +40,9 @@ def test_gla_gradient_kernel_at_strong_decay_within_the_bound():
   g = np.asarray(inp["g"]).copy()
   g[..., ::2] = -1.8
   inp["g"] = g
-  G, _ = channel_grads.chunk_cumsum(jnp.asarray(g), 128, 64)
-  assert bool(channel_grads.fits(G, 64, jnp.bfloat16))
-  assert not bool(channel_grads.fits(G, 64, jnp.float16))   # float16 would overflow: merge form
+  G, _ = channel.chunk_cumsum(jnp.asarray(g), 128, 64)
+  assert bool(channel.fits(G, 64, jnp.bfloat16))
+  assert not bool(channel.fits(G, 64, jnp.float16))   # float16 would overflow: merge form
   check("gla", inp, config=KERNEL_BACKWARD, dtype=jnp.bfloat16, tol=1e-2)
 
 
@@ -52,8 +52,8 @@ def test_gla_beyond_the_bound_takes_the_merge_form():
   # value head at a time: two rows, grouped heads and packed rows exercise the slicing; they match the
   # float64 loop
   inp = make_inputs("gla", B=2, T=96, H=1, Hv=2, K=64, V=64, gates="strong", seed=33)
-  G, _ = channel_grads.chunk_cumsum(jnp.asarray(inp["g"]), 128, 64)
-  assert not bool(channel_grads.fits(G, 64, jnp.float16))
+  G, _ = channel.chunk_cumsum(jnp.asarray(inp["g"]), 128, 64)
+  assert not bool(channel.fits(G, 64, jnp.float16))
   seg = np.zeros((2, 96), np.int32)
   seg[0, 30:], seg[1, 70:] = 1, 1
   check("gla", inp, seg=seg, config=KERNEL_BACKWARD)

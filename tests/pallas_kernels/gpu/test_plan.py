@@ -146,10 +146,10 @@ def test_the_trace_reaches_exactly_the_planned_stages(monkeypatch, variant, forw
     assert extra == set(), (p, sorted(extra))
   # the kernels' branch and the merge form's are chosen by the one-reference bound on the data
   if p.forward_beyond is not None:
-    G, _ = channel_grads.chunk_cumsum(jnp.zeros((1, 70, 1, 64)), 128, 64)
-    assert bool(channel_grads.fits(G, 64, jnp.bfloat16))
-    G, _ = channel_grads.chunk_cumsum(jnp.full((1, 70, 1, 64), -20.0), 128, 64)
-    assert not bool(channel_grads.fits(G, 64, jnp.bfloat16))
+    G, _ = channel.chunk_cumsum(jnp.zeros((1, 70, 1, 64)), 128, 64)
+    assert bool(channel.fits(G, 64, jnp.bfloat16))
+    G, _ = channel.chunk_cumsum(jnp.full((1, 70, 1, 64), -20.0), 128, 64)
+    assert not bool(channel.fits(G, 64, jnp.bfloat16))
 
 
 def test_the_plan_rides_in_the_static_argument(monkeypatch):

@@ -1,4 +1,4 @@
-"""The forward walk over prepared chunk tensors with specialised warpgroups (`walk._streamed_walk`,
+"""The forward walk over prepared chunk tensors with specialised warpgroups (`walk_streamed.streamed_walk`,
 `chunked_attention(..., walk_warpgroups=3)`) in the Mosaic GPU interpreter: against the one-warpgroup
 walk with the race detector on, and end to end against the float64 loop."""
 
@@ -12,6 +12,7 @@ from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
 from pallas_kernels import gpu, prep
 from pallas_kernels.gpu import walk
+from pallas_kernels.gpu.walk_streamed import streamed_stages
 from tests.ops.conftest import make_inputs
 from tests.pallas_kernels.gpu.util import KERNELS, XLA, assert_walk_outputs_close, check
 
@@ -37,7 +38,7 @@ def test_streamed_walk_equals_one_warpgroup_with_no_race(variant, K, pieces, wit
   # slot is reused; 5 pieces of one chunk each also run the pieces' map walk (two warpgroups, no o);
   # K = 128 with o leaves room for 2 input slots only.
   t, h0 = _tensors(variant, 320, K, 128, seed=3)
-  stages = walk.streamed_stages(64, K, 64, jnp.bfloat16, jnp.bfloat16, delta=t.w is not None, with_o=with_o)
+  stages = streamed_stages(64, K, 64, jnp.bfloat16, jnp.bfloat16, delta=t.w is not None, with_o=with_o)
   assert stages == (2 if (K == 128 and with_o) else 4 if K == 64 else 3)
   run = lambda wg: walk.forward(t, h0, with_o=with_o, with_states=with_states, out_dtype=jnp.bfloat16,
                                 interpret=RACES, sequence_pieces=pieces, warpgroups=wg)
@@ -62,6 +63,13 @@ def test_streamed_walk_matches_the_float64_loop(variant, gates, packed, pieces):
   # (kda: the prepared path, XLA's preparation and vjp around the streamed walks)
   config = XLA if variant == "kda" else KERNELS
   check(variant, inp, seg=seg, pieces=pieces, config=dataclasses.replace(config, walk_warpgroups=3))
+
+
+def test_a_walk_beyond_shared_memory_raises_saying_why():
+  # Given float32 operands at K = 128, when not even two input slots fit a block, then the stage count
+  # is a ValueError naming the walk and the bytes it needs (as the fused forward's).
+  with pytest.raises(ValueError, match=r"streamed walk \(C=64, K=128.*does not fit .*it needs \d+"):
+    streamed_stages(64, 128, 64, jnp.float32, jnp.float32, delta=True, with_o=True)
 
 
 def test_public_option_is_checked():

@@ -26,12 +26,12 @@ def test_per_channel_preparation_kernel_equals_xla(variant, gates, K, V, packed)
   # are halved so that every chunk fits float16's bound (8 nats each side) and the kernel runs; "strong"
   # ones (g down to -20 a token) do not, and the call returns the merge form's tensors.
   from pallas_kernels import vjp
-  from pallas_kernels.gpu import channel_grads
+  from pallas_kernels.gpu import channel
   inp = make_inputs(variant, B=1, T=150, H=1, Hv=2, K=K, V=V, gates=gates, seed=18)
   q, k, v = (jnp.asarray(inp[n], jnp.float16) for n in ("q", "k", "v"))
   g = jnp.asarray(inp["g"]) * (0.5 if gates == "normal" else 1.0)
-  G, _ = channel_grads.chunk_cumsum(g, 192, 64)
-  assert bool(channel_grads.fits(G, 64, jnp.float16)) == (gates == "normal")
+  G, _ = channel.chunk_cumsum(g, 192, 64)
+  assert bool(channel.fits(G, 64, jnp.float16)) == (gates == "normal")
   beta = None if inp.get("beta") is None else jnp.asarray(inp["beta"])
   seg = None
   if packed:

@@ -1,4 +1,4 @@
-"""The fused additive forward in three warpgroups per program (`fused._streamed_walk`,
+"""The fused additive forward in three warpgroups per program (`fused_streamed.streamed_walk`,
 `chunked_attention(..., forward_warpgroups=3)`, the default) in the Mosaic GPU interpreter: against the
 one-warpgroup walk with the race detector on, and end to end against the float64 loop."""
 
@@ -12,6 +12,7 @@ from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
 from pallas_kernels import gpu
 from pallas_kernels.gpu import fused
+from pallas_kernels.gpu.fused_streamed import streamed_stages
 from tests.ops.conftest import make_inputs
 from tests.pallas_kernels.gpu.util import KERNELS, assert_walk_outputs_close, check
 
@@ -36,7 +37,7 @@ def test_streamed_walk_equals_one_warpgroup_with_no_race(K, pieces, packed, h0, 
     seg = np.zeros((1, T), np.int32)
     seg[0, 40:128], seg[0, 128:] = 1, 2
     seg = jnp.asarray(seg)
-  assert fused.streamed_stages(64, K, 64, jnp.bfloat16, jnp.bfloat16, packed) == (4 if K == 64 else 3)
+  assert streamed_stages(64, K, 64, jnp.bfloat16, jnp.bfloat16, packed) == (4 if K == 64 else 3)
   run = lambda wg: fused.forward(q, k, v, jnp.asarray(inp["g"]), jnp.asarray(inp["h0"]) if h0 else None,
                                  chunk_size=64, dtype=jnp.bfloat16, out_dtype=jnp.bfloat16,
                                  segment_ids=seg, interpret=RACES, with_states=with_states,
@@ -59,6 +60,13 @@ def test_streamed_forward_matches_the_float64_loop(variant, packed, pieces):
     seg = np.zeros((1, T), np.int32)
     seg[0, 30:70], seg[0, 70:] = 1, 2
   check(variant, inp, seg=seg, pieces=pieces, config=dataclasses.replace(KERNELS, forward_warpgroups=3))
+
+
+def test_a_forward_beyond_shared_memory_raises_saying_why():
+  # Given float32 operands at K = 128, when not even two input slots fit a block, then the stage count
+  # is a ValueError naming the forward and the bytes it needs (as the prepared walk's).
+  with pytest.raises(ValueError, match=r"streamed forward \(C=64, K=128.*does not fit .*it needs \d+"):
+    streamed_stages(64, 128, 64, jnp.float32, jnp.float32, False)
 
 
 def test_public_option_is_checked():

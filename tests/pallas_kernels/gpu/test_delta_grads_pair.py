@@ -1,7 +1,8 @@
 """The delta family's gradients with both value blocks in one program of two warpgroups
-(`delta_grads.chunk_grads_pair`, `chunked_attention(..., delta_warpgroups=2)`) in the Mosaic GPU
-interpreter: against one warpgroup per block (`chunk_grads`, partial sums added outside) with the race
-detector on (end to end against the float64 loop: test_chunked_attention.py's delta backward test)."""
+(`delta_grads_pair.chunk_grads_pair`, `chunked_attention(..., delta_warpgroups=2)`) in the Mosaic GPU
+interpreter: against one warpgroup per block (`delta_grads.chunk_grads`, partial sums added outside) with
+the race detector on (end to end against the float64 loop: test_chunked_attention.py's delta backward
+test)."""
 
 import jax.numpy as jnp
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -10,6 +11,7 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
 from pallas_kernels.gpu import delta_grads
+from pallas_kernels.gpu.delta_grads_pair import chunk_grads_pair
 from tests.ops.conftest import rel_rms
 
 RACES = plgpu.InterpretGPUParams(detect_races=True)
@@ -34,13 +36,13 @@ def test_pair_equals_one_warpgroup_per_block_with_no_race(l2, packed):
   args = _grads_args(r)
   masks = None
   if packed:
-    from pallas_kernels.gpu.fused import segment_vectors
+    from pallas_kernels.gpu.masks import segment_vectors
     seg = np.zeros((1, 128), np.int32)
     seg[0, 30:70], seg[0, 70:] = 1, 2
     masks = segment_vectors(jnp.asarray(seg), 64, 128)
   one = delta_grads.chunk_grads(*args, dtype=jnp.float16, masks=masks, interpret=RACES,
                                 dv_dtype=jnp.float16, partial_dtype=jnp.float32, qk_l2norm=l2)
-  pair = delta_grads.chunk_grads_pair(*args, dtype=jnp.float16, masks=masks, interpret=RACES, qk_l2norm=l2)
+  pair = chunk_grads_pair(*args, dtype=jnp.float16, masks=masks, interpret=RACES, qk_l2norm=l2)
   assert not gpu_callbacks.get_races().races_found
   names = ("dq", "dk", "dv", "dG", "dbeta", "kdv")
   for name, a, b in zip(names, one, pair):
@@ -58,10 +60,10 @@ def test_pair_rejects_what_it_cannot_serve():
   r = np.random.default_rng(0)
   args = list(_grads_args(r))
   with pytest.raises(ValueError, match="V = 128"):
-    delta_grads.chunk_grads_pair(*args[:2], args[2][..., :64], *args[3:6], args[6][..., :64, :],
-                                 args[7][..., :64, :], args[8][..., :64], dtype=jnp.float16)
+    chunk_grads_pair(*args[:2], args[2][..., :64], *args[3:6], args[6][..., :64, :],
+                     args[7][..., :64, :], args[8][..., :64], dtype=jnp.float16)
   with pytest.raises(ValueError, match="16-bit"):
-    delta_grads.chunk_grads_pair(*args[:2], args[2].astype(jnp.float32), *args[3:], dtype=jnp.float16)
+    chunk_grads_pair(*args[:2], args[2].astype(jnp.float32), *args[3:], dtype=jnp.float16)
   assert delta_grads.pair_serves(128, 64, jnp.bfloat16, jnp.bfloat16)
   assert not delta_grads.pair_serves(64, 64, jnp.bfloat16, jnp.bfloat16)
   assert not delta_grads.pair_serves(128, 64, jnp.float32, jnp.bfloat16)

@@ -1,0 +1,44 @@
+"""Per-channel decay's pieces in XLA that its preparation and gradient kernels share: the
+chunk-local cumulative log-decay with each chunk's reference (`chunk_cumsum`), the one-reference
+bound (`fits`), the key channels per pass (`HALF`) and the gradients' last steps (`key_grads`).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels import prep
+from pallas_kernels.gpu.tiles import F32
+
+HALF = 64   # key channels per pass
+
+
+def chunk_cumsum(g, T_pad: int, C: int):
+  """`(G [B, T_pad, H_v, K], R [B, NC, 2, H_v, K])` float32: the chunk-local cumulative log-decay in g's
+  token layout, and per chunk and channel the reference `R` (`prep.reference`, row 0) and the last
+  token's `G_C` (row 1)."""
+  B, T, Hv, K = g.shape
+  g = jnp.pad(g.astype(F32), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
+  G = jnp.cumsum(g.reshape(B, T_pad // C, C, Hv, K), axis=2)
+  return G.reshape(B, T_pad, Hv, K), jnp.concatenate([prep.reference(G, axis=2), G[:, :, -1:]], axis=2)
+
+
+def fits(G, C: int, dtype):
+  """`prep.one_reference_fits` for `G [B, T_pad, H_v, K]` in token layout and operands of `dtype`."""
+  B, T_pad, Hv, K = G.shape
+  return prep.one_reference_fits(jnp.moveaxis(G.reshape(B, T_pad // C, C, Hv, K), 2, -2),
+                                 prep.ref_bound(dtype))
+
+
+def key_grads(dq, dk, dG, q, k, g, C: int):
+  """`(dq, dk, dg)` in q, k, g's dtypes and lengths from the kernels' per-value-head dq, dk `[B, T_pad,
+  H_v, K]` and per-token dG: dg is dG's reverse cumsum within each chunk (G = cumsum(g) there), and
+  grouped heads add their value heads' dq, dk."""
+  B, T, H, K = q.shape
+  T_pad, Hv = dG.shape[1:3]
+  group = Hv // H
+  dG = dG.reshape(B, T_pad // C, C, Hv, K)
+  dg = jnp.flip(jnp.cumsum(jnp.flip(dG, 2), 2), 2).reshape(B, T_pad, Hv, K)[:, :T]
+  per_head = lambda x: (x[:, :T].astype(F32).reshape(B, T, H, group, K).sum(3) if group > 1
+                        else x[:, :T])
+  return per_head(dq).astype(q.dtype), per_head(dk).astype(k.dtype), dg.astype(g.dtype)

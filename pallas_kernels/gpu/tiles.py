@@ -1,0 +1,119 @@
+"""The tile room the GPU kernels share: layouts, shared-memory buffers and their budget, the
+tensor-core products, l2-normalised rows and their gradient, the unit lower inverse, and the
+plumbing of a kernel's outputs (flat chunk layout, mesh variance).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels import common
+
+F32 = jnp.float32
+WGMMA = plgpu.Layout.WGMMA
+COLS = plgpu.Layout.WGMMA.reduce(0)   # one value per column of a WGMMA-layout tile
+ROWS = plgpu.Layout.WGMMA.reduce(1)   # one value per row of a WGMMA-layout tile
+BLOCK_V = 64          # value columns per program: the WGMMA M dimension of the state
+SMEM_BYTES = 227 * 1024   # an H100/H200 block's dynamic shared memory
+
+
+def scratch_bytes(scratch) -> int:
+  """Shared memory of a kernel's scratch dict (buffers, plus 2 KB for barriers and alignment)."""
+  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+             for x in scratch.values() if not isinstance(x, plgpu.Barrier)) + 2048
+
+
+def smem(shape, dtype):
+  """A shared-memory buffer tiled and swizzled for TMA and WGMMA along its last dim."""
+  dtype = jnp.dtype(dtype)
+  swizzle = plgpu.find_swizzle(shape[-1] * dtype.itemsize * 8)
+  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // dtype.itemsize)),
+                                              plgpu.SwizzleTransform(swizzle)))
+
+
+def matmul(a, b, shape, init=None):
+  """`init + a @ b` on the tensor cores, float32 result (`a`, `b`: 16-bit shared-memory refs, possibly
+  transposed views).
+
+  The result passes an optimisation barrier: reading the accumulator lowers to a `wgmma.wait_group` that
+  has no data dependency on the registers, so without it arithmetic on the result could be scheduled
+  before the wait."""
+  def scoped(acc):
+    plgpu.wgmma(acc, a, b)
+    return acc[...]
+  out = lax.optimization_barrier(pl.run_scoped(scoped, plgpu.ACC(shape, F32)))
+  return out if init is None else init + out
+
+
+def matmuls(*specs):
+  """Several products issued before one wait, so the tensor cores pipeline them: each spec is
+  `(shape, [(a, b), ...])` and yields `sum(a @ b)` (float32, one accumulator per spec; the terms of a
+  spec chain in it). Returns the results as a tuple, past one optimisation barrier (see `matmul`)."""
+  def scoped(*accs):
+    for acc, (_, pairs) in zip(accs, specs):
+      for a, b in pairs:
+        plgpu.wgmma(acc, a, b)
+    return tuple(acc[...] for acc in accs)
+  return lax.optimization_barrier(pl.run_scoped(scoped, *(plgpu.ACC(shape, F32) for shape, _ in specs)))
+
+
+def flat(x):
+  """`[B, H, NC, C, D]` -> `[B, H, NC * C, D]` (free: a reshape of contiguous dims)."""
+  return None if x is None else x.reshape(x.shape[:2] + (-1,) + x.shape[4:])
+
+
+def vary_like(outs, args):
+  """Under `jax.shard_map(check_vma=True)`: the kernel's outputs vary over the mesh axes its inputs vary
+  over (`plgpu.kernel` itself does not track them)."""
+  axes = common.varying_axes(args)
+  return [common.vary_over(x, axes) for x in outs]
+
+
+L2_EPS = 1e-6   # `x * rsqrt(sum(x^2) + eps)`, as linear_attention_jax.ops.l2_normalize
+
+
+def l2_normalize_rows(ref, C):
+  """Normalises the rows of the 16-bit `[C, K]` shared-memory tile `ref` in place (float32 sums, then
+  rounded to the tile's dtype, as an XLA l2 norm before the kernel would round); returns the `[C]`
+  reciprocal norms (rows layout) for the gradient, `dx = r (dy - y rowsum(y dy))`."""
+  x = plgpu.load(ref, layout=WGMMA).astype(jnp.float32)
+  r = lax.rsqrt(jnp.sum(x * x, axis=1) + L2_EPS)
+  ref[...] = (x * lax.broadcast_in_dim(r, x.shape, [0])).astype(ref.dtype)
+  plgpu.commit_smem()
+  return r
+
+
+def l2_normalize_grad(dy, y_ref, r):
+  """`dx` of `y = l2_normalize(x)` for the float32 `[C, K]` tile `dy`, `y` the normalised tile in shared
+  memory and `r` the rows' reciprocal norms."""
+  y = plgpu.load(y_ref, layout=WGMMA).astype(jnp.float32)
+  dot = jnp.sum(dy * y, axis=1)
+  rows = lambda x: lax.broadcast_in_dim(x, dy.shape, [0])
+  return rows(r) * (dy - y * rows(dot))
+
+
+def unit_lower_inverse(l_s, x_s, e_s, y_s):
+  """`X = (I + L)^-1` of the strictly lower `[C, C]` tile `l_s` into `x_s` (the operand dtype) by block
+  doubling on whole tiles (delta_prep.py's docstring); `e_s`, `y_s` are scratch tiles of the same shape.
+  X stays float32 in registers between the levels."""
+  C = l_s.shape[0]
+  sq = (C, C)
+  apart = (plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
+           ^ plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA))   # i XOR j
+  X = jnp.where(apart == 0, 1.0, 0.0).astype(F32)
+  s = 1
+  while s < C:
+    inside = (apart < 2 * s) & (apart >= s)   # same 2s block, different s blocks
+    e_s[...] = jnp.where(inside, plgpu.load(l_s, layout=WGMMA), 0.0).astype(e_s.dtype)
+    x_s[...] = X.astype(x_s.dtype)
+    plgpu.commit_smem()
+    y_s[...] = matmul(x_s, e_s, sq).astype(y_s.dtype)
+    plgpu.commit_smem()
+    X = X - matmul(y_s, x_s, sq)
+    s *= 2
+  x_s[...] = X.astype(x_s.dtype)
