@@ -55,7 +55,7 @@ CONFIGS = {
         num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
         routed_scaling_factor=2.446, norm_topk_prob=True, linear_num_heads=2, linear_head_dim=8,
         linear_conv_kernel_dim=4, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+        pad_token_id=None, bos_token_id=1, eos_token_id=2)),  # no padding row: it would get no gradient
     # Gated DeltaNet with its fused, per-key-head interleaved in_proj_qkvz / in_proj_ba, gated attention,
     # then a softmax-routed MoE with a sigmoid-gated shared expert.
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
