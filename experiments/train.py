@@ -4,6 +4,7 @@
     python experiments/train.py --config=text_small --text_path=notes.txt --workdir=runs/text
     python experiments/train.py --config=mqar_hybrid --set=steps=2000 --set=model.width=128 ...
     python experiments/train.py --config=text_small --mesh_data=-1 --mesh_tensor=2 --sharding_rules=tp
+    python experiments/train.py --config=text_small --set=hf_checkpoint=path/to/qwen3_5 --set=steps=5 ...
 
 `--config` is a name in experiments/configs/ or a path to a config file; `--set=KEY=VALUE` (repeatable,
 dotted keys for nested fields) overrides one field; an unknown key is an error. `--text_path` is short
@@ -57,7 +58,7 @@ from experiments import configs, data
 from experiments.checkpoint import Checkpointer
 from experiments.metrics import MetricsWriter, plot_curves, read_metrics
 from linear_attention_jax import sharding
-from linear_attention_jax.models import LM, LMConfig
+from linear_attention_jax.models import LM, HybridConfig, LMConfig, hf
 from linear_attention_jax.sharding import checkpoint as sharded_checkpoint
 
 try:
@@ -93,6 +94,10 @@ class TrainConfig:
   eval_batches: int = 2  # batches per evaluation split
   checkpoint_every: int = 50  # steps between checkpoints (0: only at the end)
   keep_checkpoints: int = 2  # newest checkpoints kept
+  # A local Hugging Face checkpoint directory (Qwen3.5, Qwen3-Next, Kimi Linear; models.hf) to
+  # fine-tune instead of a fresh LM: its config and weights replace the model section, of which only
+  # impl, chunk_size, dtype and param_dtype apply. Token ids must fit its vocabulary.
+  hf_checkpoint: str = ""
 
   def __post_init__(self):
     check_model_section(self.model)
@@ -102,8 +107,20 @@ class TrainConfig:
     if self.optimizer.warmup_steps >= self.steps:
       raise ValueError(f"optimizer.warmup_steps={self.optimizer.warmup_steps} must be < steps={self.steps}")
 
-  def lm_config(self, vocab_size: int) -> LMConfig:
-    return lm_config(self.model, vocab_size)
+  def lm_config(self, vocab_size: int) -> LMConfig | HybridConfig:
+    if not self.hf_checkpoint:
+      return lm_config(self.model, vocab_size)
+    with open(os.path.join(self.hf_checkpoint, "config.json"), encoding="utf-8") as f:
+      model_config = hf.config_from_hf(json.load(f), **self.hf_overrides())
+    if vocab_size > model_config.vocab_size:
+      raise ValueError(f"the data's vocab_size={vocab_size} exceeds the checkpoint's "
+                       f"{model_config.vocab_size}")
+    return model_config
+
+  def hf_overrides(self) -> dict:
+    """The model section's fields that apply to a converted checkpoint."""
+    keep = {k: v for k, v in self.model.items() if k in ("impl", "chunk_size", "dtype", "param_dtype")}
+    return {k: DTYPES[v] if k in ("dtype", "param_dtype") else v for k, v in keep.items()}
 
 
 def check_model_section(model: dict, section: str = "model"):
@@ -207,7 +224,10 @@ def evaluate(setup: TrainSetup, params, source, seed: int, num_batches: int) -> 
 
 def init_state(config: TrainConfig, model_config: LMConfig, tx):
   """`(graphdef, state)`: the model's graph and `{"step", "params", "opt_state"}`."""
-  model = LM(model_config, rngs=nnx.Rngs(config.seed))
+  if config.hf_checkpoint:
+    model = hf.load_checkpoint(config.hf_checkpoint, **config.hf_overrides())
+  else:
+    model = LM(model_config, rngs=nnx.Rngs(config.seed))
   graphdef, params = nnx.split(model, nnx.Param)
   return graphdef, {"step": jnp.zeros((), jnp.int32), "params": params,
                     "opt_state": tx.init(_float32(params))}

@@ -8,24 +8,31 @@ Every mixer maps `x: [B, T, width]` to `(y [B, T, width], cache)`:
 and has `init_cache(batch, max_len=None)` and `state_size(seq_len=None)` (state elements per sequence).
 
 Mixers:  LinearAttention, MultiScaleRetention, GatedLinearAttention, DeltaNet, GatedDeltaNet,
-         KimiDeltaAttention (caches: LinearCache), Attention (cache: KVCache).
-Parts:   ShortConvolution, GatedRMSNorm, HeadGroupNorm, apply_rope.
+         KimiDeltaAttention (caches: LinearCache), Attention, GatedAttention (cache: KVCache),
+         MultiHeadLatentAttention (cache: LatentCache).
+MLPs:    SwiGLU, MoE (top-k routed experts and shared experts).
+Parts:   ShortConvolution, RMSNorm (optionally zero-centred), GatedRMSNorm, HeadGroupNorm, apply_rope.
 """
 
 from linear_attention_jax.layers.attention import Attention
-from linear_attention_jax.layers.cache import KVCache, LinearCache, nbytes
+from linear_attention_jax.layers.cache import KVCache, LatentCache, LinearCache, nbytes
 from linear_attention_jax.layers.conv import ShortConvolution
 from linear_attention_jax.layers.delta_net import DeltaNet
+from linear_attention_jax.layers.gated_attention import GatedAttention
 from linear_attention_jax.layers.gated_delta_net import GatedDeltaNet
 from linear_attention_jax.layers.gla import GatedLinearAttention
 from linear_attention_jax.layers.kda import KimiDeltaAttention
 from linear_attention_jax.layers.linear_attention import LinearAttention
-from linear_attention_jax.layers.norm import GatedRMSNorm, HeadGroupNorm
+from linear_attention_jax.layers.mla import MultiHeadLatentAttention
+from linear_attention_jax.layers.mlp import SwiGLU
+from linear_attention_jax.layers.moe import MoE
+from linear_attention_jax.layers.norm import GatedRMSNorm, HeadGroupNorm, RMSNorm
 from linear_attention_jax.layers.retention import MultiScaleRetention
 from linear_attention_jax.layers.rope import apply_rope
 
 __all__ = [
-    "Attention", "DeltaNet", "GatedDeltaNet", "GatedLinearAttention", "GatedRMSNorm", "HeadGroupNorm",
-    "KVCache", "KimiDeltaAttention", "LinearAttention", "LinearCache", "MultiScaleRetention",
-    "ShortConvolution", "apply_rope", "nbytes",
+    "Attention", "DeltaNet", "GatedAttention", "GatedDeltaNet", "GatedLinearAttention", "GatedRMSNorm",
+    "HeadGroupNorm", "KVCache", "KimiDeltaAttention", "LatentCache", "LinearAttention", "LinearCache",
+    "MoE", "MultiHeadLatentAttention", "MultiScaleRetention", "RMSNorm", "ShortConvolution", "SwiGLU",
+    "apply_rope", "nbytes",
 ]

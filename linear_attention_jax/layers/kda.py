@@ -8,7 +8,8 @@ Gated DeltaNet with a decay per key channel instead of per head:
                                                                            a low-rank f projection, rank V)
     beta_t  = sigmoid(x W_b)
     S'_t = Diag(e^{g_t}) S_{t-1};  S_t = S'_t + beta_t k_t (v_t - S'_t^T k_t)^T;  o_t = K^-1/2 S_t^T q_t
-    y   = (RMSNorm(o) * sigmoid(x W_g1 W_g2 + b_g)) W_o                 (a low-rank output gate)
+    y   = (RMSNorm(o) * sigmoid(x W_g1 W_g2 + b_g)) W_o                 (a low-rank output gate; Kimi
+                                                                           Linear's has no b_g)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class KimiDeltaAttention(LinearMixer):
     num_heads: H.  num_v_heads: H_v (a multiple of H; default H); g, beta follow v's heads.
     head_dim: K (default d / H).  head_v_dim: V (default K).
     norm_eps: epsilon of the gated output RMSNorm.
+    gate_bias: the output gate's up projection has a bias b_g (Kimi Linear's checkpoints have none).
     use_short_conv, conv_size: causal depthwise convolutions (SiLU) on q, k, v; on by default.
     impl, chunk_size: passed to `ops.kda` in training and prefill.
     dtype, param_dtype: compute and parameter dtypes; the state, g and beta are float32 regardless.
@@ -43,7 +45,7 @@ class KimiDeltaAttention(LinearMixer):
 
   def __init__(self, width: int, num_heads: int, *, num_v_heads: int | None = None,
                head_dim: int | None = None, head_v_dim: int | None = None, norm_eps: float = 1e-5,
-               use_short_conv: bool = True, conv_size: int = 4, impl: str = "auto",
+               gate_bias: bool = True, use_short_conv: bool = True, conv_size: int = 4, impl: str = "auto",
                chunk_size: int = 64, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
     super().__init__(width, num_heads, num_v_heads=num_v_heads, head_dim=head_dim,
                      head_v_dim=head_v_dim, use_short_conv=use_short_conv, conv_size=conv_size,
@@ -56,7 +58,7 @@ class KimiDeltaAttention(LinearMixer):
     self.A_log = nnx.Param(a_log_init(rngs.params(), (Hv,), param_dtype), **axes("heads"))
     self.dt_bias = nnx.Param(dt_bias_init(rngs.params(), (Hv * K,), param_dtype), **axes("heads"))
     self.g_down = linear(width, V, axes=("embed", None), **kw)
-    self.g_up = linear(V, Hv * V, use_bias=True, axes=(None, "heads"), **kw)
+    self.g_up = linear(V, Hv * V, use_bias=gate_bias, axes=(None, "heads"), **kw)
     self.o_norm = GatedRMSNorm(V, eps=norm_eps, activation="sigmoid", **kw)
     self.o_proj = linear(Hv * V, width, axes=("heads", "embed"), **kw)
 

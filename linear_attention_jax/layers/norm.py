@@ -1,6 +1,12 @@
-"""Output norms of the linear mixers: a gated RMSNorm and RetNet's per-head group norm.
+"""Norms: the linear mixers' output norms (a gated RMSNorm, RetNet's per-head group norm) and an RMSNorm
+with an optional zero-centred weight.
 
-Both normalise each head's output on its own (over V), in float32, and return the layer dtype.
+All normalise over the last axis in float32 and return the layer dtype.
+
+  RMSNorm:       y = x / sqrt(mean(x^2) + eps) * w         (zero_centered=False; w starts at 1)
+                 y = x / sqrt(mean(x^2) + eps) * (1 + w)   (zero_centered=True; w starts at 0: Qwen3-Next
+                                                            and Qwen3.5, whose weight decay then pulls
+                                                            the scale towards 1, not 0)
 
   GatedRMSNorm:  y = x / sqrt(mean(x^2) + eps) * weight * act(gate)     (GLA, Gated DeltaNet, KDA;
                  without a gate it is a plain RMSNorm, as DeltaNet uses it)
@@ -17,6 +23,31 @@ from flax import nnx
 from linear_attention_jax.sharding.rules import axes
 
 GATE_ACTIVATIONS = {"swish": jax.nn.silu, "silu": jax.nn.silu, "sigmoid": jax.nn.sigmoid}
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm over the last axis; `weight: [features]`, applied as `1 + weight` when `zero_centered`.
+
+  `axis`: the logical axis of the weight ("embed" for the residual stream, None inside a head).
+  """
+
+  def __init__(self, features: int, *, eps: float = 1e-6, zero_centered: bool = False,
+               axis: str | None = "embed", dtype=jnp.float32, param_dtype=jnp.float32,
+               rngs: nnx.Rngs | None = None):
+    if features < 1:
+      raise ValueError(f"features must be >= 1; got {features=}")
+    self.features, self.eps, self.zero_centered, self.dtype = features, eps, zero_centered, dtype
+    init = jnp.zeros if zero_centered else jnp.ones
+    self.weight = nnx.Param(init((features,), param_dtype), **axes(axis))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """`x: [..., features]`. Returns the same shape in the layer dtype."""
+    if x.shape[-1] != self.features:
+      raise ValueError(f"x must end in {self.features} features; got shape {x.shape}")
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    w = self.weight[...].astype(jnp.float32)
+    return (y * (1.0 + w if self.zero_centered else w)).astype(self.dtype)
 
 
 class GatedRMSNorm(nnx.Module):

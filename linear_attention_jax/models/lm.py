@@ -21,6 +21,7 @@ from flax import nnx
 
 from linear_attention_jax import layers
 from linear_attention_jax.layers.cache import KVCache, LinearCache
+from linear_attention_jax.layers.mlp import SwiGLU
 from linear_attention_jax.models.config import CONV_LETTERS, LMConfig
 from linear_attention_jax.sharding.rules import axes, constrain
 
@@ -65,19 +66,6 @@ def make_mixer(config: LMConfig, letter: str, *, rngs: nnx.Rngs) -> nnx.Module:
   if letter == "F":
     kw.update(norm_eps=config.norm_eps)
   return cls(config.width, config.num_heads, **kw)
-
-
-class SwiGLU(nnx.Module):
-  """`down(silu(gate(x)) * up(x))`: `[B, T, d] -> [B, T, d]` through a hidden width `mlp_dim`."""
-
-  def __init__(self, width: int, hidden: int, *, dtype, param_dtype, rngs: nnx.Rngs):
-    kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.gate = nnx.Linear(width, hidden, kernel_metadata=axes("embed", "mlp"), **kw)
-    self.up = nnx.Linear(width, hidden, kernel_metadata=axes("embed", "mlp"), **kw)
-    self.down = nnx.Linear(hidden, width, kernel_metadata=axes("mlp", "embed"), **kw)
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
 class Block(nnx.Module):
