@@ -42,8 +42,7 @@ from pallas_kernels import common as kernel_common
 from pallas_kernels import gpu, prep, vjp
 from pallas_kernels.gpu import channel_prep, delta_grads, delta_prep, fused, walk
 
-STAGES = ("op fwd", "op fwd fused", "op fwd fused streamed", "op fwd walk streamed",
-          "op value+grad walk streamed", "op fwd+bwd",
+STAGES = ("op fwd", "op fwd fused", "op fwd fused streamed", "op fwd+bwd",
           "op fwd+bwd fused", "op fwd+bwd delta_backward", "op value+grad fused",
           "op value+grad fused streamed",
           "op value+grad delta_backward", "delta prep kernel",
@@ -92,7 +91,7 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
   states = states_fn(t)
   cot = jax.tree.map(lambda a: jnp.full(a.shape, 1e-2, jnp.float32), prepare(*args))
   do_o = jnp.asarray(rng.standard_normal(x["v"].shape), jnp.float32)
-  def config(kernels, delta_backward=False, warpgroups=1, fwd_wg=1, walk_wg=1, **kw):
+  def config(kernels, delta_backward=False, warpgroups=1, fwd_wg=1, **kw):
     """The stage's `gpu.GpuConfig`: `kernels=False` the prepared path (XLA's preparation and vjp around
     the walks); else the forward's kernels, with the delta family's gradients from kernels only with
     `delta_backward` (else XLA's vjp)."""
@@ -101,19 +100,19 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
     else:
       base = gpu.GpuConfig(backward="kernel" if beta is None or delta_backward else "xla_vjp")
     return dataclasses.replace(base, sequence_pieces=sequence_pieces, delta_warpgroups=warpgroups,
-                               forward_warpgroups=fwd_wg, walk_warpgroups=walk_wg, **kw)
+                               forward_warpgroups=fwd_wg, **kw)
 
   forward = lambda *c, **kw: lambda *a: gpu.chunked_attention(*a, config=config(*c, **kw),
                                                               interpret=interpret)[0]
-  op = lambda use_fused, fwd_wg=1, walk_wg=1: jax.jit(forward(use_fused, fwd_wg=fwd_wg, walk_wg=walk_wg))
+  op = lambda use_fused, fwd_wg=1: jax.jit(forward(use_fused, fwd_wg=fwd_wg))
   argnums = tuple(i for i, a in enumerate(args) if a is not None)
   op_grad = lambda use_fused, delta_backward=False: jax.jit(jax.grad(
       lambda *a: jnp.sum(forward(use_fused, delta_backward)(*a).astype(jnp.float32) * do_o),
       argnums=argnums))
   # value and gradients (a training step): the forward cannot be dropped as dead code, as it can
   # under jax.grad when the backward recomputes everything it needs
-  op_value_grad = lambda use_fused, delta_backward=False, warpgroups=1, fwd_wg=1, walk_wg=1: jax.jit(
-      jax.value_and_grad(lambda *a: jnp.sum(forward(use_fused, delta_backward, warpgroups, fwd_wg, walk_wg)(
+  op_value_grad = lambda use_fused, delta_backward=False, warpgroups=1, fwd_wg=1: jax.jit(
+      jax.value_and_grad(lambda *a: jnp.sum(forward(use_fused, delta_backward, warpgroups, fwd_wg)(
           *a).astype(jnp.float32) * do_o), argnums=argnums))
   serves = fused.serves(args[3], beta, None) or delta_prep.serves(args[3], beta, None)
   delta_kernels = beta is not None and delta_prep.serves(args[3], beta, None)
@@ -140,9 +139,6 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
       "op fwd": (op(False), args),
       "op fwd fused": (op(True), args) if serves else None,
       "op fwd fused streamed": (op(True, 3), args) if fused.serves(args[3], beta, None) else None,
-      "op fwd walk streamed": (op(True, walk_wg=3), args) if not fused.serves(args[3], beta, None) else None,
-      "op value+grad walk streamed": ((op_value_grad(True, True, 2, walk_wg=3), args)
-                                      if delta_kernels else None),
       "op fwd+bwd": (op_grad(False), args),
       "op fwd+bwd fused": (op_grad(True), args) if serves else None,
       "op fwd+bwd delta_backward": ((op_grad(True, True), args) if beta is not None
@@ -240,9 +236,6 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
   if stages["op value+grad fused streamed"] is not None and wanted("forward streamed check"):
     check("forward streamed", "3 warpgroups vs one", lambda: op_value_grad(True, fwd_wg=3)(*args),
           lambda: op_value_grad(True)(*args))
-  # the streamed prepared walk against one warpgroup (the same products and roundings)
-  if stages["op fwd walk streamed"] is not None and wanted("walk streamed check"):
-    check("walk streamed", "3 warpgroups vs one", lambda: op(True, walk_wg=3)(*args), lambda: op(True)(*args))
   # the per-channel preparation kernel's o against XLA's preparation
   if channel_prep.serves(args[3], beta, None) and wanted("channel check"):
     check("channel o", "channel kernel vs XLA's preparation", lambda: stages["op fwd channel kernel"][0](*args),
@@ -260,8 +253,7 @@ def _define_flags():
   flags.DEFINE_list("stages", [], "Only these stages (names as printed; 'fused check' for the fused "
                     "path's agreement with the prepared one, 'channel check' for the per-channel "
                     "kernel's, 'pair check' for the two-warpgroup delta gradients', 'forward streamed "
-                    "check' for the three-warpgroup fused forward's, 'walk streamed check' for the "
-                    "streamed prepared walk's); empty: all.")
+                    "check' for the three-warpgroup fused forward's); empty: all.")
   flags.DEFINE_integer("sequence_pieces", None, "The walks' sequence pieces (default: their own "
                        "choice, `pallas_kernels.gpu.walk.pieces`).")
   flags.DEFINE_string("workdir", "runs/kernel_breakdown", "Where kernel_breakdown.json is written.")

@@ -33,16 +33,15 @@ PREPARED = Plan(cell="prepared", forward="xla_prep", keeps="inputs", backward="x
 def _walk(static: Static, t, h0, *, with_states: bool):
   """The GPU walk over prepared tensors writing o scaled in the token layout: `(o [B, T_pad, H_v, V],
   (states, transitions) or None, final)`."""
-  config = static.options.config
   o, states, final, transitions = walk.forward(
       t, h0, with_o=True, with_states=with_states, out_dtype=static.out_dtype,
-      interpret=static.options.interpret, sequence_pieces=config.sequence_pieces, return_transitions=True,
-      token_o=True, scale=static.scale, warpgroups=config.walk_warpgroups)
+      interpret=static.options.interpret, sequence_pieces=static.plan.sequence_pieces,
+      return_transitions=True, token_o=True, scale=static.scale)
   return o, (states, transitions) if with_states else None, final
 
 
 def _pieces(static: Static) -> int:
-  return static.options.config.sequence_pieces or 1
+  return static.plan.sequence_pieces or 1
 
 
 def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
@@ -85,11 +84,10 @@ def _forward(static: Static, q, k, v, g, beta, h0, segment_ids, *, keep: bool):
       o, states, final = _walk(static, t, h0, with_states=True)
       saved = channel_grads.Saved(*states, qg=t.qg, decay=t.decay, G=cumsum[0], refs=cumsum[1])
     case "fused":
-      config = static.options.config
       o, saved, final = fused.forward(q, k, v, g, h0, chunk_size=C, dtype=dtype, out_dtype=static.out_dtype,
                                       segment_ids=segment_ids, interpret=interpret, with_states=saves,
-                                      sequence_pieces=config.sequence_pieces, scale=static.scale,
-                                      warpgroups=config.forward_warpgroups)
+                                      sequence_pieces=plan.sequence_pieces, scale=static.scale,
+                                      warpgroups=plan.forward_warpgroups)
     case "delta_prep":
       out = delta_prep.prepare(q, k, v, g, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
                                interpret=interpret, with_inverse=saves, chunk_multiple=_pieces(static),
@@ -148,7 +146,7 @@ def _backward(static: Static, q, k, v, g, beta, h0, segment_ids, saved, do, dfin
 
 
 def _sequence_pieces(static: Static):
-  return static.options.config.sequence_pieces
+  return static.plan.sequence_pieces
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

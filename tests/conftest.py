@@ -1,7 +1,7 @@
 """Session-wide setup for the suite.
 
 The Mosaic GPU interpreter runs each warpgroup of a multi-warpgroup kernel
-(`delta_grads_pair.chunk_grads_pair`, `fused_streamed.streamed_walk`, `walk_streamed.streamed_walk`) as a
+(`delta_grads_pair.chunk_grads_pair`, `fused_streamed.streamed_walk`) as a
 separate computation, and each of them blocks in its barrier
 waits. These computations, and the one that launched them, run on XLA's CPU thread pool. That pool
 has one thread per core (the `NPROC` environment variable overrides the count). On a 2-core machine

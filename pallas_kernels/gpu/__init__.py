@@ -8,8 +8,7 @@ warpgroups).
 NOTES.md holds the cost model and each measured version.
 
 The kernels, by stage (each file's `kernel_name`s are `chunk_{prep,walk,grads}_<cell>`):
-- `walk` (+ `walk_streamed`, its warpgroup-specialised form): the chunk walks over prepared tensors,
-  every variant;
+- `walk`: the chunk walks over prepared tensors, every variant;
 - `fused` (+ `fused_streamed`, `fused_grads`): the additive family with no or scalar decay, every stage
   with no XLA preparation;
 - `delta_prep`, `delta_grads` (+ `delta_grads_pair`, `delta_terms`): the delta family with no or scalar

@@ -22,17 +22,17 @@ SIXTEEN_BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-  """What the GPU's stages read of a call besides the plan: the configuration and the interpreter."""
+  """What the GPU's stages read of a call besides the plan: the interpreter, and the plan's sequence
+  pieces (for the prepared path's walk)."""
 
-  config: GpuConfig
+  sequence_pieces: int | None = None
   interpret: Any = None   # None (compiled) or a plgpu.InterpretGPUParams
 
 
 def _walk_forward(t, h0, *, options, with_o, with_states, out_dtype):
   o, states, final, transitions = walk.forward(
       t, h0, with_o=with_o, with_states=with_states, out_dtype=out_dtype, interpret=options.interpret,
-      sequence_pieces=options.config.sequence_pieces, return_transitions=True,
-      warpgroups=options.config.walk_warpgroups)
+      sequence_pieces=options.sequence_pieces, return_transitions=True)
   # the backward reuses the sequence pieces' transition matrices
   return o, (states, transitions) if with_states else None, final
 
@@ -40,13 +40,13 @@ def _walk_forward(t, h0, *, options, with_o, with_states, out_dtype):
 def _walk_backward(t, states, do, dfinal, *, options):
   states, transitions = states
   return walk.backward(t, states, do, dfinal, interpret=options.interpret,
-                       sequence_pieces=options.config.sequence_pieces, transitions=transitions)
+                       sequence_pieces=options.sequence_pieces, transitions=transitions)
 
 
 # the prepared path's walk (explicit sequence pieces pad T to whole pieces of chunks; the automatic
 # choice divides the chunk count)
 GPU_WALK = prepared.Walk(forward=_walk_forward, backward=_walk_backward,
-                         chunks_per_group=lambda NC, options: options.config.sequence_pieces or 1)
+                         chunks_per_group=lambda NC, options: options.sequence_pieces or 1)
 
 
 def decay_kind(g) -> str:
@@ -117,8 +117,9 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
     check_interpreter_threads(p.interpreter_threads())
   if p.l2 == "xla":
     q, k = common.l2_normalize(q), common.l2_normalize(k)
-  static = prepared.Static(plan=p, walk=GPU_WALK, options=Options(config=config, interpret=interpret or None),
+  static = prepared.Static(plan=p, walk=GPU_WALK,
+                           options=Options(sequence_pieces=p.sequence_pieces, interpret=interpret or None),
                            chunk_size=chunk_size, compute_dtype=dtype, out_dtype=jnp.dtype(out_dtype),
-                           inverse_dtype=config.inverse_dtype, gram_method=config.gram_method)
+                           inverse_dtype=jnp.dtype(jnp.float32), gram_method=p.gram_method)
   return vjp.chunked_op(static, q, k, v, g, beta, scale=K ** -0.5 if scale is None else scale,
                         initial_state=initial_state, segment_ids=segment_ids)

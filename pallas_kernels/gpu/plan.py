@@ -51,7 +51,6 @@ NOTES.md records what each stage costs on the H200 and the versions that led her
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -86,14 +85,13 @@ class GpuConfig:
     T to whole pieces of chunks).
   forward_warpgroups: the fused forward's programs, 3 (one fetches, one carries the state, one forms o;
     NOTES.md v28-v29) or 1.
-  walk_warpgroups: the walk over prepared tensors, 1 or 3 (specialised as the fused forward's; NOTES.md
-    v30: not faster on the H200).
   delta_warpgroups: delta_grads with V = 2 x 64 value blocks and 16-bit operands, 2 (both blocks in one
     program sharing q, k and X; NOTES.md v27) or 1.
   gram_method: XLA's per-channel decayed grams (`prep.GRAM_METHODS`) where XLA prepares: "auto" (one
     product about a per-channel reference within the bound, else the merge form), "merge" or "levels".
-  inverse_dtype: operand dtype of the matmuls of `(I + L)^-1` in XLA's preparation (float32: exact, and
-    on the H200 not slower).
+  XLA's preparation computes `(I + L)^-1` with float32 operands (exact, and on the H200 not slower than
+  bfloat16: NOTES.md). The walks over prepared tensors run one warpgroup a program (NOTES.md v30: three
+  specialised ones were not faster on the H200, and the option is gone).
   In the Mosaic GPU interpreter each warpgroup of a program runs as a computation of its own on XLA's
   CPU pool: 3 warpgroups need `NPROC >= 4`, 2 need 3 (`interpret.interpreter_threads`).
   """
@@ -102,28 +100,25 @@ class GpuConfig:
   backward: str = "kernel"
   sequence_pieces: int | None = None
   forward_warpgroups: int = 3
-  walk_warpgroups: int = 1
   delta_warpgroups: int = 2
   gram_method: str = "auto"
-  inverse_dtype: Any = jnp.float32
 
   def __post_init__(self):
     for name, allowed in (("forward", FORWARDS), ("backward", BACKWARDS), ("forward_warpgroups", (1, 3)),
-                          ("walk_warpgroups", (1, 3)), ("delta_warpgroups", (1, 2)),
-                          ("gram_method", prep.GRAM_METHODS)):
+                          ("delta_warpgroups", (1, 2)), ("gram_method", prep.GRAM_METHODS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"GpuConfig.{name} must be one of {allowed}; got {getattr(self, name)!r}")
     pieces = self.sequence_pieces
     if pieces is not None and (not isinstance(pieces, int) or isinstance(pieces, bool) or pieces < 1):
       raise ValueError(f"GpuConfig.sequence_pieces must be None or a positive int; got {pieces!r}")
-    object.__setattr__(self, "inverse_dtype", jnp.dtype(self.inverse_dtype))
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """What runs for one call (the module table's row): the stage names of the forward and the backward,
   what the forward keeps when differentiated, the stages beyond the per-channel bound (None: the cell
-  has no bound), where q, k are l2-normalised, and the warpgroups of the programs that run."""
+  has no bound), where q, k are l2-normalised, and the tuning values the stages read (the stages read
+  no `GpuConfig`: `select` is its only reader)."""
 
   cell: str                    # "fused" | "channel" | "delta" | "channel_delta"
   forward: str                 # "fused" | "delta_prep" | "channel_prep" | "xla_prep"
@@ -132,8 +127,10 @@ class Plan:
   forward_beyond: str | None   # "xla_merge_per_head" | "xla_prep" | None
   backward_beyond: str | None  # "xla_vjp_per_head" | "xla_vjp" | None
   l2: str                      # "on_load" | "xla" | "none"
-  forward_warpgroups: int      # of the fused forward or the walk over prepared tensors
+  forward_warpgroups: int      # of the fused forward's programs (1 elsewhere)
   grads_warpgroups: int        # of delta_grads' programs (1 elsewhere)
+  sequence_pieces: int | None = None   # GpuConfig.sequence_pieces
+  gram_method: str = "auto"            # GpuConfig.gram_method, where XLA prepares
 
   def row(self) -> tuple[str, ...]:
     """The module table's columns from plan.forward on."""
@@ -144,7 +141,7 @@ class Plan:
     """Option -> threads the interpreter needs, for each multi-warpgroup program this plan runs."""
     need = {}
     if self.forward_warpgroups == 3:
-      need["forward_warpgroups=3" if self.forward == "fused" else "walk_warpgroups=3"] = 4
+      need["forward_warpgroups=3"] = 4
     if self.grads_warpgroups == 2:
       need["delta_warpgroups=2"] = 3
     return need
@@ -192,8 +189,9 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
               forward_beyond=forward_beyond, backward_beyond=backward_beyond,
               l2=("none" if not qk_l2norm else
                   "on_load" if (forward, backward) == ("delta_prep", "delta_grads") else "xla"),
-              forward_warpgroups=config.forward_warpgroups if forward == "fused" else config.walk_warpgroups,
-              grads_warpgroups=2 if pair else 1)
+              forward_warpgroups=config.forward_warpgroups if forward == "fused" else 1,
+              grads_warpgroups=2 if pair else 1, sequence_pieces=config.sequence_pieces,
+              gram_method=config.gram_method)
 
 
 def hopper_reason(backend: str | None = None) -> str | None:

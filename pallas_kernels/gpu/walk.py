@@ -40,14 +40,12 @@ from pallas_kernels.gpu.pipeline import (chain_pieces, fetch_chunk, initial, new
                                          store_last, u_block, walk_chunks)
 from pallas_kernels.gpu.tiles import BLOCK_V, COLS, F32, flat, matmul, smem, vary_like
 from pallas_kernels.gpu.tiles import scratch_bytes  # noqa: F401  (the dispatch reads walk.scratch_bytes)
-from pallas_kernels.gpu.walk_streamed import streamed_walk
 from pallas_kernels.prep import ChunkTensors
 
 
 def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = False, out_dtype=F32,
             interpret=None, block_v: int = BLOCK_V, sequence_pieces: int | None = None,
-            return_transitions: bool = False, token_o: bool = False, scale: float = 1.0,
-            warpgroups: int = 1):
+            return_transitions: bool = False, token_o: bool = False, scale: float = 1.0):
   """The forward walk.
 
   Args:
@@ -58,8 +56,6 @@ def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = Fal
       choice; NC must be a multiple). With more than one, a first walk gives every piece's affine map
       `S_end = A S_start + F` (`piece_maps`), XLA chains them for the state entering each piece, and the
       main walk runs all pieces at once.
-    warpgroups: 3 runs the walks (the main one and the pieces' maps) with specialised warpgroups
-      (`walk_streamed.py`: fetch / state / output); 1 in one.
     return_transitions: also return the pieces' `A` (`[B, H, S, K, K]`, None for one piece), which
       `backward_states` can reuse.
     token_o: write o as `[B, NC * C, H, V]` (the op's token layout; no transpose after the walk) and
@@ -72,27 +68,24 @@ def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = Fal
   B, H, NC, C, K = t.qg.shape
   V = t.u.shape[-1]
   bv = min(block_v, V)
-  if warpgroups not in (1, 3):
-    raise ValueError(f"warpgroups must be 1 or 3; got {warpgroups!r}")
   S = pieces(B * H * (V // bv), NC, sequence_pieces)
   if NC % S:
     raise ValueError(f"sequence_pieces={S} must divide the number of chunks, {NC}")
   A = None
   h_in = None if h0 is None else h0.astype(F32)[:, :, None]         # [B, H, S, K, V]
   if S > 1:
-    A, F = piece_maps(t, S, interpret=interpret, block_v=block_v, warpgroups=warpgroups)
+    A, F = piece_maps(t, S, interpret=interpret, block_v=block_v)
     mm = functools.partial(jnp.einsum, "bhkj,bhjv->bhkv", precision=lax.Precision.HIGHEST)
     h_in = chain_pieces(h0, F, lambda x, p: mm(A[:, :, p], x))
   h_in = None if h_in is None else jnp.swapaxes(h_in, -1, -2)
   o, states, finals = _forward_kernel(t, h_in, S=S, with_o=with_o, with_states=with_states,
                                       out_dtype=out_dtype, interpret=interpret, bv=bv, token_o=token_o,
-                                      scale=scale, warpgroups=warpgroups)
+                                      scale=scale)
   out = (o, states, jnp.swapaxes(finals[:, :, -1], -1, -2))
   return out + (A,) if return_transitions else out
 
 
-def piece_maps(t: ChunkTensors, S: int, *, interpret=None, block_v: int = BLOCK_V, with_offsets=True,
-               warpgroups: int = 1):
+def piece_maps(t: ChunkTensors, S: int, *, interpret=None, block_v: int = BLOCK_V, with_offsets=True):
   """Every piece's affine map of the state, `S_end = A S_start + F`: `(A [B, H, S, K, K], F [B, H, S, K,
   V])` float32 (F None without `with_offsets`).
 
@@ -115,7 +108,7 @@ def piece_maps(t: ChunkTensors, S: int, *, interpret=None, block_v: int = BLOCK_
     start = jnp.concatenate([jnp.zeros((K, V), F32), eye], axis=-1) if with_offsets else eye
     start = jnp.broadcast_to(start.T, (B, H, S, cols, K))
   _, _, ends = _forward_kernel(t, start, S=S, with_o=False, with_states=False, out_dtype=F32,
-                               interpret=interpret, bv=bv, warpgroups=warpgroups, state_cols=cols,
+                               interpret=interpret, bv=bv, state_cols=cols,
                                u_blocks=V // bv if with_offsets else 0)
   ends = jnp.swapaxes(ends, -1, -2)                                  # [B, H, S, K, cols]
   F = ends[..., :V] if with_offsets else None
@@ -123,11 +116,11 @@ def piece_maps(t: ChunkTensors, S: int, *, interpret=None, block_v: int = BLOCK_
 
 
 def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, interpret, bv,
-                    token_o: bool = False, scale: float = 1.0, warpgroups: int = 1,
+                    token_o: bool = False, scale: float = 1.0,
                     state_cols: int | None = None, u_blocks: int | None = None):
   """The forward walk of `S` pieces of every sequence in parallel; `h0`: None or the transposed state
   entering each piece `[B, H, S, V, K]`. Returns `(o | None, states | None, the transposed state
-  leaving each piece [B, H, S, V, K])`. warpgroups: 3 specialises them (`walk_streamed.py`).
+  leaving each piece [B, H, S, V, K])`.
 
   state_cols, u_blocks (the pieces' maps, delta family): the state has `state_cols` columns (default V),
   of which the first `u_blocks` blocks of `bv` take their u from `t.u` and the rest walk with u = 0."""
@@ -211,19 +204,14 @@ def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, i
     init = lambda: initial(h0_r.at[b, h, piece, vs] if has_h0 else None, state_s, state_bar, bv, K)
     store_last(walk_chunks(NCs, issue, in_bar, init, chunk), state_s, final_r.at[b, h, piece, vs])
 
-  threads, name = {}, "chunk_walk_fwd" if with_o else "chunk_walk_states"
-  if warpgroups == 3:
-    body, scratch = streamed_walk(t, S=S, with_o=with_o, with_states=with_states, has_h0=has_h0,
-                                  out_dtype=out_dtype, bv=bv, token_o=token_o, scale=scale,
-                                  blocks=(u_blocks, V // bv))
-    threads, name = dict(num_threads=2 + with_o, thread_name="wg"), name + "_streamed"
+  name = "chunk_walk_fwd" if with_o else "chunk_walk_states"
   args = [x for x, present in ((qg, with_o), (kd, True), (w, delta), (u, True), (p, with_o),
                                (decay, True), (h0, has_h0))
           if present]
   outs = list(plgpu.kernel(
       body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H, V // bv, S),
       grid_names=("b", "h", "v", "s"), compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=interpret, kernel_name=name, **threads)(*args))
+      interpret=interpret, kernel_name=name)(*args))
   outs = vary_like(outs, args)
   o = None
   if with_o:

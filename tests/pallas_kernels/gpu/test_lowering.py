@@ -242,25 +242,3 @@ def test_fused_forward_in_three_warpgroups_exports_for_hopper(D, pieces, packed)
   assert bwd.count("custom_call @mosaic_gpu") == 3 + 2 * (pieces > 1)
   for kernel in (name, "chunk_walk_fused_bwd", "chunk_grads_fused"):
     assert kernel in bwd, kernel
-
-
-@pytest.mark.parametrize("kind,D,pieces", [("gated_delta_rule", 128, 2), ("kda", 64, 1)])
-def test_streamed_walks_export_for_hopper(kind, D, pieces):
-  # walk_warpgroups=3: the forward walk (keeping the states under differentiation) and the pieces' map
-  # walk are the streamed kernels; nothing else changes
-  args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D),
-          _spec(B, T, H, *((D,) if kind == "kda" else ()), dtype=jnp.float32),
-          _spec(B, T, H, dtype=jnp.float32))
-
-  def loss(q, k, v, g, beta):
-    o, final = gpu.chunked_attention(q, k, v, g, beta,
-                                     config=gpu.GpuConfig(sequence_pieces=pieces, walk_warpgroups=3))
-    return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
-
-  with jax.sharding.use_abstract_mesh(H200):
-    bwd = jax.export.export(jax.jit(jax.grad(loss, argnums=range(5))), platforms=["cuda"])(*args)
-  bwd = bwd.mlir_module()
-  assert "chunk_walk_fwd_streamed" in bwd
-  # no forward walk in one warpgroup is left (the pieces' map walk, and any states walk, streamed too)
-  assert "chunk_walk_fwd_mosaic_gpu" not in bwd and "chunk_walk_states_mosaic_gpu" not in bwd
-  assert ("chunk_walk_states_streamed" in bwd) == (pieces > 1 or kind == "kda")

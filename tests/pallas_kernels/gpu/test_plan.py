@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from pallas_kernels import prepared, vjp
-from pallas_kernels.gpu import (GpuConfig, call_plan, channel_delta_grads, channel_grads, channel_prep,
+from pallas_kernels.gpu import (GpuConfig, call_plan, channel, channel_delta_grads, channel_grads, channel_prep,
                                 chunked_attention, delta_grads, delta_prep, fused, plan, walk)
 
-ONE_WARPGROUP = dict(forward_warpgroups=1, walk_warpgroups=1, delta_warpgroups=1)
+ONE_WARPGROUP = dict(forward_warpgroups=1, delta_warpgroups=1)
 
 
 def _table():
@@ -60,7 +60,7 @@ def test_the_table_covers_every_variant_and_configuration():
 
 def test_config_is_validated():
   for field, bad in (("forward", "fused"), ("backward", "kernels"), ("forward_warpgroups", 2),
-                     ("walk_warpgroups", 0), ("delta_warpgroups", 3), ("gram_method", "direct"),
+                     ("delta_warpgroups", 3), ("gram_method", "direct"),
                      ("sequence_pieces", 0)):
     with pytest.raises(ValueError, match=f"GpuConfig.{field}"):
       GpuConfig(**{field: bad})
@@ -78,8 +78,9 @@ def test_the_plan_says_where_the_warpgroups_and_the_l2_norm_go():
   assert plan.select(delta=True, decay="scalar", config=kernels, qk_l2norm=False).l2 == "none"
   assert plan.select(delta=False, decay="scalar", config=kernels).interpreter_threads() == {
       "forward_warpgroups=3": 4}
-  assert plan.select(delta=True, decay="channel", config=GpuConfig(walk_warpgroups=3)).interpreter_threads() == {
-      "walk_warpgroups=3": 4}
+  assert plan.select(delta=True, decay="channel", config=kernels).interpreter_threads() == {}
+  with pytest.raises(TypeError):
+    GpuConfig(walk_warpgroups=3)   # the walks' three-warpgroup form is gone (NOTES.md v30, v37)
 
 
 # stage name -> the functions it calls (module, attribute); a stage's functions are spied on by name
@@ -164,3 +165,12 @@ def test_the_plan_rides_in_the_static_argument(monkeypatch):
   assert seen == [call_plan(x, x, x, g, beta, config=config)]
   assert hash(seen[0]) == hash(dataclasses.replace(seen[0]))
   assert re.match(r"Plan\(cell='channel_delta'", repr(seen[0]))
+
+
+def test_the_entry_takes_at_most_ten_keywords():
+  # the tuning values live in GpuConfig, not in the entry's signature (as the TPU entry's BlockSizes)
+  import inspect
+  from pallas_kernels import tpu
+  for entry in (chunked_attention, tpu.chunked_attention):
+    keywords = [p for p in inspect.signature(entry).parameters.values() if p.kind == p.KEYWORD_ONLY]
+    assert len(keywords) <= 10, (entry.__module__, [p.name for p in keywords])
