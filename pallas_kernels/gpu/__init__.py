@@ -2,8 +2,8 @@
 
 `chunked_attention` is the op; `supports` says whether it serves a call (and why not);
 `interpret_kernels` runs the kernels in the Mosaic GPU interpreter (whose multi-warpgroup kernels need
-`interpreter_threads()` above their warpgroups); `sharded_chunked_attention` wraps the
-op in `jax.shard_map`. `walk`: the chunk walks over prepared tensors (every variant); `fused`: the
+`interpreter_threads()` above their warpgroups); under `jax.shard_map` it runs per shard (`shard_op`
+of linear_attention_jax.sharding). `walk`: the chunk walks over prepared tensors (every variant); `fused`: the
 additive family with no or scalar decay, with no XLA preparation; `delta_prep`: the delta family's
 forward preparation (no or scalar decay) as one kernel. Both are the default where they apply.
 NOTES.md holds the cost model and each
@@ -12,7 +12,6 @@ measured version.
 
 from pallas_kernels.gpu.ops import (chunked_attention, hopper_reason, interpret_kernels, interpreter_threads,
                                     interpreting, supports)
-from pallas_kernels.gpu.sharding import sharded_chunked_attention
 
 __all__ = ["chunked_attention", "hopper_reason", "interpret_kernels", "interpreter_threads", "interpreting",
-           "sharded_chunked_attention", "supports"]
+           "supports"]
