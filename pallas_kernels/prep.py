@@ -267,7 +267,7 @@ def _unit_lower_inverse(L, dtype):
 # a bound of 8.
 REF_BOUND = 60.0
 REF_BOUND_F16 = 8.0
-GRAM_METHODS = ("auto", "merge", "levels")
+GRAM_METHODS = ("auto", "merge")
 
 
 def ref_bound(dtype) -> float:
@@ -287,9 +287,6 @@ def decayed_gram(a, b, G, *, inclusive: bool, dtype=jnp.float32, method: str = "
       with r the last token of the earlier block, so both exponents are <= 0: exact wherever the true
       value is representable, at any decay strength. Batched `s x s` products (C K log2(C) / 2
       multiply-adds a row).
-    "levels": each merge level as one whole `C x C` product, masked to the pairs of one 2s block
-      (`(i XOR j) in [s, 2s)`), with the same reference tokens and exponents (2x the FLOPs, in full-size
-      matmuls; the form the GPU kernel `channel_prep.py` computes).
     "auto" (default): where every chunk's per-channel decay spans at most `2 * ref_bound(dtype)` (120
       nats for bfloat16 and float32 operands, 16 for float16), ONE product
       `(a e^(G - R)) (b e^(R - G))^T` with `R_c = (max_i G_ic + min_i G_ic) / 2` per chunk and channel,
@@ -302,8 +299,6 @@ def decayed_gram(a, b, G, *, inclusive: bool, dtype=jnp.float32, method: str = "
   """
   if method not in GRAM_METHODS:
     raise ValueError(f"method must be one of {GRAM_METHODS}; got {method!r}")
-  if method == "levels":
-    return _decayed_gram_levels(a, b, G, inclusive=inclusive, dtype=dtype)
   if method == "auto":
     bound = ref_bound(jnp.result_type(a, b) if dtype is None else dtype)
     return lax.cond(one_reference_fits(G, bound),
@@ -354,24 +349,3 @@ def _decayed_gram_merge(a, b, G, *, inclusive: bool, dtype):
     M = _join_blocks(pairs[..., 0, :, :], _gram(later, earlier, dtype), pairs[..., 1, :, :])
     s *= 2
   return M.reshape(batch + (C, C))
-
-
-def _decayed_gram_levels(a, b, G, *, inclusive: bool, dtype):
-  """`decayed_gram(..., method="levels")`: per level one masked whole-tile product (see there)."""
-  C, K = a.shape[-2:]
-  batch = a.shape[:-2]
-  i = np.arange(C)
-  M = (jnp.sum(a * b, axis=-1)[..., :, None] * np.eye(C, dtype=np.float32) if inclusive
-       else jnp.zeros(batch + (C, C), jnp.float32))
-  s = 1
-  while s < C:
-    nb = C // (2 * s)
-    # G at each row's reference token (the last token of the earlier half of its 2s block)
-    G_ref = jnp.broadcast_to(G.reshape(batch + (nb, 2 * s, K))[..., s - 1:s, :],
-                             batch + (nb, 2 * s, K)).reshape(batch + (C, K))
-    later = ((i & s) != 0)[:, None]
-    E = jnp.exp(jnp.where(later, G - G_ref, G_ref - G))   # every exponent <= 0
-    inside = ((i[:, None] ^ i[None, :]) >= s) & ((i[:, None] ^ i[None, :]) < 2 * s)
-    M = M + jnp.where(inside, _gram(jnp.where(later, a * E, 0.0), jnp.where(later, 0.0, b * E), dtype), 0.0)
-    s *= 2
-  return M

@@ -88,7 +88,8 @@ class GpuConfig:
   delta_warpgroups: delta_grads with V = 2 x 64 value blocks and 16-bit operands, 2 (both blocks in one
     program sharing q, k and X; NOTES.md v27) or 1.
   gram_method: XLA's per-channel decayed grams (`prep.GRAM_METHODS`) where XLA prepares: "auto" (one
-    product about a per-channel reference within the bound, else the merge form), "merge" or "levels".
+    product about a per-channel reference within the bound, else the merge form) or "merge" (NOTES.md
+    v25: a third form, whole-tile levels, was slower on the H200 and is gone).
   XLA's preparation computes `(I + L)^-1` with float32 operands (exact, and on the H200 not slower than
   bfloat16: NOTES.md). The walks over prepared tensors run one warpgroup a program (NOTES.md v30: three
   specialised ones were not faster on the H200, and the option is gone).
