@@ -28,6 +28,12 @@ What a run does (`train_and_evaluate`):
   parameters, optimizer state and the data iterator's position, so step N + 1 sees the batch it would
   have seen and its loss is the uninterrupted run's, to the bit (on the same devices and mesh; on
   another mesh, up to float rounding: the sharded step sums in another order).
+  Each step is verified at restore (checksums, orbax, finite arrays); a corrupt one is moved aside
+  and the next older step is used, with a line saying which and why. A config whose shapes do not fit
+  the checkpoint stops (CheckpointMismatch) before config.json or any checkpoint is touched; a failed
+  save (full disk, permissions) stops with one line naming the path and the cause.
+- non-finite loss: such a step leaves the state unchanged; `on_nonfinite` "stop" (default) ends the
+  run before the next save, "skip" goes on (experiments/checkpoint.py has the layout).
 - evaluation every `eval_every` steps and at the end: loss and accuracy of every evaluation split
   (MQAR: one per (seq_len, kv pairs) test setting, accuracy = recall at the queries).
 - metrics: `{workdir}/metrics.jsonl`, TensorBoard events in `{workdir}/tensorboard/`, the curves in
@@ -55,7 +61,7 @@ from absl import app, flags, logging
 from flax import nnx
 
 from experiments import configs, data
-from experiments.checkpoint import Checkpointer
+from experiments.checkpoint import CheckpointMismatch, Checkpointer, CheckpointWriteError
 from experiments.metrics import MetricsWriter, plot_curves, read_metrics
 from linear_attention_jax import sharding
 from linear_attention_jax.models import LM, HybridConfig, LMConfig, hf
@@ -94,6 +100,9 @@ class TrainConfig:
   eval_batches: int = 2  # batches per evaluation split
   checkpoint_every: int = 50  # steps between checkpoints (0: only at the end)
   keep_checkpoints: int = 2  # newest checkpoints kept
+  # A step whose loss or gradient norm is not finite leaves the state as it was; then "stop" ends the
+  # run (NonFiniteLoss, before any later save) and "skip" goes on with the next batch.
+  on_nonfinite: str = "stop"
   # A local Hugging Face checkpoint directory (Qwen3.5, Qwen3-Next, Kimi Linear; models.hf) to
   # fine-tune instead of a fresh LM: its config and weights replace the model section, of which only
   # impl, chunk_size, dtype and param_dtype apply. Token ids must fit its vocabulary.
@@ -106,6 +115,8 @@ class TrainConfig:
                        f"log_every={self.log_every} eval_batches={self.eval_batches}")
     if self.optimizer.warmup_steps >= self.steps:
       raise ValueError(f"optimizer.warmup_steps={self.optimizer.warmup_steps} must be < steps={self.steps}")
+    if self.on_nonfinite not in ("stop", "skip"):
+      raise ValueError(f"on_nonfinite must be 'stop' or 'skip'; got {self.on_nonfinite!r}")
 
   def lm_config(self, vocab_size: int) -> LMConfig | HybridConfig:
     if not self.hf_checkpoint:
@@ -189,15 +200,21 @@ def _float32(tree):
 # one process (a resumed run, the learning rates of a sweep with the same rate) share the compilation.
 @functools.partial(jax.jit, static_argnames=("graphdef", "optimizer", "steps"), donate_argnums=0)
 def train_step(state, batch, *, graphdef, optimizer: OptimizerConfig, steps: int):
-  """One AdamW step on `batch`; returns the new state and `{"loss", "accuracy", "grad_norm"}`."""
+  """One AdamW step on `batch`; returns the new state and `{"loss", "accuracy", "grad_norm",
+  "finite"}`. A step whose loss or gradient norm is not finite returns the state unchanged but its
+  step count (`finite` False): a bad batch never reaches the parameters or the moments."""
   tx = make_optimizer(optimizer, steps)
   grad_fn = jax.value_and_grad(functools.partial(_loss, graphdef), has_aux=True)
   (loss, accuracy), grads = grad_fn(state["params"], batch)
   # The optimizer works in float32 (its moments too); bf16 parameters take the rounded update.
   updates, opt_state = tx.update(_float32(grads), state["opt_state"], _float32(state["params"]))
-  new = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
-         "opt_state": opt_state}
-  return new, {"loss": loss, "accuracy": accuracy, "grad_norm": optax.tree.norm(grads)}
+  grad_norm = optax.tree.norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+  new = {"step": state["step"] + 1,
+         "params": keep(optax.apply_updates(state["params"], updates), state["params"]),
+         "opt_state": keep(opt_state, state["opt_state"])}
+  return new, {"loss": loss, "accuracy": accuracy, "grad_norm": grad_norm, "finite": finite}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -323,8 +340,6 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, progress: bool = Tr
   """
   os.makedirs(workdir, exist_ok=True)
   primary = is_primary()
-  if primary:
-    _write_config(config, workdir)
   source = data.make_source(config.data)
   model_config = config.lm_config(source.vocab_size)
   setup = setup_training(config, model_config, mesh=mesh, rules=rules)
@@ -335,18 +350,26 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, progress: bool = Tr
   schedule = learning_rate_schedule(config.optimizer, config.steps)
   checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"), every=config.checkpoint_every,
                              keep=config.keep_checkpoints)
-  start = checkpoints.latest_step()
+  # Restore (verified, falling back to older steps) before anything in workdir is written: a config
+  # whose shapes do not fit the checkpoint raises CheckpointMismatch with config.json untouched.
+  try:
+    start, restored, data_state = checkpoints.restore_latest(setup.abstract_state())
+  except BaseException:
+    checkpoints.close()
+    raise
   train_batches = data.batches(source, "train", config.data.seed)
   if start is not None:
-    state, data_state = checkpoints.restore(start, setup.abstract_state())
+    state = restored
     train_batches = data.Batches.from_state(source, data_state["train"])
     print(f"resumed from step {start} ({checkpoints.directory}); next batch: "
           f"{train_batches.position}")
+  if primary:
+    _write_config(config, workdir)
   writer = MetricsWriter(workdir, resume_step=start, enabled=primary)
   eval_seed = config.data.seed + 1
   first = 0 if start is None else start
   bar = _progress_bar(progress and primary, config.steps, first)
-  window, last_eval, tokens_per_step = [], {}, None
+  window, unchecked, last_eval, tokens_per_step = [], [], {}, None
   tick = time.perf_counter()
   try:
     for step in range(first + 1, config.steps + 1):
@@ -354,8 +377,15 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, progress: bool = Tr
       tokens_per_step = batch["tokens"].size
       state, metrics = setup.train_step(state, setup.place(batch))
       window.append(metrics)
-      if step % config.log_every == 0 or step == config.steps:
-        means = {k: float(np.mean([float(m[k]) for m in window])) for k in window[0]}
+      unchecked.append((step, metrics["finite"]))
+      logged = step % config.log_every == 0 or step == config.steps
+      if logged or checkpoints.due(step) or step == interrupt_after:  # before anything is saved
+        _check_finite(unchecked, config.on_nonfinite, checkpoints, bar)
+        unchecked = []
+      if logged:
+        window = [m for m in window if bool(m["finite"])]  # skipped steps: not in the means
+      if logged and window:
+        means = {k: float(np.mean([float(m[k]) for m in window])) for k in window[0] if k != "finite"}
         elapsed = time.perf_counter() - tick
         record = {f"train/{k}": v for k, v in means.items()}
         record["train/learning_rate"] = float(schedule(step - 1))
@@ -387,6 +417,24 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, progress: bool = Tr
     writer.close()
     checkpoints.close()
   return _finish(config, workdir, model_config, final_step, last_eval, checkpoints, writer)
+
+
+class NonFiniteLoss(FloatingPointError):
+  """A train step's loss or gradient norm was not finite and the config says `on_nonfinite="stop"`."""
+
+
+def _check_finite(steps, policy: str, checkpoints, bar):
+  """Raises `NonFiniteLoss` for the first step in `steps` (`(step, finite)` pairs) whose update was
+  refused, or (policy "skip") says which steps were skipped."""
+  bad = [step for step, finite in steps if not bool(finite)]
+  if not bad:
+    return
+  if policy == "stop":
+    raise NonFiniteLoss(
+        f"step {bad[0]}: non-finite loss or gradient norm; stopped (on_nonfinite='stop') with that "
+        f"update left out; newest checkpoint: step {checkpoints.latest_step()} in "
+        f"{checkpoints.directory} (on_nonfinite='skip' goes on past such steps)")
+  _say(bar, f"skipped steps {bad}: non-finite loss or gradient norm (their updates left out)")
 
 
 def is_primary() -> bool:
@@ -487,7 +535,10 @@ def main(argv):
     raw = configs.apply_overrides(raw, {"data.source": "text", "data.text.path": f.text_path})
   config = configs.build(TrainConfig, raw)
   workdir = f.workdir or os.path.join("runs", os.path.basename(f.config).removesuffix(".py"))
-  train_and_evaluate(config, workdir, progress=f.progress, mesh=mesh, rules=rules)
+  try:
+    train_and_evaluate(config, workdir, progress=f.progress, mesh=mesh, rules=rules)
+  except (CheckpointWriteError, CheckpointMismatch, NonFiniteLoss) as e:
+    sys.exit(f"error: {e}")  # one line, exit status 1: the message names the path and the cause
 
 
 if __name__ == "__main__":
