@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from linear_attention_jax import debug
 from linear_attention_jax.layers.base import linear
 from linear_attention_jax.layers.cache import KVCache
 from linear_attention_jax.layers.conv import ShortConvolution
@@ -165,8 +166,10 @@ def _on_nvidia_gpu() -> bool:
 
 
 def _check_room(pos, T, max_len):
-  """Raises when the cache would overflow; silent when `pos` is traced (under jit)."""
+  """Raises when the cache would overflow; when `pos` is traced (under jit), only with
+  `linear_attention_jax.debug_checks()` on, when the program runs."""
   if isinstance(pos, jax.core.Tracer):
+    debug.check_at_run_time(lambda p: _check_room(int(p), T, max_len), pos)
     return
   if int(pos) + T > max_len:
     raise ValueError(f"decoding past max_len: pos={int(pos)} + T={T} > max_len={max_len}")

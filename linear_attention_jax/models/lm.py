@@ -17,9 +17,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from linear_attention_jax import layers
+from linear_attention_jax import debug, layers
 from linear_attention_jax.layers.cache import KVCache, LinearCache
 from linear_attention_jax.layers.mlp import SwiGLU
 from linear_attention_jax.models.config import CONV_LETTERS, LMConfig
@@ -137,8 +138,14 @@ class LM(nnx.Module):
       if T > cache.max_len:
         raise ValueError(f"decoding past max_len: T={T} tokens > max_len={cache.max_len}")
       pos = cache.pos
-      if not isinstance(pos, jax.core.Tracer) and int(pos) + T > cache.max_len:
-        raise ValueError(f"decoding past max_len: pos={int(pos)} + T={T} > max_len={cache.max_len}")
+      def room(p, max_len=cache.max_len):
+        if int(p) + T > max_len:
+          raise ValueError(f"decoding past max_len: pos={int(p)} + T={T} > max_len={max_len}")
+      if debug.is_traced(pos):
+        debug.check_at_run_time(room, pos)  # with debug_checks on
+      else:
+        room(pos)
+    _check_token_ids(tokens, self.config.vocab_size)
     residual = ("batch", "seq", "embed")  # the layout of the residual stream under sharding rules
     x = constrain(self.embed(tokens), residual)
     new = []
@@ -150,3 +157,17 @@ class LM(nnx.Module):
     logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
     new_cache = None if cache is None else LMCache(layers=tuple(new), max_len=cache.max_len)
     return logits.astype(jnp.float32), new_cache
+
+
+def _check_token_ids(tokens, vocab_size: int):
+  """Token ids outside [0, vocab_size) give NaN logits (or, for -1, the last row): raises for concrete
+  tokens; traced ones only with `linear_attention_jax.debug_checks()` on, when the program runs."""
+  def check(t):
+    bad = (t < 0) | (t >= vocab_size)
+    if bad.any():
+      raise ValueError(f"token ids must lie in [0, vocab_size={vocab_size}); got {int(bad.sum())} outside "
+                       f"(min {int(t.min())}, max {int(t.max())})")
+  if debug.is_traced(tokens):
+    debug.check_at_run_time(check, tokens)
+  else:
+    check(np.asarray(tokens))

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from linear_attention_jax import debug
+
 IMPLS = ("auto", "recurrent", "chunk", "pallas")
 
 
@@ -29,8 +31,8 @@ def check_qkv(q, k, v) -> tuple[int, int, int, int, int, int]:
   Bv, Tv, Hv, V = _shape(v)
   if (Bv, Tv) != (B, T):
     raise ValueError(f"v must have shape [B, T, H_v, V] with B={B}, T={T} as in q; got {_shape(v)}")
-  if min(T, H, K, V) < 1:
-    raise ValueError(f"q, k, v need T, H, K, V >= 1; got q {_shape(q)}, v {_shape(v)}")
+  if min(H, K, V) < 1:  # B = 0 or T = 0: empty outputs (the ops return the initial state)
+    raise ValueError(f"q, k, v need H, K, V >= 1; got q {_shape(q)}, v {_shape(v)}")
   if Hv % H != 0:
     raise ValueError(f"v's heads H_v={Hv} must be a multiple of q's heads H={H}; got v {_shape(v)}")
   return B, T, H, K, Hv, V
@@ -50,7 +52,17 @@ def check_gate(name, g, B, T, Hv, K, *, per_channel: bool):
     raise ValueError(f"{name} must be a floating-point array; got dtype {jnp.result_type(g)}")
 
 
+def check_static(**values):
+  """Arguments that set shapes or the program's structure must be Python values, not tracers."""
+  for name, value in values.items():
+    if debug.is_traced(value):
+      raise ValueError(f"{name} must be static (a Python value: it sets shapes or the program), but it "
+                       f"is traced; under jax.jit pass it with static_argnames=({name!r},) or close "
+                       f"over it (functools.partial)")
+
+
 def check_options(*, impl, chunk_size, scale):
+  check_static(impl=impl, chunk_size=chunk_size)
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
   if (not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, bool)
@@ -89,11 +101,18 @@ def check_packing(segment_ids, cu_seqlens, B, T) -> int | None:
     raise ValueError(f"cu_seqlens needs B == 1 (sequences packed along T); got B={B}")
   cu = _concrete(cu_seqlens)
   if cu is not None:
-    if cu[0] != 0 or cu[-1] != T:
-      raise ValueError(f"cu_seqlens must start at 0 and end at T={T}; got {cu.tolist()}")
-    if np.any(np.diff(cu) < 0):
-      raise ValueError(f"cu_seqlens must be non-decreasing; got {cu.tolist()}")
+    check_cu_seqlens_values(cu, T)
+  else:  # traced: checked when the program runs, with debug_checks on
+    debug.check_at_run_time(lambda c: check_cu_seqlens_values(c, T), cu_seqlens)
   return _shape(cu_seqlens)[0] - 1
+
+
+def check_cu_seqlens_values(cu, T: int):
+  """`cu_seqlens` starts at 0, ends at T and never decreases (so every offset lies in [0, T])."""
+  if cu[0] != 0 or cu[-1] != T:
+    raise ValueError(f"cu_seqlens must start at 0 and end at T={T}; got {cu.tolist()}")
+  if np.any(np.diff(cu) < 0):
+    raise ValueError(f"cu_seqlens must be non-decreasing; got {cu.tolist()}")
 
 
 def check_initial_state(initial_state, rows: int, Hv: int, K: int, V: int, *, rows_name: str,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from linear_attention_jax.ops import checks
 from linear_attention_jax.ops.chunk import chunk_form
@@ -43,6 +44,11 @@ def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_sta
   appended to v (the linear-attention normaliser), so the state is `[.., K, V + v_extra]`.
   Returns the float32 output `[B, T, H_v, V + v_extra]` and the final state or None.
   """
+  checks.check_static(output_final_state=output_final_state)
+  if isinstance(cu_seqlens, (list, tuple)) or isinstance(cu_seqlens, np.ndarray):
+    cu_seqlens = np.asarray(cu_seqlens)  # lists and NumPy arrays as well as jax arrays
+  if isinstance(segment_ids, (list, tuple)):
+    segment_ids = np.asarray(segment_ids)
   B, T, H, K, Hv, V = checks.check_qkv(q, k, v)
   checks.check_options(impl=impl, chunk_size=chunk_size, scale=scale)
   if gated:
@@ -58,6 +64,11 @@ def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_sta
                      dtype=compute_dtype, sharded=kernel_common.explicitly_sharded(q, k, v),
                      v_extra=v_extra)
 
+  if B == 0 or T == 0:  # nothing to run: empty outputs, and the initial state (or zeros) as final
+    rows = B if N is None else N
+    final = (jnp.zeros((rows, Hv, K, V + v_extra), jnp.float32) if initial_state is None
+             else jnp.asarray(initial_state, jnp.float32))
+    return jnp.zeros((B, T, Hv, V + v_extra), jnp.float32), (final if output_final_state else None)
   scale = K ** -0.5 if scale is None else scale
   q_raw, k_raw = _expand_heads(q.astype(jnp.float32), Hv), _expand_heads(k.astype(jnp.float32), Hv)
   mapped = lambda: (q_raw, k_raw) if qk_map is None else (qk_map(q_raw), qk_map(k_raw))
@@ -100,6 +111,7 @@ def linear_attention(q, k, v, *, feature_map="elu_plus_one", normalize=True, eps
   value column, so the state (initial and final) is `[B, H_v, K, V + 1]`, its last column z.
   `feature_map`: "elu_plus_one", "relu", "identity", "silu", or a callable on `[..., K]`.
   """
+  checks.check_static(normalize=normalize)
   phi = resolve_feature_map(feature_map)
   o, final = _family("linear_attention", q, k, v, None, None, qk_map=phi, v_extra=int(normalize),
                      scale=scale, initial_state=initial_state, output_final_state=output_final_state,
@@ -163,7 +175,8 @@ def delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_st
   `use_qk_l2norm`: l2-normalise q and k per head first (keeps `I - beta k k^T` a contraction).
   """
   o, final = _family("delta_rule", q, k, v, None, beta, delta=True,
-                     qk_map=l2_normalize if use_qk_l2norm else None, scale=scale,
+                     qk_map=l2_normalize if checks.check_static(use_qk_l2norm=use_qk_l2norm) is None
+                     and use_qk_l2norm else None, scale=scale,
                      initial_state=initial_state, output_final_state=output_final_state,
                      segment_ids=segment_ids, cu_seqlens=cu_seqlens, impl=impl, chunk_size=chunk_size)
   return o.astype(v.dtype), final
@@ -174,7 +187,8 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
                      use_qk_l2norm=False):
   """Gated DeltaNet (Yang et al. 2025): scalar decay `g: [B, T, H_v]`, `beta: [B, T, H_v]`."""
   o, final = _family("gated_delta_rule", q, k, v, g, beta, gated=True, delta=True,
-                     qk_map=l2_normalize if use_qk_l2norm else None, scale=scale,
+                     qk_map=l2_normalize if checks.check_static(use_qk_l2norm=use_qk_l2norm) is None
+                     and use_qk_l2norm else None, scale=scale,
                      initial_state=initial_state, output_final_state=output_final_state,
                      segment_ids=segment_ids, cu_seqlens=cu_seqlens, impl=impl, chunk_size=chunk_size)
   return o.astype(v.dtype), final
@@ -184,7 +198,8 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
         segment_ids=None, cu_seqlens=None, impl="auto", chunk_size=64, use_qk_l2norm=False):
   """Kimi Delta Attention (arXiv 2510.26692): per-channel decay `g: [B, T, H_v, K]`, `beta: [B, T, H_v]`."""
   o, final = _family("kda", q, k, v, g, beta, gated=True, delta=True, per_channel=True,
-                     qk_map=l2_normalize if use_qk_l2norm else None, scale=scale,
+                     qk_map=l2_normalize if checks.check_static(use_qk_l2norm=use_qk_l2norm) is None
+                     and use_qk_l2norm else None, scale=scale,
                      initial_state=initial_state, output_final_state=output_final_state,
                      segment_ids=segment_ids, cu_seqlens=cu_seqlens, impl=impl, chunk_size=chunk_size)
   return o.astype(v.dtype), final

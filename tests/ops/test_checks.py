@@ -108,7 +108,7 @@ def test_v_heads_not_a_multiple_of_q_heads():
 
 def test_q_with_zero_heads():
   q, k, v = _qkv(h=0)
-  with pytest.raises(ValueError, match=r"^q, k, v need T, H, K, V >= 1"):
+  with pytest.raises(ValueError, match=r"^q, k, v need H, K, V >= 1"):
     ops.simple_gla(q, k, v, _g())
 
 
