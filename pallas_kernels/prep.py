@@ -216,7 +216,7 @@ def _join_blocks(upper_left, lower_left, lower_right):
                           jnp.concatenate([lower_left, lower_right], axis=-1)], axis=-2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def unit_lower_inverse(L, dtype=jnp.float32):
   """`(I + L)^-1` for strictly lower-triangular `L: [..., C, C]` (C a power of two), by merging blocks.
 
@@ -224,24 +224,19 @@ def unit_lower_inverse(L, dtype=jnp.float32):
   with the next: `[[A, 0], [E, D]]^-1 = [[A^-1, 0], [-D^-1 E A^-1, D^-1]]`. log2(C) levels of small
   batched matmuls: the arithmetic of forward substitution without C dependent steps (on a TPU, MXU work).
   `dtype`: the matmul operand dtype (see `_matmul`). Entries of `L` on and above the diagonal are not
-  read (their gradient is zero). The gradient is the closed form `dL = -X^T dX X^T` (strictly lower
-  part), two matmuls instead of the reverse of every level.
+  read (their derivative is zero). The derivative is the closed form `dX = -X dL X` (dL's strictly
+  lower part), two matmuls instead of differentiating every level; as a JVP rule it serves forward
+  mode (`jax.jvp`, `jax.jacfwd`) and, transposed, reverse mode (`dL = -X^T dX X^T`).
   """
   return _unit_lower_inverse(L, dtype)
 
 
-def _unit_lower_inverse_fwd(L, dtype):
+@unit_lower_inverse.defjvp
+def _unit_lower_inverse_jvp(dtype, primals, tangents):
+  (L,), (dL,) = primals, tangents
   X = _unit_lower_inverse(L, dtype)
-  return X, X
-
-
-def _unit_lower_inverse_bwd(dtype, X, dX):
-  Xt = jnp.swapaxes(X, -1, -2)
-  dL = -_gram_t(_gram_t(Xt, dX, dtype), Xt, dtype)
-  return (jnp.where(np.tril(np.ones(dL.shape[-2:], bool), -1), dL, 0.0),)
-
-
-unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
+  dL = jnp.where(np.tril(np.ones(L.shape[-2:], bool), -1), dL, 0.0)
+  return X, -_gram_t(_gram_t(X, dL, dtype), X, dtype)
 
 
 def _unit_lower_inverse(L, dtype):
