@@ -53,8 +53,8 @@ def make_mixer(config: LMConfig, letter: str, *, rngs: nnx.Rngs) -> nnx.Module:
     return layers.Attention(config.width, config.num_heads, num_kv_heads=config.num_kv_heads,
                             head_dim=config.head_dim, rope_theta=config.rope_theta, **kw)
   K = config.resolved_head_dim
-  kw.update(num_v_heads=config.num_v_heads, head_dim=K,
-            head_v_dim=K if config.head_v_dim is None else config.head_v_dim,
+  # head_v_dim None: the layer's own default (V = K), so the LM's layer is the layer built alone
+  kw.update(num_v_heads=config.num_v_heads, head_dim=K, head_v_dim=config.head_v_dim,
             impl=config.impl, chunk_size=config.chunk_size)
   if letter in CONV_LETTERS:
     kw.update(norm_eps=config.norm_eps)
