@@ -22,5 +22,6 @@ setup(
     extras_require={
         "test": ["pytest", "pytest-xdist", "nbclient", "nbformat", "ipykernel"],  # the last three run notebooks/
         "experiments": ["matplotlib", "tqdm", "tensorboardX"],
+        "docs": ["pdoc==16.0.0"],  # `make docs`: the API reference from the docstrings
     },
 )

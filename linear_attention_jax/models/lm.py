@@ -32,7 +32,8 @@ class LMCache:
   """Per-block caches (`LinearCache` for linear mixers, `KVCache` for Attention) and the context limit.
 
   Attributes:
-    layers: one cache per block, in order.
+    layers: one cache per block, in order (a linear mixer's state `[B, H_v, K, V]` float32 and conv
+      windows, attention's `[B, max_len, H_kv, D]` buffers).
     max_len: the most tokens a sequence may hold (the KV buffers' length); static.
   """
   layers: tuple[LinearCache | KVCache, ...]
@@ -45,7 +46,8 @@ class LMCache:
 
 
 def make_mixer(config: LMConfig, letter: str, *, rngs: nnx.Rngs) -> nnx.Module:
-  """The mixer for one pattern letter, with the config's head sizes, dtypes and impl."""
+  """The mixer for one pattern letter, with the config's head sizes, dtypes and impl; it maps
+  `x: [B, T, width]` to `(y [B, T, width], cache)`."""
   kw = dict(dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs,
             use_short_conv=config.use_short_conv and letter in config.conv_letters,
             conv_size=config.conv_size)

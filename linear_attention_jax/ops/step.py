@@ -68,7 +68,7 @@ def linear_attention_step(q, k, v, state=None, *, feature_map="elu_plus_one", no
 
 
 def retention_step(q, k, v, state=None, *, gamma=None, scale=None, impl="auto", initial_state=None):
-  """One token of `retention`."""
+  """One token of `retention`; gamma (None, a float or `[H_v]`) as in the op."""
   state = _state_and_impl(state, initial_state, impl)
   checks.check_step_ranks(q=q, k=k, v=v)
   g = jnp.broadcast_to(retention_log_gamma(gamma, v.shape[1]), v.shape[:2])
