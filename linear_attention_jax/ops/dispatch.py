@@ -44,12 +44,33 @@ def pallas_reason(*, K: int, V: int, chunk_size: int, packing: str = "none", dty
   return kernels.supports(**call)
 
 
-def select_impl(impl: str, variant: str, **call) -> str:
-  """The implementation that serves a call: a named impl, or for "auto" the Pallas kernel where
-  `pallas_reason(**call)` is None, else the chunked form. `impl="pallas"` raises with that reason.
+# On a CPU the recurrent scan's forward is faster than the chunked form's up to these lengths, and the
+# chunked form's forward + backward is faster at every length measured (T >= 64). Measured on a 2-core
+# CPU, float32, jitted, medians of 5-7 rounds (experiments/benchmark.py; the table is in the README,
+# "impl="auto" on a CPU"). Past the bound (and for T unknown) the chunked form runs both ways.
+CPU_SCAN_MAX_T = 2048
 
-  `call`: the keywords of `pallas_reason` (K, V, chunk_size, packing, dtype, sharded); without them
-  "auto" takes the chunked form and "pallas" raises.
+
+def cpu_scan_forward(variant: str, T: int | None, backend: str | None = None) -> bool:
+  """Whether "auto" off-kernel runs the recurrent scan's forward (with the chunked form's derivatives)
+  for a call of `T` tokens on `backend` (default: the running one): on a CPU for T <= CPU_SCAN_MAX_T."""
+  backend = jax.default_backend() if backend is None else backend
+  return backend == "cpu" and T is not None and T <= CPU_SCAN_MAX_T
+
+
+def select_impl(impl: str, variant: str, *, T: int | None = None, **call) -> str:
+  """The implementation that serves a call: a named impl, or for "auto" the Pallas kernel where
+  `pallas_reason(**call)` is None, else (off-kernel) the faster XLA form. `impl="pallas"` raises with
+  that reason.
+
+  Off-kernel "auto" gives "recurrent" on a CPU for `T <= CPU_SCAN_MAX_T` tokens (`cpu_scan_forward`),
+  and "chunk" elsewhere. Its "recurrent" runs the scan's forward with the chunked form's derivatives
+  (`scan_forward_chunk_derivatives`): the scan's forward is the faster on a CPU (1.4-3.7x), the chunked
+  form's forward + backward the faster at every length (2-7x), so inference and training each get the
+  faster form. A named `impl="recurrent"` differentiates through the scan (the reference).
+
+  `T`: the call's length along T (None: unknown, the chunked form). `call`: the keywords of
+  `pallas_reason` (K, V, chunk_size, packing, dtype, sharded); without them "pallas" raises.
   """
   if impl not in ("pallas", "auto"):
     return impl
@@ -58,7 +79,16 @@ def select_impl(impl: str, variant: str, **call) -> str:
     return "pallas"
   if impl == "pallas":
     raise ValueError(f"impl='pallas' cannot serve {variant}: {reason}; use impl='chunk' or impl='auto'")
-  return "chunk"
+  return "recurrent" if cpu_scan_forward(variant, T, kernel_backend()) else "chunk"
+
+
+def scan_forward_chunk_derivatives(scan, chunk):
+  """`scan` (a function of arrays) whose derivatives, forward (jvp) and so reverse (vjp), are those of
+  `chunk`, the same function in the chunked form: the call runs `scan` alone, a differentiated call
+  runs `chunk` alone (its primal output too)."""
+  fn = jax.custom_jvp(scan)
+  fn.defjvp(lambda primals, tangents: jax.jvp(chunk, primals, tangents))
+  return fn
 
 
 def pallas_form(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_size, compute_dtype,
