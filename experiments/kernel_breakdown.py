@@ -48,8 +48,7 @@ STAGES = ("op fwd", "op fwd fused", "op fwd fused streamed", "op fwd+bwd",
           "op value+grad delta_backward", "delta prep kernel",
           "delta grads kernel", "op value+grad delta pair", "delta grads pair kernel",
           "delta grads kernel 2 blocks", "channel prep kernel", "op fwd channel kernel",
-          "op fwd+bwd levels gram", "op fwd merge gram", "op fwd+bwd merge gram",
-          "gram merge fwd+bwd", "gram levels fwd+bwd", "gram auto fwd+bwd", "prep fwd", "walk o",
+          "op fwd merge gram", "op fwd+bwd merge gram", "gram merge fwd+bwd", "gram auto fwd+bwd", "prep fwd", "walk o",
           "pieces maps", "walk states", "reverse walk", "reverse + cotangents", "prep vjp")
 
 
@@ -167,9 +166,6 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
                               if channel_prep.serves(args[3], beta, None) else None),
       "op fwd channel kernel": ((jax.jit(forward(True, True)), args)
                                 if channel_prep.serves(args[3], beta, None) else None),
-      "op fwd+bwd levels gram": ((jax.jit(jax.grad(lambda *a: jnp.sum(forward(
-          True, True, gram_method="levels")(*a).astype(jnp.float32) * do_o), argnums=argnums)), args)
-                                 if per_channel else None),
       "op fwd merge gram": ((jax.jit(forward(True, True, gram_method="merge")), args)
                             if per_channel else None),
       "op fwd+bwd merge gram": ((jax.jit(jax.grad(lambda *a: jnp.sum(forward(
@@ -177,7 +173,6 @@ def breakdown(variant: str, shape, *, dtype, iters: int, interpret, seed: int = 
                                 if per_channel else None),
       "gram merge fwd+bwd": (_gram_step("merge"), gram_args) if per_channel else None,
       "gram auto fwd+bwd": (_gram_step("auto"), gram_args) if per_channel else None,
-      "gram levels fwd+bwd": (_gram_step("levels"), gram_args) if per_channel else None,
       "prep fwd": (prep_fwd, args),
       "walk o": (jax.jit(lambda t: walk.forward(t, None, with_o=True, out_dtype=dtype,
                                                 interpret=interpret)[0]), (t,)),

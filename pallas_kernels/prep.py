@@ -1,4 +1,5 @@
-"""Everything inside the chunks, in XLA: the per-chunk tensors that a chunk-walk kernel consumes.
+"""Everything inside the chunks, in XLA: the per-chunk tensors that a chunk-walk kernel consumes, and
+that the XLA chunked form (`linear_attention_jax.ops.chunk`) walks itself (`chunk_tensors`).
 
 Both families and every decay kind reduce to one walk over chunks. With `C` tokens per chunk, `G_i` the
 cumulative log-decay from the chunk start (inclusive) and `S` the `[K, V]` state entering a chunk:
@@ -20,6 +21,8 @@ gates mask `G_i - G_j` before the exponential; per-channel gates use a binary sp
 (`unit_lower_inverse`), all matmuls, instead of a triangular solve.
 
 Layout of every per-chunk tensor: `[B, H, NC, C, ...]` (head-major, as TPU blocks want), float32.
+The kernels take them from `prepare` (matmul operands in a chosen dtype, `decay` full size); the XLA
+chunked form calls `chunk_tensors` with the backend's default precision and a compact `decay`.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class ChunkTensors(NamedTuple):
   w: jax.Array | None        # [B, H, NC, C, K] for the delta family, None for the additive one
   u: jax.Array               # [B, H, NC, C, V]
   p: jax.Array               # [B, H, NC, C, C]
-  decay: jax.Array           # [B, H, NC, K]
+  decay: jax.Array | None    # [B, H, NC, K] from `prepare`; `chunk_tensors` may keep it smaller
 
 
 def padded_length(T: int, chunk_size: int, chunk_multiple: int = 1) -> int:
@@ -50,10 +53,12 @@ def padded_length(T: int, chunk_size: int, chunk_multiple: int = 1) -> int:
   return -(-T // step) * step
 
 
-def to_chunks(x, C: int, T_pad: int):
-  """`[B, T, H, ...]` -> `[B, H, NC, C, ...]`, zero-padded along T to `T_pad`."""
+def to_chunks(x, C: int, T_pad: int | None = None):
+  """`[B, T, H, ...]` -> `[B, H, NC, C, ...]`, zero-padded along T to `T_pad` (None: T, a multiple of C)."""
   B, T, H = x.shape[:3]
-  x = jnp.pad(x, [(0, 0), (0, T_pad - T)] + [(0, 0)] * (x.ndim - 2))
+  T_pad = T if T_pad is None else T_pad
+  if T_pad != T:
+    x = jnp.pad(x, [(0, 0), (0, T_pad - T)] + [(0, 0)] * (x.ndim - 2))
   return jnp.moveaxis(x.reshape((B, T_pad // C, C, H) + x.shape[3:]), 3, 1)
 
 
@@ -72,7 +77,8 @@ def canonical_segments(segment_ids):
 
 def prepare(q, k, v, g, beta, segment_ids, *, chunk_size: int, chunk_multiple: int = 1,
             dtype=jnp.float32, inverse_dtype=None, gram_method: str = "auto") -> ChunkTensors:
-  """The per-chunk tensors of one call (module docstring), in float32.
+  """The per-chunk tensors of one call (module docstring), in float32: the call cast to float32, q/k
+  heads repeated over their value heads, cut into chunks (`chunk_tensors`), `decay` as `[B, H_v, NC, K]`.
 
   Args:
     q, k: `[B, T, H, K]`; v: `[B, T, H_v, V]` with `H_v % H == 0` (q/k head h serves value heads
@@ -82,8 +88,9 @@ def prepare(q, k, v, g, beta, segment_ids, *, chunk_size: int, chunk_multiple: i
     segment_ids: None or `[B, T]` int; the state restarts wherever the id changes along T.
     chunk_size: C. chunk_multiple: T is padded to whole groups of this many chunks (neutral tokens:
       k = 0, g = 0, beta = 0 change neither the outputs nor the final state).
-    dtype: operand dtype of the matmuls (float32: exact; bfloat16: one MXU pass, float32 results).
-      Everything else, and every result, is float32.
+    dtype: operand dtype of the matmuls (float32: exact; bfloat16: one MXU pass, float32 results;
+      None: the backend's default precision, see `_matmul`). Everything else, and every result, is
+      float32.
     inverse_dtype: operand dtype of the many small matmuls of `(I + L)^-1` (None: `dtype`). On the
       H200 float32 is both exact and faster there than bfloat16 (no cast passes between the levels;
       pallas_kernels/gpu/NOTES.md); on a TPU bfloat16 is one MXU pass.
@@ -91,39 +98,67 @@ def prepare(q, k, v, g, beta, segment_ids, *, chunk_size: int, chunk_multiple: i
   """
   B, T, H, K = q.shape
   Hv = v.shape[2]
-  C = chunk_size
-  inverse_dtype = dtype if inverse_dtype is None else inverse_dtype
-  T_pad = padded_length(T, C, chunk_multiple)
+  T_pad = padded_length(T, chunk_size, chunk_multiple)
   f32 = lambda x: None if x is None else x.astype(jnp.float32)
   q, k, v, g, beta = map(f32, (q, k, v, g, beta))
   if Hv != H:
     q, k = jnp.repeat(q, Hv // H, axis=2), jnp.repeat(k, Hv // H, axis=2)
-  chunks = lambda x: None if x is None else to_chunks(x, C, T_pad)
-  qc, kc, vc, gc, bc = map(chunks, (q, k, v, g, beta))
-  NC = T_pad // C
+  chunks = lambda x: None if x is None else to_chunks(x, chunk_size, T_pad)
+  seg = None
+  if segment_ids is not None:
+    seg = jnp.pad(canonical_segments(segment_ids), [(0, 0), (0, T_pad - T)], mode="edge")
+  t = chunk_tensors(*map(chunks, (q, k, v, g, beta)), seg, dtype=dtype, inverse_dtype=inverse_dtype,
+                    gram_method=gram_method)
+  shape = (B, Hv, T_pad // chunk_size, K)
+  if t.decay is None:
+    return t._replace(decay=jnp.ones(shape, jnp.float32))
+  return t._replace(decay=jnp.broadcast_to(t.decay[..., None] if t.decay.ndim == 3 else t.decay, shape))
 
+
+def chunk_tensors(qc, kc, vc, gc, bc, seg=None, seg_before=None, *, dtype=jnp.float32,
+                  inverse_dtype=None, gram_method: str = "auto") -> ChunkTensors:
+  """The per-chunk tensors (module docstring) of a call already cut into chunks, all chunks at once:
+  what `prepare` gives the kernels and what the XLA chunked form (`linear_attention_jax.ops.chunk`)
+  walks, written once.
+
+  Args:
+    qc, kc: `[B, H, NC, C, K]`; vc: `[B, H, NC, C, V]`; gc: None, `[B, H, NC, C]` (scalar) or
+      `[B, H, NC, C, K]` (per channel); bc: None or `[B, H, NC, C]`. float32, one head axis (q/k heads
+      already repeated over their value heads).
+    seg: None or `[B, NC * C]` canonical segment ids (`canonical_segments`).
+    seg_before: None or `[B]`: the segment of the state entering the first chunk (None: the first
+      token's, so the initial state belongs to each row's first segment). The XLA chunked form walks
+      T in blocks of chunks, and a block's state comes from the segment that ended the previous block.
+    dtype, inverse_dtype, gram_method: as in `prepare`.
+
+  Returns `ChunkTensors` with `decay` as small as the gates allow: None (no decay, no segments),
+  `[B, H or 1, NC]` (scalar decay, or segments alone) or `[B, H, NC, K]` (per channel). `prepare`
+  broadcasts it to `[B, H, NC, K]` for the kernels; the XLA chunked form scales its state by it as it
+  is (a scalar per head, not a `[K]` row, in its walk).
+  """
+  B, _, NC, C = qc.shape[:4]
   causal = np.tril(np.ones((C, C), bool))
   strict = np.tril(np.ones((C, C), bool), -1)
   carry = to_last = carry_last = None
   incl, excl = causal, strict
-  if segment_ids is not None:
-    seg = canonical_segments(segment_ids)
-    seg = jnp.pad(seg, [(0, 0), (0, T_pad - T)], mode="edge").reshape(B, 1, NC, C)
-    before = jnp.concatenate([seg[:, :, :1, 0], seg[:, :, :-1, -1]], axis=2)  # state's segment
+  if seg is not None:
+    seg = seg.reshape(B, 1, NC, C)
+    first = seg[:, :, :1, 0] if seg_before is None else seg_before[:, None, None]
+    before = jnp.concatenate([first, seg[:, :, :-1, -1]], axis=2)  # the segment of each chunk's state
     same = seg[..., :, None] == seg[..., None, :]
     carry = seg == before[..., None]             # token reads the state carried into its chunk
     to_last = seg == seg[..., -1:]               # token's write survives to the chunk's end
     carry_last = carry[..., -1]
     incl, excl = causal & same, strict & same
 
-  ones = jnp.ones((B, Hv, NC, K), jnp.float32)
-  L = None
+  L = decay = None
   if gc is None:
     qg, kg, kd = qc, kc, kc
-    decay = ones
     P = jnp.where(incl, _gram(qc, kc, dtype), 0.0)
     if bc is not None:
       L = jnp.where(excl, _gram(kc, kc, dtype), 0.0)
+    if carry_last is not None:
+      decay = carry_last.astype(jnp.float32)
   else:
     G = jnp.cumsum(gc, axis=3)
     G_last = G[:, :, :, -1]
@@ -133,25 +168,27 @@ def prepare(q, k, v, g, beta, segment_ids, *, chunk_size: int, chunk_multiple: i
       if bc is not None:
         L = _gram(kc, kc, dtype) * jnp.exp(jnp.where(excl, diff, -jnp.inf))
       Ge, Gd = G[..., None], (G_last[..., None] - G)[..., None]
-      decay = ones * jnp.exp(G_last)[..., None]
     else:  # per-channel gate: G [B, H, NC, C, K]
       P = jnp.where(incl, decayed_gram(qc, kc, G, inclusive=True, dtype=dtype, method=gram_method), 0.0)
       if bc is not None:
         L = jnp.where(excl, decayed_gram(kc, kc, G, inclusive=False, dtype=dtype, method=gram_method),
                       0.0)
       Ge, Gd = G, G_last[..., None, :] - G
-      decay = jnp.exp(G_last)
     qg, kg, kd = qc * jnp.exp(Ge), kc * jnp.exp(Ge), kc * jnp.exp(Gd)
+    decay = jnp.exp(G_last)
+    if carry_last is not None:
+      decay = jnp.where(carry_last if gc.ndim == 4 else carry_last[..., None], decay, 0.0)
   if carry is not None:
     rows = lambda x, m: jnp.where(m[..., None], x, 0.0)
     qg, kg, kd = rows(qg, carry), rows(kg, carry), rows(kd, to_last)
-    decay = jnp.where(carry_last[..., None], decay, 0.0)
 
   if bc is None:
     return ChunkTensors(qg=qg, kd=kd, w=None, u=vc, p=P, decay=decay)
+  V = vc.shape[-1]
   b = bc[..., None]
+  inverse_dtype = dtype if inverse_dtype is None else inverse_dtype
   X = _gram_t(unit_lower_inverse(b * L, inverse_dtype), jnp.concatenate([b * vc, b * kg], axis=-1), dtype)
-  return ChunkTensors(qg=qg, kd=kd, w=X[..., v.shape[-1]:], u=X[..., :v.shape[-1]], p=P, decay=decay)
+  return ChunkTensors(qg=qg, kd=kd, w=X[..., V:], u=X[..., :V], p=P, decay=decay)
 
 
 def _matmul(spec, a, b, dtype):
@@ -230,7 +267,7 @@ def _unit_lower_inverse(L, dtype):
 # a bound of 8.
 REF_BOUND = 60.0
 REF_BOUND_F16 = 8.0
-GRAM_METHODS = ("auto", "merge", "levels")
+GRAM_METHODS = ("auto", "merge")
 
 
 def ref_bound(dtype) -> float:
@@ -250,9 +287,6 @@ def decayed_gram(a, b, G, *, inclusive: bool, dtype=jnp.float32, method: str = "
       with r the last token of the earlier block, so both exponents are <= 0: exact wherever the true
       value is representable, at any decay strength. Batched `s x s` products (C K log2(C) / 2
       multiply-adds a row).
-    "levels": each merge level as one whole `C x C` product, masked to the pairs of one 2s block
-      (`(i XOR j) in [s, 2s)`), with the same reference tokens and exponents (2x the FLOPs, in full-size
-      matmuls; the form the GPU kernel `channel_prep.py` computes).
     "auto" (default): where every chunk's per-channel decay spans at most `2 * ref_bound(dtype)` (120
       nats for bfloat16 and float32 operands, 16 for float16), ONE product
       `(a e^(G - R)) (b e^(R - G))^T` with `R_c = (max_i G_ic + min_i G_ic) / 2` per chunk and channel,
@@ -265,8 +299,6 @@ def decayed_gram(a, b, G, *, inclusive: bool, dtype=jnp.float32, method: str = "
   """
   if method not in GRAM_METHODS:
     raise ValueError(f"method must be one of {GRAM_METHODS}; got {method!r}")
-  if method == "levels":
-    return _decayed_gram_levels(a, b, G, inclusive=inclusive, dtype=dtype)
   if method == "auto":
     bound = ref_bound(jnp.result_type(a, b) if dtype is None else dtype)
     return lax.cond(one_reference_fits(G, bound),
@@ -317,24 +349,3 @@ def _decayed_gram_merge(a, b, G, *, inclusive: bool, dtype):
     M = _join_blocks(pairs[..., 0, :, :], _gram(later, earlier, dtype), pairs[..., 1, :, :])
     s *= 2
   return M.reshape(batch + (C, C))
-
-
-def _decayed_gram_levels(a, b, G, *, inclusive: bool, dtype):
-  """`decayed_gram(..., method="levels")`: per level one masked whole-tile product (see there)."""
-  C, K = a.shape[-2:]
-  batch = a.shape[:-2]
-  i = np.arange(C)
-  M = (jnp.sum(a * b, axis=-1)[..., :, None] * np.eye(C, dtype=np.float32) if inclusive
-       else jnp.zeros(batch + (C, C), jnp.float32))
-  s = 1
-  while s < C:
-    nb = C // (2 * s)
-    # G at each row's reference token (the last token of the earlier half of its 2s block)
-    G_ref = jnp.broadcast_to(G.reshape(batch + (nb, 2 * s, K))[..., s - 1:s, :],
-                             batch + (nb, 2 * s, K)).reshape(batch + (C, K))
-    later = ((i & s) != 0)[:, None]
-    E = jnp.exp(jnp.where(later, G - G_ref, G_ref - G))   # every exponent <= 0
-    inside = ((i[:, None] ^ i[None, :]) >= s) & ((i[:, None] ^ i[None, :]) < 2 * s)
-    M = M + jnp.where(inside, _gram(jnp.where(later, a * E, 0.0), jnp.where(later, 0.0, b * E), dtype), 0.0)
-    s *= 2
-  return M

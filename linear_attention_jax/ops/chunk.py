@@ -10,16 +10,16 @@ start (inclusive) and `S` the state entering the chunk:
     o = scale * ((Q * e^G) S + P U)
     S_next = Diag(e^G_C) S + (K * e^(G_C - G))^T U
 
+Everything inside the chunks (P, Q * e^G, K * e^(G_C - G), e^G_C, U~, W and the segment masks) is
+`pallas_kernels.prep.chunk_tensors`, the function that also prepares the kernels' inputs; `prep`'s
+module docstring has the masks and how decay never overflows (never e^G * e^-G; per-channel gates
+through `decayed_gram`). This form differs only in what it asks of it: the backend's default matmul
+precision (`dtype=None`; the kernels pick an operand dtype), `decay` kept per head for scalar gates, and
+each block's incoming segment (`seg_before`). `cu_seqlens` never reach it: each sequence is laid out
+from a chunk boundary (`packing.cu_layout`) and the walk swaps in its initial state at its first chunk.
+
 Everything but the walk over chunks is batched over all chunks at once; the walk is a `lax.scan` that
 carries one `[B, H, K, V]` state and keeps one state per chunk (never one per token).
-
-Decay is never formed as e^G * e^-G. Scalar gates mask G_i - G_j before the exponential. Per-channel
-gates use `pallas_kernels.prep.decayed_gram`, shared with the kernels: where every chunk's decay spans
-at most 2 * 60 nats per channel, one product about the middle of each channel's range (every factor
-within e^(+-60)); otherwise a binary split of the chunk, diagonal blocks of 2^p tokens merged pairwise,
-the new lower-left block coupling the later block to the earlier one through the reference token r that
-ends the earlier block, so both factors e^(G_i - G_r) and e^(G_r - G_j) have non-positive exponents.
-Nothing overflows for any g <= 0.
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from linear_attention_jax.ops.packing import Packing, cu_layout
-from pallas_kernels.prep import decayed_gram, unit_lower_inverse
+from pallas_kernels.prep import chunk_tensors, to_chunks
 
 
 def chunk_form(q, k, v, g, beta, *, scale, initial_state, packing: Packing, chunk_size: int):
@@ -123,14 +122,8 @@ def _blocked_walk(q, k, v, g, beta, scale, h0, seg, C, resets):
   return o, prev, final
 
 
-def _to_chunks(x, C):
-  """`[B, T, H, ...]` -> `[B, H, NC, C, ...]`."""
-  B, T, H = x.shape[:3]
-  return jnp.moveaxis(x.reshape((B, T // C, C, H) + x.shape[3:]), 3, 1)
-
-
 def _chunk_walk(q, k, v, g, beta, scale, h0, seg, seg_before, C, resets, unroll=1):
-  """Intra-chunk work for all chunks, then the scan over chunks.
+  """Intra-chunk work for all chunks (`prep.chunk_tensors`), then the scan over chunks.
 
   `seg`: None or `[B, T]` canonical segment ids (masks pairs across segments and the carried state);
   `seg_before`: `[B]` the segment of the token before the first (the one `h0` belongs to).
@@ -142,24 +135,9 @@ def _chunk_walk(q, k, v, g, beta, scale, h0, seg, seg_before, C, resets, unroll=
   B, T, H, K = k.shape
   V = v.shape[-1]
   NC = T // C
-  qc, kc, vc = _to_chunks(q, C), _to_chunks(k, C), _to_chunks(v, C)
-  causal = np.tril(np.ones((C, C), bool))
-  strict = np.tril(np.ones((C, C), bool), -1)
-  carry = to_last = carry_last = None
-  incl, excl = causal, strict
-  if seg is not None:
-    sc = seg.reshape(B, 1, NC, C)
-    same = sc[..., :, None] == sc[..., None, :]
-    prev = jnp.concatenate([seg_before[:, None, None], sc[:, :, :-1, -1]], axis=2)
-    carry = sc == prev[..., None]               # token reads the state carried into its chunk
-    to_last = sc == sc[..., -1:]                # token's write survives to the chunk's end
-    carry_last = carry[..., -1]
-    incl, excl = causal & same, strict & same
-
-  gc = None if g is None else _to_chunks(g, C)
-  bc = None if beta is None else _to_chunks(beta, C)
-  P, qg, kd, decay_last, U_tilde, W, delta_state = _intra_chunk(
-      qc, kc, vc, gc, bc, carry, to_last, carry_last, incl, excl)
+  chunks = lambda x: None if x is None else to_chunks(x, C)
+  # dtype=None: the backend's default matmul precision, no casts (the kernels choose theirs)
+  t = chunk_tensors(*map(chunks, (q, k, v, g, beta)), seg, seg_before, dtype=None)
 
   def body(state, xs):
     s_prev = state  # the state after the previous chunk, before any reset
@@ -169,7 +147,7 @@ def _chunk_walk(q, k, v, g, beta, scale, h0, seg, seg_before, C, resets, unroll=
     s_in = state
     decay = 1.0 if xs["decay"] is None else (
         xs["decay"][..., None] if xs["decay"].ndim == 3 else xs["decay"][..., None, None])
-    if W is None:
+    if t.w is None:
       state = decay * s_in + xs["dS"]
       return state, (s_in, s_prev, None)
     u = xs["U"] - jnp.einsum("bhck,bhkv->bhcv", xs["W"], s_in)
@@ -177,57 +155,16 @@ def _chunk_walk(q, k, v, g, beta, scale, h0, seg, seg_before, C, resets, unroll=
     return state, (s_in, s_prev, u)
 
   first = lambda x: None if x is None else jnp.moveaxis(x, 2, 0)
-  xs = {"decay": first(decay_last)}
-  if W is None:
-    xs["dS"] = first(delta_state)
+  xs = {"decay": first(t.decay)}
+  if t.w is None:  # the additive family's chunk increments K~^T V need no state: all at once
+    xs["dS"] = first(jnp.einsum("bhnck,bhncv->bhnkv", t.kd, t.u))
   else:
-    xs.update(U=first(U_tilde), W=first(W), kd=first(kd))
+    xs.update(U=first(t.u), W=first(t.w), kd=first(t.kd))
   if resets is not None:
     xs.update(reset=resets[0], seq=resets[1])
   final, (states, prev, U) = jax.lax.scan(body, h0, xs, unroll=max(1, min(unroll, NC)))
   states = jnp.moveaxis(states, 0, 2)  # [B, H, NC, K, V]
-  U = vc if U is None else jnp.moveaxis(U, 0, 2)
-  o = scale * (jnp.einsum("bhnck,bhnkv->bhncv", qg, states) + jnp.einsum("bhnij,bhnjv->bhniv", P, U))
+  U = t.u if U is None else jnp.moveaxis(U, 0, 2)
+  o = scale * (jnp.einsum("bhnck,bhnkv->bhncv", t.qg, states) + jnp.einsum("bhnij,bhnjv->bhniv", t.p, U))
   o = jnp.moveaxis(o, 1, 3).reshape(B, T, H, V)
   return o, jnp.moveaxis(prev, 0, 1), final
-
-
-def _intra_chunk(qc, kc, vc, gc, bc, carry, to_last, carry_last, incl, excl):
-  """Everything inside the chunks, for all chunks at once: `P`, `Q * e^G`, `K * e^(G_C - G)`,
-  `e^G_C`, and `U~, W` (delta family) or the chunk's state increment `K~^T V` (additive family)."""
-  V = vc.shape[-1]
-  mask_rows = lambda x, m: x if m is None else jnp.where(m[..., None], x, 0.0)
-  L = None
-  if gc is None:
-    qg, kg, kd, decay_last = qc, kc, kc, None
-    P = jnp.where(incl, jnp.einsum("bhnik,bhnjk->bhnij", qc, kc), 0.0)
-    if bc is not None:
-      L = jnp.where(excl, jnp.einsum("bhnik,bhnjk->bhnij", kc, kc), 0.0)
-    if carry_last is not None:
-      decay_last = carry_last.astype(jnp.float32)
-  else:
-    G = jnp.cumsum(gc, axis=3)
-    G_last = G[:, :, :, -1]
-    if gc.ndim == 4:  # scalar gate per head and token: [B, H, NC, C]
-      diff = G[..., :, None] - G[..., None, :]
-      P = jnp.einsum("bhnik,bhnjk->bhnij", qc, kc) * jnp.exp(jnp.where(incl, diff, -jnp.inf))
-      if bc is not None:
-        L = jnp.einsum("bhnik,bhnjk->bhnij", kc, kc) * jnp.exp(jnp.where(excl, diff, -jnp.inf))
-      Ge, Gd = G[..., None], (G_last[..., None] - G)[..., None]
-    else:  # per-channel gate: [B, H, NC, C, K]
-      P = jnp.where(incl, decayed_gram(qc, kc, G, inclusive=True, dtype=None), 0.0)
-      if bc is not None:
-        L = jnp.where(excl, decayed_gram(kc, kc, G, inclusive=False, dtype=None), 0.0)
-      Ge, Gd = G, G_last[..., None, :] - G
-    qg, kg, kd = qc * jnp.exp(Ge), kc * jnp.exp(Ge), kc * jnp.exp(Gd)
-    decay_last = jnp.exp(G_last)
-    if carry_last is not None:
-      decay_last = jnp.where(carry_last[..., None] if gc.ndim == 5 else carry_last, decay_last, 0.0)
-  qg, kg, kd = mask_rows(qg, carry), mask_rows(kg, carry), mask_rows(kd, to_last)
-
-  if bc is None:
-    return P, qg, kd, decay_last, vc, None, jnp.einsum("bhnck,bhncv->bhnkv", kd, vc)
-  bc = bc[..., None]
-  rhs = jnp.concatenate([bc * vc, bc * kg], axis=-1)
-  X = jnp.einsum("bhnij,bhnjd->bhnid", unit_lower_inverse(bc * L, dtype=None), rhs)
-  return P, qg, kd, decay_last, X[..., :V], X[..., V:], None

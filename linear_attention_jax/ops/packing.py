@@ -1,7 +1,8 @@
 """Packed sequences: `segment_ids` and `cu_seqlens` turned into what the two forms need.
 
 - `segment_ids: [B, T]`: the state restarts from zero wherever the id changes along T. Ids are made
-  canonical (0, 1, 2, ... counting changes), so equal canonical ids mean "same contiguous run".
+  canonical (0, 1, 2, ... counting changes; `pallas_kernels.prep.canonical_segments`, as in the
+  kernels), so equal canonical ids mean "same contiguous run".
 - `cu_seqlens: [N + 1]` with B == 1: sequence n is tokens `cu[n]:cu[n+1]`; it starts from
   `initial_state[n]` and has its own final state. The chunked form lays each sequence out from a chunk
   boundary (`CuLayout`), so no chunk ever holds two sequences.
@@ -13,6 +14,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.prep import canonical_segments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +52,7 @@ class Packing:
 
 
 def from_segment_ids(segment_ids) -> Packing:
-  ids = jnp.asarray(segment_ids)
-  changes = (ids[:, 1:] != ids[:, :-1]).astype(jnp.int32)
-  seg = jnp.concatenate([jnp.zeros_like(changes[:, :1]), jnp.cumsum(changes, axis=1)], axis=1)
-  return Packing(kind="segments", seg=seg)
+  return Packing(kind="segments", seg=canonical_segments(segment_ids))
 
 
 def from_cu_seqlens(cu_seqlens) -> Packing:

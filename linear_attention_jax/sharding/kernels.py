@@ -45,14 +45,20 @@ def op_axes(mesh, rules) -> tuple:
   return tuple(to_spec(("batch", "seq", "heads", "head_v"), rules, mesh))
 
 
-def shard_op(op, mesh, rules="dp"):
+def shard_op(op, mesh, rules="dp", *, check_vma: bool = False):
   """`op` (one of the seven variant functions) run under `shard_map` on `mesh` as `rules` say.
 
   Returns a function with the op's signature and results (`q, k: [B, T, H, K]`, `v: [B, T, H_v, V]`,
   state `[B, H_v, K, V]`: B over the batch axes, T over the sequence axes, H / H_v over the head axes,
   V over `state_v`). Raises `ValueError` naming the size that the
   mesh axes do not divide (B, T, H, H_v or V), and for `cu_seqlens` with a sharded batch or sequence.
-  `retention` runs as `simple_gla` with its (per-head, hence sharded) log-gamma as the gate.
+  `retention` runs as `simple_gla` with its (per-head, hence sharded) log-gamma as the gate. Any other
+  function with the variants' signature and results runs the same way (the tests shard a backend's
+  kernel entry itself, kernel options and all, through an adapter: tests/sharding/util.py).
+
+  `check_vma`: `jax.shard_map`'s check that every value says which mesh axes it varies over (the
+  kernels declare theirs; their tests turn it on). Not with a "seq" rule: a context-parallel final
+  state is computed alike on every sequence shard, which the check cannot see.
   """
   table = rule_set(rules)
 
@@ -87,6 +93,9 @@ def shard_op(op, mesh, rules="dp"):
                 None if initial_state is None else state_spec,
                 None if segment_ids is None else P(b, s), None if cu_seqlens is None else P())
     seq_axis = s if axis_size(mesh, s) > 1 else None
+    if check_vma and seq_axis is not None:
+      raise ValueError(f"check_vma=True cannot serve a context-parallel call (sequence over {s!r}): "
+                       "its final state is replicated over that axis by construction, unseen by the check")
 
     def body(q, k, v, *rest):
       *gates, h0, seg, cu = rest
@@ -98,10 +107,11 @@ def shard_op(op, mesh, rules="dp"):
                       segment_ids=seg, cu_seqlens=cu, **kwargs)
 
     out_specs = (P(b, s, h, vx), state_spec if output_final_state else None)
-    # check_vma=False: the final state of a context-parallel call is computed identically on every
-    # sequence shard from all-gathered summaries; gradients are JAX's transposes either way (tested).
+    # check_vma=False by default: the final state of a context-parallel call is computed identically
+    # on every sequence shard from all-gathered summaries; gradients are JAX's transposes either way
+    # (tested).
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                         check_vma=False)(*args)
+                         check_vma=check_vma)(*args)
 
   return sharded
 

@@ -4,7 +4,7 @@
 docstring's table (`plan.select`), `call_plan` for given arguments, and `GpuConfig` holds the tuning values;
 `supports` says whether the kernels serve a call (and why not); `interpret_kernels` runs the kernels in
 the Mosaic GPU interpreter (whose multi-warpgroup kernels need `interpreter_threads()` above their
-warpgroups).
+warpgroups); under `jax.shard_map` it runs per shard (`linear_attention_jax.sharding.shard_op`).
 NOTES.md holds the cost model and each measured version.
 
 The kernels, by stage (each file's `kernel_name`s are `chunk_{prep,walk,grads}_<cell>`):
@@ -25,8 +25,6 @@ from pallas_kernels.gpu.interpret import interpret_kernels, interpreter_threads,
 from pallas_kernels.gpu.ops import call_plan, chunked_attention
 from pallas_kernels.gpu import plan
 from pallas_kernels.gpu.plan import GpuConfig, Plan, hopper_reason, supports, walked_columns
-from pallas_kernels.gpu.sharding import sharded_chunked_attention
 
 __all__ = ["GpuConfig", "Plan", "call_plan", "chunked_attention", "hopper_reason", "interpret_kernels",
-           "interpreter_threads", "interpreting", "plan", "sharded_chunked_attention", "supports",
-           "walked_columns"]
+           "interpreter_threads", "interpreting", "plan", "supports", "walked_columns"]

@@ -10,23 +10,23 @@ fits the one-reference bound (`prep.ref_bound`: 60 nats for bfloat16 operands, 8
 `qk_l2norm=True` normalises q and k: in the kernels on load, or in XLA before them (`Plan.l2` is "none"
 for a call without it).
 
-    | variants                                | forward  | backward | plan.forward | keeps                           | plan.backward       | beyond: forward    | beyond: backward | l2      |
-    | --------------------------------------- | -------- | -------- | ------------ | ------------------------------- | ------------------- | ------------------ | ---------------- | ------- |
-    | linear_attention, retention, simple_gla | kernel   | kernel   | fused        | states                          | fused               | -                  | -                | xla     |
-    | linear_attention, retention, simple_gla | kernel   | xla_vjp  | fused        | inputs                          | xla_vjp             | -                  | -                | xla     |
-    | linear_attention, retention, simple_gla | xla_prep | kernel   | xla_prep     | inputs                          | fused               | -                  | -                | xla     |
-    | linear_attention, retention, simple_gla | xla_prep | xla_vjp  | xla_prep     | inputs                          | xla_vjp             | -                  | -                | xla     |
-    | gla                                     | kernel   | kernel   | channel_prep | states, qg, decay, cumsum       | channel_grads       | xla_merge_per_head | xla_vjp_per_head | xla     |
-    | gla                                     | kernel   | xla_vjp  | channel_prep | inputs                          | xla_vjp             | xla_merge_per_head | xla_vjp          | xla     |
-    | gla                                     | xla_prep | kernel   | xla_prep     | states, qg, decay, cumsum       | channel_grads       | xla_prep           | xla_vjp_per_head | xla     |
-    | gla                                     | xla_prep | xla_vjp  | xla_prep     | inputs                          | xla_vjp             | xla_prep           | xla_vjp          | xla     |
-    | delta_rule, gated_delta_rule            | kernel   | kernel   | delta_prep   | tensors, inverse, states        | delta_grads         | -                  | -                | on_load |
-    | delta_rule, gated_delta_rule            | kernel   | xla_vjp  | delta_prep   | inputs                          | xla_vjp             | -                  | -                | xla     |
-    | delta_rule, gated_delta_rule            | xla_prep | kernel   | xla_prep     | inputs                          | delta_grads         | -                  | -                | xla     |
-    | delta_rule, gated_delta_rule            | xla_prep | xla_vjp  | xla_prep     | inputs                          | xla_vjp             | -                  | -                | xla     |
+    | variants                                | forward  | backward | plan.forward | keeps                            | plan.backward       | beyond: forward    | beyond: backward | l2      |
+    | --------------------------------------- | -------- | -------- | ------------ | -------------------------------- | ------------------- | ------------------ | ---------------- | ------- |
+    | linear_attention, retention, simple_gla | kernel   | kernel   | fused        | states                           | fused               | -                  | -                | xla     |
+    | linear_attention, retention, simple_gla | kernel   | xla_vjp  | fused        | inputs                           | xla_vjp             | -                  | -                | xla     |
+    | linear_attention, retention, simple_gla | xla_prep | kernel   | xla_prep     | inputs                           | fused               | -                  | -                | xla     |
+    | linear_attention, retention, simple_gla | xla_prep | xla_vjp  | xla_prep     | inputs                           | xla_vjp             | -                  | -                | xla     |
+    | gla                                     | kernel   | kernel   | channel_prep | states, qg, decay, cumsum        | channel_grads       | xla_merge_per_head | xla_vjp_per_head | xla     |
+    | gla                                     | kernel   | xla_vjp  | channel_prep | inputs                           | xla_vjp             | xla_merge_per_head | xla_vjp          | xla     |
+    | gla                                     | xla_prep | kernel   | xla_prep     | states, qg, decay, cumsum        | channel_grads       | xla_prep           | xla_vjp_per_head | xla     |
+    | gla                                     | xla_prep | xla_vjp  | xla_prep     | inputs                           | xla_vjp             | xla_prep           | xla_vjp          | xla     |
+    | delta_rule, gated_delta_rule            | kernel   | kernel   | delta_prep   | tensors, inverse, states         | delta_grads         | -                  | -                | on_load |
+    | delta_rule, gated_delta_rule            | kernel   | xla_vjp  | delta_prep   | inputs                           | xla_vjp             | -                  | -                | xla     |
+    | delta_rule, gated_delta_rule            | xla_prep | kernel   | xla_prep     | inputs                           | delta_grads         | -                  | -                | xla     |
+    | delta_rule, gated_delta_rule            | xla_prep | xla_vjp  | xla_prep     | inputs                           | xla_vjp             | -                  | -                | xla     |
     | kda                                     | kernel   | kernel   | channel_prep | tensors, inverse, states, cumsum | channel_delta_grads | xla_merge_per_head | xla_vjp_per_head | xla     |
-    | kda                                     | kernel   | xla_vjp  | channel_prep | inputs                          | xla_vjp             | xla_merge_per_head | xla_vjp          | xla     |
-    | kda                                     | xla_prep | xla_vjp  | xla_prep     | inputs                          | xla_vjp             | xla_prep           | xla_vjp          | xla     |
+    | kda                                     | kernel   | xla_vjp  | channel_prep | inputs                           | xla_vjp             | xla_merge_per_head | xla_vjp          | xla     |
+    | kda                                     | xla_prep | xla_vjp  | xla_prep     | inputs                           | xla_vjp             | xla_prep           | xla_vjp          | xla     |
 
 The stages, by the files that hold them (`pallas_kernels/gpu/`, XLA's in `pallas_kernels/prepared.py`):
 - fused: `fused.forward` forms the chunk tensors of the additive family (no or scalar decay) in shared
@@ -88,7 +88,8 @@ class GpuConfig:
   delta_warpgroups: delta_grads with V = 2 x 64 value blocks and 16-bit operands, 2 (both blocks in one
     program sharing q, k and X; NOTES.md v27) or 1.
   gram_method: XLA's per-channel decayed grams (`prep.GRAM_METHODS`) where XLA prepares: "auto" (one
-    product about a per-channel reference within the bound, else the merge form), "merge" or "levels".
+    product about a per-channel reference within the bound, else the merge form) or "merge" (NOTES.md
+    v25: a third form, whole-tile levels, was slower on the H200 and is gone).
   XLA's preparation computes `(I + L)^-1` with float32 operands (exact, and on the H200 not slower than
   bfloat16: NOTES.md). The walks over prepared tensors run one warpgroup a program (NOTES.md v30: three
   specialised ones were not faster on the H200, and the option is gone).

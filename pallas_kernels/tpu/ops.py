@@ -54,7 +54,7 @@ def supports(*, K: int, V: int, chunk_size: int, dtype=jnp.float32, packing: str
             f"inside pallas_kernels.tpu.interpret_kernels())")
   if sharded:
     return ("the inputs are sharded over mesh axes and XLA cannot partition a pallas_call: run it under "
-            "jax.shard_map (pallas_kernels.tpu.sharded_chunked_attention)")
+            "jax.shard_map (as linear_attention_jax.sharding.shard_op does)")
   if packing == "cu_seqlens":
     return ("the TPU kernel does not take cu_seqlens (pass segment_ids instead: the kernel restarts the "
             "state at every change of id)")

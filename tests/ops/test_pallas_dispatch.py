@@ -104,7 +104,7 @@ def test_auto_dispatch_reaches_the_kernel():
 
 def test_auto_avoids_the_kernel_for_explicitly_sharded_inputs():
   # XLA cannot partition a pallas_call: operands split over an explicit mesh outside jax.shard_map
-  # go to the chunked form (the kernels run per shard via pallas_kernels.tpu.sharded_chunked_attention).
+  # go to the chunked form (the kernels run per shard under linear_attention_jax.sharding.shard_op).
   mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
   inp = make_inputs("kda", B=1, T=20, H=1, Hv=1)
   put = lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))

@@ -103,3 +103,18 @@ def op(variant):
 
 def table(title: str, errors: dict[str, float]) -> str:
   return f"{title}: " + " ".join(f"{k} {v:.1e}" for k, v in errors.items())
+
+
+def kernel_op(chunked_attention, **options):
+  """A backend's kernel entry (`pallas_kernels.tpu.chunked_attention`, `...gpu...`) with the variants'
+  signature and results, for `shard_op`: the kernel itself runs on each shard, with `options`
+  (`interpret`, `chunk_size`, ...), on whatever backend traces it (no impl dispatch)."""
+
+  def op(q, k, v, *gates, initial_state=None, output_final_state=False, segment_ids=None,
+         cu_seqlens=None, **kwargs):
+    assert cu_seqlens is None, "the kernels take segment_ids"
+    o, final = chunked_attention(q, k, v, *gates, initial_state=initial_state, segment_ids=segment_ids,
+                                 **options, **kwargs)
+    return o, (final if output_final_state else None)
+
+  return op

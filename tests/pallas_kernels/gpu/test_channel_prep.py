@@ -1,7 +1,7 @@
 """Per-channel decay (gla, kda) in the Mosaic GPU interpreter: the forward's preparation kernel
 (`channel_prep.py`, one-reference grams) against prep.py's XLA preparation, its merge-form fallback at
 decay that overflows a naive split (against a float64 sum), and the float64 loop end to end; the
-prepared path with the whole-tile levels gram (`gram_method="levels"`)."""
+prepared path with the merge-form gram (`gram_method="merge"`)."""
 
 import dataclasses
 
@@ -94,16 +94,17 @@ def test_per_channel_preparation_kernel_serves_per_channel_gates_only():
 
 
 @pytest.mark.parametrize("variant,gates,packed", [("gla", "strong", True), ("kda", "normal", False)])
-def test_per_channel_prepared_path_with_the_levels_gram_matches_the_float64_loop(variant, gates, packed):
-  # gram_method="levels": XLA's decayed grams as one masked whole-tile product per level, forward and
-  # (through XLA's vjp) backward, with the per-channel preparation kernel in the forward
+def test_per_channel_prepared_path_with_the_merge_gram_matches_the_float64_loop(variant, gates, packed):
+  # gram_method="merge": XLA's decayed grams in the merge form wherever XLA prepares (kda's backward
+  # through XLA's vjp; gla's beyond the bound, one head at a time), with the per-channel preparation
+  # kernel in the forward
   inp = make_inputs(variant, B=1, T=150, H=1, Hv=2, K=64, V=64, gates=gates, seed=28)
   seg = None
   if packed:
     seg = np.zeros((1, 150), np.int32)
     seg[0, 50:64], seg[0, 64:120], seg[0, 120:] = 2, 5, 1
   config = KERNELS if variant == "gla" else KERNEL_FORWARD
-  check(variant, inp, seg=seg, config=dataclasses.replace(config, gram_method="levels"))
+  check(variant, inp, seg=seg, config=dataclasses.replace(config, gram_method="merge"))
   with pytest.raises(ValueError, match="gram_method"):
     gpu.chunked_attention(*(jnp.zeros((1, 64, 1, 64), jnp.bfloat16),) * 3,
                           config=gpu.GpuConfig(gram_method="direct"), interpret=PARAMS)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import prepared, vjp
-from pallas_kernels.gpu import (GpuConfig, call_plan, channel, channel_delta_grads, channel_grads, channel_prep,
-                                chunked_attention, delta_grads, delta_prep, fused, plan, walk)
+from pallas_kernels.gpu import (GpuConfig, call_plan, channel, channel_delta_grads, channel_grads,
+                                channel_prep, chunked_attention, delta_grads, delta_prep, fused, plan, walk)
 
 ONE_WARPGROUP = dict(forward_warpgroups=1, delta_warpgroups=1)
 
