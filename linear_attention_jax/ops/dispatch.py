@@ -44,14 +44,15 @@ def pallas_reason(*, K: int, V: int, chunk_size: int, packing: str = "none", dty
   return kernels.supports(**call)
 
 
-# On a CPU the recurrent scan's forward is faster than the chunked form's up to these lengths, and the
-# chunked form's forward + backward is faster at every length measured (T >= 64). Measured on a 2-core
-# CPU, float32, jitted, medians of 5-7 rounds (experiments/benchmark.py; the table is in the README,
-# "impl="auto" on a CPU"). Past the bound (and for T unknown) the chunked form runs both ways.
-CPU_SCAN_MAX_T = 2048
+# On a CPU the recurrent scan's forward was faster than the chunked form's at every length measured,
+# T = 64 ... 16384 (1.0-3.7x; 31 of 32 rows), and the chunked form's forward + backward faster at every
+# length (T >= 64: 1.7-7x). Measured on a shared 2-core CPU, float32, jitted, medians of 5-7 rounds
+# (experiments/benchmark.py; the table is in the README, "impl="auto" on a CPU"). Past the largest
+# length measured (and for T unknown) the chunked form runs both ways.
+CPU_SCAN_MAX_T = 16384
 
 
-def cpu_scan_forward(variant: str, T: int | None, backend: str | None = None) -> bool:
+def cpu_scan_forward(T: int | None, backend: str | None = None) -> bool:
   """Whether "auto" off-kernel runs the recurrent scan's forward (with the chunked form's derivatives)
   for a call of `T` tokens on `backend` (default: the running one): on a CPU for T <= CPU_SCAN_MAX_T."""
   backend = jax.default_backend() if backend is None else backend
@@ -65,9 +66,9 @@ def select_impl(impl: str, variant: str, *, T: int | None = None, **call) -> str
 
   Off-kernel "auto" gives "recurrent" on a CPU for `T <= CPU_SCAN_MAX_T` tokens (`cpu_scan_forward`),
   and "chunk" elsewhere. Its "recurrent" runs the scan's forward with the chunked form's derivatives
-  (`scan_forward_chunk_derivatives`): the scan's forward is the faster on a CPU (1.4-3.7x), the chunked
-  form's forward + backward the faster at every length (2-7x), so inference and training each get the
-  faster form. A named `impl="recurrent"` differentiates through the scan (the reference).
+  (`scan_forward_chunk_derivatives`): on a CPU the scan's forward is the faster (1.0-3.7x), the chunked
+  form's forward + backward the faster at every length (1.7-7x), so inference and training each get
+  the faster form. A named `impl="recurrent"` differentiates through the scan (the reference).
 
   `T`: the call's length along T (None: unknown, the chunked form). `call`: the keywords of
   `pallas_reason` (K, V, chunk_size, packing, dtype, sharded); without them "pallas" raises.
@@ -79,7 +80,7 @@ def select_impl(impl: str, variant: str, *, T: int | None = None, **call) -> str
     return "pallas"
   if impl == "pallas":
     raise ValueError(f"impl='pallas' cannot serve {variant}: {reason}; use impl='chunk' or impl='auto'")
-  return "recurrent" if cpu_scan_forward(variant, T, kernel_backend()) else "chunk"
+  return "recurrent" if cpu_scan_forward(T, kernel_backend()) else "chunk"
 
 
 def scan_forward_chunk_derivatives(scan, chunk):

@@ -119,10 +119,10 @@ def test_auto_on_a_cpu_takes_the_scan_forward_up_to_the_measured_bound():
   # The rule (README, "impl="auto" on a CPU"): the scan's forward up to CPU_SCAN_MAX_T tokens, else,
   # or with T unknown, the chunked form; only on a CPU.
   bound = dispatch.CPU_SCAN_MAX_T
-  assert dispatch.cpu_scan_forward("kda", 1, "cpu") and dispatch.cpu_scan_forward("kda", bound, "cpu")
-  assert not dispatch.cpu_scan_forward("kda", bound + 1, "cpu")
-  assert not dispatch.cpu_scan_forward("kda", None, "cpu")
-  assert not dispatch.cpu_scan_forward("kda", 64, "gpu") and not dispatch.cpu_scan_forward("kda", 64, "tpu")
+  assert dispatch.cpu_scan_forward(1, "cpu") and dispatch.cpu_scan_forward(bound, "cpu")
+  assert not dispatch.cpu_scan_forward(bound + 1, "cpu")
+  assert not dispatch.cpu_scan_forward(None, "cpu")
+  assert not dispatch.cpu_scan_forward(64, "gpu") and not dispatch.cpu_scan_forward(64, "tpu")
   assert _select("auto", T=64) == "recurrent" and _select("auto", T=bound + 1) == "chunk"
   assert _select("chunk", T=64) == "chunk" and _select("recurrent", T=bound + 1) == "recurrent"
   with tpu.interpret_kernels(PARAMS):  # a kernel that serves the call still comes first
