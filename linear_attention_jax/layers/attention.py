@@ -52,14 +52,7 @@ class Attention(nnx.Module):
                head_dim: int | None = None, rope_theta: float = 10000.0,
                implementation: str = "auto", use_short_conv: bool = False, conv_size: int = 4,
                dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
-    H = num_heads
-    H_kv = H if num_kv_heads is None else num_kv_heads
-    if H < 1 or H_kv < 1 or H % H_kv:
-      raise ValueError(f"num_heads={H} must be a positive multiple of num_kv_heads={H_kv}")
-    if head_dim is None:
-      if width % H:
-        raise ValueError(f"width={width} must be divisible by num_heads={H}, or pass head_dim")
-      head_dim = width // H
+    H, H_kv, head_dim = attention_heads(width, num_heads, num_kv_heads, head_dim)
     if head_dim < 2 or head_dim % 2:
       raise ValueError(f"head_dim must be even (rotary pairs); got {head_dim=}")
     if implementation not in IMPLEMENTATIONS:
@@ -150,6 +143,20 @@ class Attention(nnx.Module):
     fits = (_on_nvidia_gpu() and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
             and self.head_dim <= 128 and self.head_dim % 8 == 0 and not masked)
     return "cudnn" if fits else "xla"
+
+
+def attention_heads(width: int, num_heads: int, num_kv_heads: int | None, head_dim: int | None):
+  """`(H, H_kv, head_dim)` of a softmax attention layer (H_kv default H, head_dim default width / H), or
+  a ValueError naming the argument."""
+  H = num_heads
+  H_kv = H if num_kv_heads is None else num_kv_heads
+  if H < 1 or H_kv < 1 or H % H_kv:
+    raise ValueError(f"num_heads={H} must be a positive multiple of num_kv_heads={H_kv}")
+  if head_dim is None:
+    if width % H:
+      raise ValueError(f"width={width} must be divisible by num_heads={H}, or pass head_dim")
+    head_dim = width // H
+  return H, H_kv, head_dim
 
 
 def _on_nvidia_gpu() -> bool:

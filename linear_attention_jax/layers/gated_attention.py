@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from linear_attention_jax.layers.attention import attention_heads
 from linear_attention_jax.layers.base import linear
 from linear_attention_jax.layers.cache import KVCache
 from linear_attention_jax.layers.norm import RMSNorm
@@ -74,14 +75,7 @@ class GatedAttention(nnx.Module):
                rope_theta: float = 10000.0, output_gate: bool = True, qk_norm: bool = True,
                zero_centered_norm: bool = True, norm_eps: float = 1e-6, dtype=jnp.float32,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
-    H = num_heads
-    H_kv = H if num_kv_heads is None else num_kv_heads
-    if H < 1 or H_kv < 1 or H % H_kv:
-      raise ValueError(f"num_heads={H} must be a positive multiple of num_kv_heads={H_kv}")
-    if head_dim is None:
-      if width % H:
-        raise ValueError(f"width={width} must be divisible by num_heads={H}, or pass head_dim")
-      head_dim = width // H
+    H, H_kv, head_dim = attention_heads(width, num_heads, num_kv_heads, head_dim)
     rotary_dim = head_dim if rotary_dim is None else rotary_dim
     if rotary_dim < 0 or rotary_dim > head_dim or rotary_dim % 2:
       raise ValueError(f"rotary_dim must be even and in [0, head_dim={head_dim}]; got {rotary_dim=}")
