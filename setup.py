@@ -8,7 +8,13 @@ setup(
     description="Linear attention in JAX/Flax: every variant as a recurrence, a chunked form and kernels.",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["linear_attention_jax*", "pallas_kernels*"]),
+    # The kernels live in the repository's pallas_kernels/ and install as linear_attention_jax.pallas_kernels
+    # (no top-level name of their own); in a checkout the symlink linear_attention_jax/pallas_kernels
+    # points there, so the one name serves both.
+    packages=[*find_packages(include=["linear_attention_jax", "linear_attention_jax.*"],
+                             exclude=["linear_attention_jax.pallas_kernels*"]),
+              *(f"linear_attention_jax.{p}" for p in find_packages(include=["pallas_kernels*"]))],
+    package_dir={"linear_attention_jax.pallas_kernels": "pallas_kernels"},
     python_requires=">=3.12",
     install_requires=[
         "jax>=0.11.2",

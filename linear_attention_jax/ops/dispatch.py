@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from linear_attention_jax.ops.chunk import chunk_form
-from pallas_kernels import gpu as gpu_kernels
-from pallas_kernels import tpu as tpu_kernels
+from linear_attention_jax.pallas_kernels import gpu as gpu_kernels
+from linear_attention_jax.pallas_kernels import tpu as tpu_kernels
 
 BACKENDS = {"gpu": gpu_kernels, "tpu": tpu_kernels}
 

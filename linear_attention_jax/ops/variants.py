@@ -26,7 +26,7 @@ from linear_attention_jax.ops.dispatch import (pallas_form, pallas_reason,  # no
 from linear_attention_jax.ops.feature_maps import l2_normalize, resolve_feature_map
 from linear_attention_jax.ops.packing import Packing, from_cu_seqlens, from_segment_ids
 from linear_attention_jax.ops.recurrent import recurrent_form
-from pallas_kernels import common as kernel_common
+from linear_attention_jax.pallas_kernels import common as kernel_common
 
 
 def _expand_heads(x, Hv):

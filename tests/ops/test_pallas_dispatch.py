@@ -12,7 +12,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from linear_attention_jax import ops
 from linear_attention_jax.ops import dispatch
-from pallas_kernels import tpu
+from linear_attention_jax.pallas_kernels import tpu
 from tests.ops.conftest import FAMILY, call, make_inputs, rel_rms
 
 PARAMS = pltpu.InterpretParams(random_seed=3)
