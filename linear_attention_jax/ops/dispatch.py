@@ -44,11 +44,13 @@ def pallas_reason(*, K: int, V: int, chunk_size: int, packing: str = "none", dty
   return kernels.supports(**call)
 
 
-# On a CPU the recurrent scan's forward was faster than the chunked form's at every length measured,
-# T = 64 ... 16384 (1.0-3.7x; 31 of 32 rows), and the chunked form's forward + backward faster at every
-# length (T >= 64: 1.7-7x). Measured on a shared 2-core CPU, float32, jitted, medians of 5-7 rounds
-# (experiments/benchmark.py; the table is in the README, "impl="auto" on a CPU"). Past the largest
-# length measured (and for T unknown) the chunked form runs both ways.
+# On a CPU the recurrent scan's forward was faster than the chunked form's in 43 of 48 rows measured,
+# T = 64 ... 16384, K = V = 64 and 128, B * H = 4 ... 32 (1.1-3.7x; where it lost, by at most 1.5x:
+# simple_gla and gated_delta_rule at K = 128), and the chunked form's forward + backward faster in
+# every row (1.7-7x). Neither form's lead follows T, so the bound is the longest length measured.
+# Measured on a shared 2-core CPU, float32, jitted, medians of 5-7 rounds (experiments/benchmark.py;
+# the table is in the README, "impl="auto" on a CPU"). Past it (and for T unknown) the chunked form
+# runs both ways.
 CPU_SCAN_MAX_T = 16384
 
 
@@ -66,9 +68,9 @@ def select_impl(impl: str, variant: str, *, T: int | None = None, **call) -> str
 
   Off-kernel "auto" gives "recurrent" on a CPU for `T <= CPU_SCAN_MAX_T` tokens (`cpu_scan_forward`),
   and "chunk" elsewhere. Its "recurrent" runs the scan's forward with the chunked form's derivatives
-  (`scan_forward_chunk_derivatives`): on a CPU the scan's forward is the faster (1.0-3.7x), the chunked
-  form's forward + backward the faster at every length (1.7-7x), so inference and training each get
-  the faster form. A named `impl="recurrent"` differentiates through the scan (the reference).
+  (`scan_forward_chunk_derivatives`): on a CPU the scan's forward is the faster (in 43 of 48 rows
+  measured), the chunked form's forward + backward the faster in every row (1.7-7x), so inference and
+  training each get the faster form. A named `impl="recurrent"` differentiates through the scan (the reference).
 
   `T`: the call's length along T (None: unknown, the chunked form). `call`: the keywords of
   `pallas_reason` (K, V, chunk_size, packing, dtype, sharded); without them "pallas" raises.
