@@ -55,10 +55,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import prep
-from pallas_kernels.gpu import delta_grads
-from pallas_kernels.gpu.interpret import interpreting
-from pallas_kernels.gpu.tiles import BLOCK_V, SMEM_BYTES
+from .. import prep
+from . import delta_grads
+from .interpret import interpreting
+from .tiles import BLOCK_V, SMEM_BYTES
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 HEAD_DIMS = (64, 128)

@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import common, prepared, vjp
-from pallas_kernels.common import explicitly_sharded  # noqa: F401  (re-exported)
-from pallas_kernels.tpu import walk
-from pallas_kernels.tpu.walk import BlockSizes
+from .. import common, prepared, vjp
+from ..common import explicitly_sharded  # noqa: F401  (re-exported)
+from . import walk
+from .walk import BlockSizes
 
 _INTERPRET = common.InterpretSwitch("pallas_kernels_tpu_interpret", pltpu.InterpretParams)
 MIN_CHUNK = 16  # a bfloat16 (16, 128) tile: blocks of C rows are whole tiles
