@@ -41,13 +41,12 @@ def _loop(t, S):
   return A, F
 
 
-@pytest.mark.parametrize("variant,K,V,S,warpgroups", [("gated_delta_rule", 64, 128, 2, 1),
-                                                      ("delta_rule", 128, 64, 3, 3),
-                                                      ("gla", 64, 64, 2, 1)])
-def test_piece_maps_match_the_explicit_walk_and_the_float64_loop(variant, K, V, S, warpgroups):
+@pytest.mark.parametrize("variant,K,V,S", [("gated_delta_rule", 64, 128, 2), ("delta_rule", 128, 64, 3),
+                                           ("gla", 64, 64, 2)])
+def test_piece_maps_match_the_explicit_walk_and_the_float64_loop(variant, K, V, S):
   t = _tensors(variant, 64 * 2 * S, K, V, seed=5)
-  A, F = walk.piece_maps(t, S, interpret=PARAMS, warpgroups=warpgroups)
-  A_only, none = walk.piece_maps(t, S, interpret=PARAMS, with_offsets=False, warpgroups=warpgroups)
+  A, F = walk.piece_maps(t, S, interpret=PARAMS)
+  A_only, none = walk.piece_maps(t, S, interpret=PARAMS, with_offsets=False)
   assert none is None
   rA, rF = _loop(t, S)
   assert rel_rms(np.asarray(A), rA) < 1e-2 and rel_rms(np.asarray(F), rF) < 1e-2
@@ -60,7 +59,7 @@ def test_piece_maps_match_the_explicit_walk_and_the_float64_loop(variant, K, V, 
   start = jnp.concatenate([jnp.zeros((K, V), F32), jnp.eye(K, dtype=F32)], axis=-1)
   start = jnp.broadcast_to(start.T, (B, H, S, V + K, K))
   ends = walk._forward_kernel(t._replace(u=u), start, S=S, with_o=False, with_states=False, out_dtype=F32,
-                              interpret=PARAMS, bv=64, warpgroups=warpgroups)[2]
+                              interpret=PARAMS, bv=64)[2]
   ends = np.asarray(jnp.swapaxes(ends, -1, -2))
   np.testing.assert_array_equal(np.asarray(A), ends[..., V:])
   np.testing.assert_array_equal(np.asarray(F), ends[..., :V])
