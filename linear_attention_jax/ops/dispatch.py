@@ -29,9 +29,10 @@ def pallas_reason(*, K: int, V: int, chunk_size: int, packing: str = "none", dty
                   sharded: bool = False, v_extra: int = 0):
   """None if a Pallas kernel serves a call of this kind on this backend, else why not.
 
-  The TPU kernels serve a TPU backend, or any backend inside `pallas_kernels.tpu.interpret_kernels()`;
-  the Mosaic GPU kernels serve a Hopper GPU, or any backend inside `pallas_kernels.gpu.interpret_kernels()`
-  (the interpreters, for tests). `V` counts the state's value columns and `v_extra` of them are
+  The TPU kernels serve a TPU backend, or any backend inside the TPU interpreter
+  (`linear_attention_jax.pallas_kernels.tpu.interpret_kernels()`); the Mosaic GPU kernels serve a Hopper
+  GPU, or any backend inside `linear_attention_jax.pallas_kernels.gpu.interpret_kernels()` (the
+  interpreters, for tests). `V` counts the state's value columns and `v_extra` of them are
   appended ones (the linear-attention normaliser); the backend's `walked_columns` says how many it walks.
   `sharded`: the operands are split over mesh axes outside `jax.shard_map`.
   """

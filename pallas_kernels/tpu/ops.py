@@ -51,7 +51,7 @@ def supports(*, K: int, V: int, chunk_size: int, dtype=jnp.float32, packing: str
     backend = "tpu" if interpreting() is not None else jax.default_backend()
   if backend != "tpu":
     return (f"the Pallas TPU kernels need a TPU and the backend is {backend!r} (tests run them on a CPU "
-            f"inside pallas_kernels.tpu.interpret_kernels())")
+            f"inside linear_attention_jax.pallas_kernels.tpu.interpret_kernels())")
   if sharded:
     return ("the inputs are sharded over mesh axes and XLA cannot partition a pallas_call: run it under "
             "jax.shard_map (as linear_attention_jax.sharding.shard_op does)")
