@@ -1,4 +1,5 @@
-# Two commands: `make run` (the main job) and `make test`; `make equivalence` prints the scan-vs-chunk table. Each builds .venv with Python 3.12 first.
+# Two commands: `make run` (the main job) and `make test`; `make equivalence` prints the scan-vs-chunk table;
+# `make docs` builds the API reference (pdoc, warnings as errors) into build/docs. Each builds .venv with Python 3.12 first.
 # PYTHON picks the interpreter (default: the first Python 3.12 that runs of python3.12 on the PATH,
 # python3, and pyenv's 3.12.1).
 PYTHON ?= $(shell for p in python3.12 python3 "$$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python3"; do \
@@ -7,14 +8,19 @@ VENV := .venv
 PY := $(VENV)/bin/python
 WORKDIR ?= runs/mqar_hybrid
 
-.PHONY: venv run equivalence test clean
+# The public modules the API reference covers; its index must list each (a package's __all__ decides
+# what its page shows).
+DOC_MODULES := linear_attention_jax.ops linear_attention_jax.layers linear_attention_jax.models \
+  linear_attention_jax.models.hf linear_attention_jax.sharding linear_attention_jax.sharding.checkpoint
+
+.PHONY: venv run equivalence test docs clean
 
 $(VENV)/.installed: setup.py requirements-ci.txt
 	@test -n "$(PYTHON)" || { echo "no Python 3.12 found: run with PYTHON=/path/to/python3.12"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install -r requirements-ci.txt
-	$(PY) -m pip install -e '.[test,experiments]'
+	$(PY) -m pip install -e '.[test,experiments,docs]'
 	touch $@
 
 venv: $(VENV)/.installed
@@ -28,5 +34,12 @@ equivalence: venv
 test: venv
 	$(PY) -m pytest -n 2 -q tests
 
+docs: venv
+	rm -rf build/docs
+	JAX_PLATFORMS=cpu $(PY) -W error -m pdoc --docformat markdown -o build/docs $(DOC_MODULES)
+	@for m in $(DOC_MODULES); do grep -q "href=\"$$(echo $$m | tr . /).html\"" build/docs/index.html \
+	  || { echo "build/docs/index.html does not list $$m"; exit 1; }; done
+	@echo "API reference: build/docs/index.html"
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs build/docs

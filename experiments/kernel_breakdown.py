@@ -38,9 +38,9 @@ import numpy as np
 from absl import app, flags
 
 from experiments import benchmark, common
-from pallas_kernels import common as kernel_common
-from pallas_kernels import gpu, prep, vjp
-from pallas_kernels.gpu import channel_prep, delta_grads, delta_prep, fused, walk
+from linear_attention_jax.pallas_kernels import common as kernel_common
+from linear_attention_jax.pallas_kernels import gpu, prep, vjp
+from linear_attention_jax.pallas_kernels.gpu import channel_prep, delta_grads, delta_prep, fused, walk
 
 STAGES = ("op fwd", "op fwd fused", "op fwd fused streamed", "op fwd+bwd",
           "op fwd+bwd fused", "op fwd+bwd delta_backward", "op value+grad fused",

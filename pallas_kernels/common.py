@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import prep
+from . import prep
 
 
 def check_shapes(q, k, v, g, beta, initial_state, segment_ids):

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import common, prep
+from . import common, prep
 
 
 class Walk(NamedTuple):

@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import common, prep, prepared
-from pallas_kernels.gpu import channel, channel_delta_grads, channel_grads, channel_prep, delta_grads, delta_prep
-from pallas_kernels.gpu import fused, walk
-from pallas_kernels.gpu.plan import Plan
+from . import common, prep, prepared
+from .gpu import channel, channel_delta_grads, channel_grads, channel_prep, delta_grads, delta_prep
+from .gpu import fused, walk
+from .gpu.plan import Plan
 
 Static = prepared.Static
 PREPARED = Plan(cell="prepared", forward="xla_prep", keeps="inputs", backward="xla_vjp", forward_beyond=None,

@@ -12,9 +12,11 @@ Mixers:  LinearAttention, MultiScaleRetention, GatedLinearAttention, DeltaNet, G
          MultiHeadLatentAttention (cache: LatentCache).
 MLPs:    SwiGLU, MoE (top-k routed experts and shared experts).
 Parts:   ShortConvolution, RMSNorm (optionally zero-centred), GatedRMSNorm, HeadGroupNorm, apply_rope.
+Linen:   init_cache(cls, *args, batch=B) gives the cache of a layer wrapped by `nnx.bridge.to_linen`.
 """
 
 from linear_attention_jax.layers.attention import Attention
+from linear_attention_jax.layers.bridge import init_cache
 from linear_attention_jax.layers.cache import KVCache, LatentCache, LinearCache, nbytes
 from linear_attention_jax.layers.conv import ShortConvolution
 from linear_attention_jax.layers.delta_net import DeltaNet
@@ -34,5 +36,5 @@ __all__ = [
     "Attention", "DeltaNet", "GatedAttention", "GatedDeltaNet", "GatedLinearAttention", "GatedRMSNorm",
     "HeadGroupNorm", "KVCache", "KimiDeltaAttention", "LatentCache", "LinearAttention", "LinearCache",
     "MoE", "MultiHeadLatentAttention", "MultiScaleRetention", "RMSNorm", "ShortConvolution", "SwiGLU",
-    "apply_rope", "nbytes",
+    "apply_rope", "init_cache", "nbytes",
 ]

@@ -59,14 +59,15 @@ _NO_CONV_ACTIVATIONS = {"identity": lambda x: x, "silu": jax.nn.silu}
 class LinearMixer(nnx.Module):
   """Base of the linear mixers; not used on its own.
 
-  Class attributes a subclass may set:
-    key_ratio: default `H * K / width` (GLA uses 0.5).
-    value_ratio: default `V / K` (RetNet, GLA and Gated DeltaNet use 2).
+  Head sizes: every mixer defaults to `K = width / H` and `V = K`, the sizes `LMConfig` gives it, so a
+  layer built alone is the layer an LM builds (one default per layer). The papers that widen values
+  (RetNet, GLA, Gated DeltaNet: `V = 2K`) or narrow keys (GLA: `K = width / 2H`) get their shapes from
+  `head_dim=` and `head_v_dim=`, in the layer and in `LMConfig` alike.
+
+  Class attribute a subclass may set:
     no_conv_activation: applied to q, k, v when the short convolutions are off ("silu" for the delta
       family, whose convolutions end in SiLU).
   """
-  key_ratio: float = 1.0
-  value_ratio: float = 1.0
   no_conv_activation: str = "identity"
 
   def __init__(self, width: int, num_heads: int, *, num_v_heads: int | None, head_dim: int | None,
@@ -79,13 +80,11 @@ class LinearMixer(nnx.Module):
     if Hv < 1 or Hv % H:
       raise ValueError(f"num_v_heads={Hv} must be a positive multiple of num_heads={H}")
     if head_dim is None:
-      key_width = width * self.key_ratio
-      if key_width != int(key_width) or int(key_width) % H:
-        raise ValueError(f"width={width} (times key_ratio={self.key_ratio}) must be divisible by "
-                         f"num_heads={H}, or pass head_dim")
-      head_dim = int(key_width) // H
+      if width % H:
+        raise ValueError(f"width={width} must be divisible by num_heads={H}, or pass head_dim")
+      head_dim = width // H
     if head_v_dim is None:
-      head_v_dim = int(head_dim * self.value_ratio)
+      head_v_dim = head_dim
     if head_dim < 1 or head_v_dim < 1:
       raise ValueError(f"head dims must be >= 1; got {head_dim=} {head_v_dim=}")
     if not isinstance(conv_size, int) or conv_size < 1:

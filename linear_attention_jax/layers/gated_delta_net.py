@@ -10,7 +10,8 @@ Rule").
     y   = (RMSNorm(o) * swish(x W_g)) W_o
 
 The decay erases the state wholesale (Mamba-2's gate); the delta rule edits it key by key. The paper's
-value heads are twice as wide as the key heads (V = 2K).
+value heads are twice as wide as the key heads (V = 2K: `head_v_dim=2 * head_dim`); the default here
+is V = K (see `GatedDeltaNet`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,11 @@ class GatedDeltaNet(LinearMixer):
   Args:
     width: model width d.
     num_heads: H.  num_v_heads: H_v (a multiple of H; default H); g, beta, A_log, dt_bias follow v.
-    head_dim: K (default d / H).  head_v_dim: V (default 2K).
+    head_dim: K (default d / H).  head_v_dim: V (default K, as `LMConfig` builds it; the paper's V = 2K
+      is `head_v_dim=2 * head_dim`). K is the default because the layer built alone should be the
+      layer an LM builds, because the released hybrids (Qwen3-Next, Qwen3.5) use V = K with more value
+      heads (`num_v_heads`) rather than wider ones, and because the GPU kernels take K, V in {64, 128}:
+      V = 2K = 256 at K = 128 has no kernel.
     norm_eps: epsilon of the gated output RMSNorm.
     use_short_conv, conv_size: causal depthwise convolutions (SiLU) on q, k, v; on by default.
     impl, chunk_size: passed to `ops.gated_delta_rule` in training and prefill.
@@ -41,7 +46,6 @@ class GatedDeltaNet(LinearMixer):
   Parameters beyond the projections: `A_log: [H_v]` (log A, A ~ U(1, 16)) and `dt_bias: [H_v]`
   (inverse softplus of dt ~ logU(1e-3, 0.1)); both usually excluded from weight decay.
   """
-  value_ratio = 2.0
   no_conv_activation = "silu"
 
   def __init__(self, width: int, num_heads: int, *, num_v_heads: int | None = None,

@@ -1,7 +1,8 @@
 """GatedLinearAttention (Yang, Wang, Shen, Panda, Kim 2024, "Gated Linear Attention Transformers with
 Hardware-Efficient Training").
 
-    q, k, v = x W_q, x W_k, x W_v                       (K = d / 2H, V = d / H: keys half as wide)
+    q, k, v = x W_q, x W_k, x W_v                       (the paper: K = d / 2H, V = d / H, keys half as
+                                                          wide; the default here: K = V = d / H)
     log a_t = log_sigmoid(x W_a1 W_a2 + b_a) / 16       (a low-rank (rank 16) gate per key channel;
                                                           the 1/16 "temperature" keeps a_t near 1)
     S_t = Diag(a_t) S_{t-1} + k_t v_t^T,   o_t = K^-1/2 S_t^T q_t
@@ -26,7 +27,9 @@ class GatedLinearAttention(LinearMixer):
   Args:
     width: model width d.
     num_heads: H.  num_v_heads: H_v (a multiple of H; default H); gates follow v's heads.
-    head_dim: K (default d / 2H).  head_v_dim: V (default 2K = d / H).
+    head_dim: K (default d / H).  head_v_dim: V (default K). These are the sizes `LMConfig` gives the
+      layer, so the layer built alone is the LM's; the paper's keys of half width are
+      `head_dim=d // (2 * H), head_v_dim=d // H`.
     gate_low_rank_dim: rank of the gate projection (16 in the paper).
     gate_logit_normalizer: the decay is `log_sigmoid(.) / gate_logit_normalizer` (16 in the paper).
     norm_eps: epsilon of the gated output RMSNorm.
@@ -34,8 +37,6 @@ class GatedLinearAttention(LinearMixer):
     impl, chunk_size: passed to `ops.gla` in training and prefill.
     dtype, param_dtype: compute and parameter dtypes; the state is float32 regardless.
   """
-  key_ratio = 0.5
-  value_ratio = 2.0
 
   def __init__(self, width: int, num_heads: int, *, num_v_heads: int | None = None,
                head_dim: int | None = None, head_v_dim: int | None = None,

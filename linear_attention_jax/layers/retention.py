@@ -8,7 +8,8 @@
 
 The multi-scale part is the per-head gamma: heads see exponentially different horizons. GroupNorm with
 one group per head normalises each head's output separately (their variances differ with gamma). The
-paper's value heads are twice as wide as the key heads (V = 2K).
+paper's value heads are twice as wide as the key heads (V = 2K: `head_v_dim=2 * head_dim`); the default
+here is V = K, what `LMConfig` builds.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class MultiScaleRetention(LinearMixer):
   Args:
     width: model width d.
     num_heads: H.  num_v_heads: H_v (a multiple of H; default H); gamma is per value head.
-    head_dim: K (default width / H).  head_v_dim: V (default 2K, as in the paper).
+    head_dim: K (default width / H).  head_v_dim: V (default K, as `LMConfig` builds the layer; the
+      paper's V = 2K is `head_v_dim=2 * head_dim`).
     gamma: None (RetNet's `1 - 2^(-5-h)`), a float, or a sequence of H_v floats in (0, 1]; fixed.
     rope_theta: base of the rotary embedding on q and k.
     norm_eps: epsilon of the group norm.
@@ -38,7 +40,6 @@ class MultiScaleRetention(LinearMixer):
     impl, chunk_size: passed to `ops.retention` in training and prefill.
     dtype, param_dtype: compute and parameter dtypes; the state is float32 regardless.
   """
-  value_ratio = 2.0
 
   def __init__(self, width: int, num_heads: int, *, num_v_heads: int | None = None,
                head_dim: int | None = None, head_v_dim: int | None = None, gamma=None,

@@ -50,7 +50,8 @@ class LMConfig:
     num_kv_heads: Attention's key/value heads (default H; GQA when smaller).
     num_v_heads: H_v, value heads of the linear mixers, a multiple of H (default H).
     head_dim: K of the linear mixers and D of Attention (default width / H).
-    head_v_dim: V of the linear mixers (default head_dim).
+    head_v_dim: V of the linear mixers (default head_dim: every layer's own default, so a layer built
+      alone with the same width and heads is the LM's layer).
     mlp_ratio: SwiGLU hidden width / d; the hidden width is rounded up to a multiple of 32.
     conv_size: width of the short convolutions (>= 1).
     use_short_conv: short convolutions on q, k, v in the mixers named by `conv_letters`.

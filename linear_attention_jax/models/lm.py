@@ -33,7 +33,8 @@ class LMCache:
   """Per-block caches (`LinearCache` for linear mixers, `KVCache` for Attention) and the context limit.
 
   Attributes:
-    layers: one cache per block, in order.
+    layers: one cache per block, in order (a linear mixer's state `[B, H_v, K, V]` float32 and conv
+      windows, attention's `[B, max_len, H_kv, D]` buffers).
     max_len: the most tokens a sequence may hold (the KV buffers' length); static.
   """
   layers: tuple[LinearCache | KVCache, ...]
@@ -46,7 +47,8 @@ class LMCache:
 
 
 def make_mixer(config: LMConfig, letter: str, *, rngs: nnx.Rngs) -> nnx.Module:
-  """The mixer for one pattern letter, with the config's head sizes, dtypes and impl."""
+  """The mixer for one pattern letter, with the config's head sizes, dtypes and impl; it maps
+  `x: [B, T, width]` to `(y [B, T, width], cache)`."""
   kw = dict(dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs,
             use_short_conv=config.use_short_conv and letter in config.conv_letters,
             conv_size=config.conv_size)
@@ -54,8 +56,8 @@ def make_mixer(config: LMConfig, letter: str, *, rngs: nnx.Rngs) -> nnx.Module:
     return layers.Attention(config.width, config.num_heads, num_kv_heads=config.num_kv_heads,
                             head_dim=config.head_dim, rope_theta=config.rope_theta, **kw)
   K = config.resolved_head_dim
-  kw.update(num_v_heads=config.num_v_heads, head_dim=K,
-            head_v_dim=K if config.head_v_dim is None else config.head_v_dim,
+  # head_v_dim None: the layer's own default (V = K), so the LM's layer is the layer built alone
+  kw.update(num_v_heads=config.num_v_heads, head_dim=K, head_v_dim=config.head_v_dim,
             impl=config.impl, chunk_size=config.chunk_size)
   if letter in CONV_LETTERS:
     kw.update(norm_eps=config.norm_eps)

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from linear_attention_jax.ops.packing import Packing, cu_layout
-from pallas_kernels.prep import chunk_tensors, to_chunks
+from linear_attention_jax.pallas_kernels.prep import chunk_tensors, to_chunks
 
 
 def chunk_form(q, k, v, g, beta, *, scale, initial_state, packing: Packing, chunk_size: int):

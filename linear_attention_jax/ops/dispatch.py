@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from linear_attention_jax.ops.chunk import chunk_form
-from pallas_kernels import gpu as gpu_kernels
-from pallas_kernels import tpu as tpu_kernels
+from linear_attention_jax.pallas_kernels import gpu as gpu_kernels
+from linear_attention_jax.pallas_kernels import tpu as tpu_kernels
 
 BACKENDS = {"gpu": gpu_kernels, "tpu": tpu_kernels}
 
@@ -29,9 +29,10 @@ def pallas_reason(*, K: int, V: int, chunk_size: int, packing: str = "none", dty
                   sharded: bool = False, v_extra: int = 0):
   """None if a Pallas kernel serves a call of this kind on this backend, else why not.
 
-  The TPU kernels serve a TPU backend, or any backend inside `pallas_kernels.tpu.interpret_kernels()`;
-  the Mosaic GPU kernels serve a Hopper GPU, or any backend inside `pallas_kernels.gpu.interpret_kernels()`
-  (the interpreters, for tests). `V` counts the state's value columns and `v_extra` of them are
+  The TPU kernels serve a TPU backend, or any backend inside the TPU interpreter
+  (`linear_attention_jax.pallas_kernels.tpu.interpret_kernels()`); the Mosaic GPU kernels serve a Hopper
+  GPU, or any backend inside `linear_attention_jax.pallas_kernels.gpu.interpret_kernels()` (the
+  interpreters, for tests). `V` counts the state's value columns and `v_extra` of them are
   appended ones (the linear-attention normaliser); the backend's `walked_columns` says how many it walks.
   `sharded`: the operands are split over mesh axes outside `jax.shard_map`.
   """
@@ -44,12 +45,36 @@ def pallas_reason(*, K: int, V: int, chunk_size: int, packing: str = "none", dty
   return kernels.supports(**call)
 
 
-def select_impl(impl: str, variant: str, **call) -> str:
-  """The implementation that serves a call: a named impl, or for "auto" the Pallas kernel where
-  `pallas_reason(**call)` is None, else the chunked form. `impl="pallas"` raises with that reason.
+# On a CPU the recurrent scan's forward was faster than the chunked form's in 43 of 48 rows measured,
+# T = 64 ... 16384, K = V = 64 and 128, B * H = 4 ... 32 (1.1-3.7x; where it lost, by at most 1.5x:
+# simple_gla and gated_delta_rule at K = 128), and the chunked form's forward + backward faster in
+# every row (1.7-7x). Neither form's lead follows T, so the bound is the longest length measured.
+# Measured on a shared 2-core CPU, float32, jitted, medians of 5-7 rounds (experiments/benchmark.py;
+# the table is in the README, "impl="auto" on a CPU"). Past it (and for T unknown) the chunked form
+# runs both ways.
+CPU_SCAN_MAX_T = 16384
 
-  `call`: the keywords of `pallas_reason` (K, V, chunk_size, packing, dtype, sharded); without them
-  "auto" takes the chunked form and "pallas" raises.
+
+def cpu_scan_forward(T: int | None, backend: str | None = None) -> bool:
+  """Whether "auto" off-kernel runs the recurrent scan's forward (with the chunked form's derivatives)
+  for a call of `T` tokens on `backend` (default: the running one): on a CPU for T <= CPU_SCAN_MAX_T."""
+  backend = jax.default_backend() if backend is None else backend
+  return backend == "cpu" and T is not None and T <= CPU_SCAN_MAX_T
+
+
+def select_impl(impl: str, variant: str, *, T: int | None = None, **call) -> str:
+  """The implementation that serves a call: a named impl, or for "auto" the Pallas kernel where
+  `pallas_reason(**call)` is None, else (off-kernel) the faster XLA form. `impl="pallas"` raises with
+  that reason.
+
+  Off-kernel "auto" gives "recurrent" on a CPU for `T <= CPU_SCAN_MAX_T` tokens (`cpu_scan_forward`),
+  and "chunk" elsewhere. Its "recurrent" runs the scan's forward with the chunked form's derivatives
+  (`scan_forward_chunk_derivatives`): on a CPU the scan's forward is the faster (in 43 of 48 rows
+  measured), the chunked form's forward + backward the faster in every row (1.7-7x), so inference and
+  training each get the faster form. A named `impl="recurrent"` differentiates through the scan (the reference).
+
+  `T`: the call's length along T (None: unknown, the chunked form). `call`: the keywords of
+  `pallas_reason` (K, V, chunk_size, packing, dtype, sharded); without them "pallas" raises.
   """
   if impl not in ("pallas", "auto"):
     return impl
@@ -58,7 +83,16 @@ def select_impl(impl: str, variant: str, **call) -> str:
     return "pallas"
   if impl == "pallas":
     raise ValueError(f"impl='pallas' cannot serve {variant}: {reason}; use impl='chunk' or impl='auto'")
-  return "chunk"
+  return "recurrent" if cpu_scan_forward(T, kernel_backend()) else "chunk"
+
+
+def scan_forward_chunk_derivatives(scan, chunk):
+  """`scan` (a function of arrays) whose derivatives, forward (jvp) and so reverse (vjp), are those of
+  `chunk`, the same function in the chunked form: the call runs `scan` alone, a differentiated call
+  runs `chunk` alone (its primal output too)."""
+  fn = jax.custom_jvp(scan)
+  fn.defjvp(lambda primals, tangents: jax.jvp(chunk, primals, tangents))
+  return fn
 
 
 def pallas_form(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_size, compute_dtype,

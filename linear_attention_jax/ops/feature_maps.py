@@ -26,6 +26,7 @@ def resolve_feature_map(feature_map) -> Callable[[jax.Array], jax.Array]:
 
 
 def l2_normalize(x, eps: float = 1e-6):
-  """`x / sqrt(sum(x**2) + eps)` over the last axis (the head dimension), in float32."""
+  """`x / sqrt(sum(x**2) + eps)` over the last axis (the head dimension), in float32: `[..., K]` to
+  `[..., K]`."""
   x = x.astype(jnp.float32)
   return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)

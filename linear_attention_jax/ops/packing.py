@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.prep import canonical_segments
+from linear_attention_jax.pallas_kernels.prep import canonical_segments
 
 
 @dataclasses.dataclass(frozen=True)

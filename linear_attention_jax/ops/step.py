@@ -4,6 +4,11 @@ Shapes: `q, k: [B, H, K]`, `v: [B, H_v, V]`, scalar gates and beta `[B, H_v]`, p
 `[B, H_v, K]`, `state: [B, H_v, K, V]` float32 (None: zeros). `o_t: [B, H_v, V]` in v's dtype. Each step
 runs `recurrent.step_update`, the very update the reference scan uses, so T calls of a step equal one
 recurrent call.
+
+A step takes its op's options: `scale`, the variant's own (`use_qk_l2norm`, `feature_map`, `gamma`),
+`initial_state=` as another name for `state` (the op's spelling; give one of the two), and `impl`:
+"auto", "recurrent" and "chunk" all run the one update (a chunk of one token is the recurrence);
+"pallas" raises, since no kernel serves a single token.
 """
 
 from __future__ import annotations
@@ -14,6 +19,17 @@ from linear_attention_jax.ops import checks
 from linear_attention_jax.ops.feature_maps import l2_normalize, resolve_feature_map
 from linear_attention_jax.ops.recurrent import step_update
 from linear_attention_jax.ops.variants import _expand_heads, retention_log_gamma
+
+
+def _state_and_impl(state, initial_state, impl):
+  """The state a step starts from (`state` or the op's spelling `initial_state`), after checking impl."""
+  checks.check_options(impl=impl, chunk_size=1, scale=None)
+  if impl == "pallas":
+    raise ValueError("impl='pallas' cannot serve a one-token step: no kernel runs a single token; the "
+                     "step is the recurrent update (impl='auto', 'recurrent' or 'chunk')")
+  if state is not None and initial_state is not None:
+    raise ValueError("give the step's state as state= or initial_state=, not both")
+  return initial_state if state is None else state
 
 
 def _step(q, k, v, g, beta, state, *, scale, gated=False, delta=False, per_channel=False, qk_map=None,
@@ -41,8 +57,9 @@ def _step(q, k, v, g, beta, state, *, scale, gated=False, delta=False, per_chann
 
 
 def linear_attention_step(q, k, v, state=None, *, feature_map="elu_plus_one", normalize=True,
-                          eps=1e-6, scale=None):
+                          eps=1e-6, scale=None, impl="auto", initial_state=None):
   """One token of `linear_attention`; with `normalize` the state is `[B, H_v, K, V + 1]`."""
+  state = _state_and_impl(state, initial_state, impl)
   o, state = _step(q, k, v, None, None, state, scale=scale, qk_map=resolve_feature_map(feature_map),
                    v_extra=int(normalize))
   if normalize:
@@ -50,42 +67,51 @@ def linear_attention_step(q, k, v, state=None, *, feature_map="elu_plus_one", no
   return o.astype(v.dtype), state
 
 
-def retention_step(q, k, v, state=None, *, gamma=None, scale=None):
-  """One token of `retention`."""
+def retention_step(q, k, v, state=None, *, gamma=None, scale=None, impl="auto", initial_state=None):
+  """One token of `retention`; gamma (None, a float or `[H_v]`) as in the op."""
+  state = _state_and_impl(state, initial_state, impl)
   checks.check_step_ranks(q=q, k=k, v=v)
   g = jnp.broadcast_to(retention_log_gamma(gamma, v.shape[1]), v.shape[:2])
   o, state = _step(q, k, v, g, None, state, scale=scale, gated=True)
   return o.astype(v.dtype), state
 
 
-def simple_gla_step(q, k, v, g, state=None, *, scale=None):
+def simple_gla_step(q, k, v, g, state=None, *, scale=None, impl="auto", initial_state=None):
   """One token of `simple_gla`; `g: [B, H_v]`."""
+  state = _state_and_impl(state, initial_state, impl)
   o, state = _step(q, k, v, g, None, state, scale=scale, gated=True)
   return o.astype(v.dtype), state
 
 
-def gla_step(q, k, v, g, state=None, *, scale=None):
+def gla_step(q, k, v, g, state=None, *, scale=None, impl="auto", initial_state=None):
   """One token of `gla`; `g: [B, H_v, K]`."""
+  state = _state_and_impl(state, initial_state, impl)
   o, state = _step(q, k, v, g, None, state, scale=scale, gated=True, per_channel=True)
   return o.astype(v.dtype), state
 
 
-def delta_rule_step(q, k, v, beta, state=None, *, scale=None, use_qk_l2norm=False):
+def delta_rule_step(q, k, v, beta, state=None, *, scale=None, use_qk_l2norm=False,
+                    impl="auto", initial_state=None):
   """One token of `delta_rule`; `beta: [B, H_v]`."""
+  state = _state_and_impl(state, initial_state, impl)
   o, state = _step(q, k, v, None, beta, state, scale=scale, delta=True,
                    qk_map=l2_normalize if use_qk_l2norm else None)
   return o.astype(v.dtype), state
 
 
-def gated_delta_rule_step(q, k, v, g, beta, state=None, *, scale=None, use_qk_l2norm=False):
+def gated_delta_rule_step(q, k, v, g, beta, state=None, *, scale=None, use_qk_l2norm=False,
+                          impl="auto", initial_state=None):
   """One token of `gated_delta_rule`; `g, beta: [B, H_v]`."""
+  state = _state_and_impl(state, initial_state, impl)
   o, state = _step(q, k, v, g, beta, state, scale=scale, gated=True, delta=True,
                    qk_map=l2_normalize if use_qk_l2norm else None)
   return o.astype(v.dtype), state
 
 
-def kda_step(q, k, v, g, beta, state=None, *, scale=None, use_qk_l2norm=False):
+def kda_step(q, k, v, g, beta, state=None, *, scale=None, use_qk_l2norm=False,
+             impl="auto", initial_state=None):
   """One token of `kda`; `g: [B, H_v, K]`, `beta: [B, H_v]`."""
+  state = _state_and_impl(state, initial_state, impl)
   o, state = _step(q, k, v, g, beta, state, scale=scale, gated=True, delta=True, per_channel=True,
                    qk_map=l2_normalize if use_qk_l2norm else None)
   return o.astype(v.dtype), state

@@ -22,11 +22,12 @@ import numpy as np
 
 from linear_attention_jax.ops import checks
 from linear_attention_jax.ops.chunk import chunk_form
-from linear_attention_jax.ops.dispatch import pallas_form, pallas_reason, select_impl  # noqa: F401
+from linear_attention_jax.ops.dispatch import (pallas_form, pallas_reason,  # noqa: F401
+                                               scan_forward_chunk_derivatives, select_impl)
 from linear_attention_jax.ops.feature_maps import l2_normalize, resolve_feature_map
 from linear_attention_jax.ops.packing import Packing, from_cu_seqlens, from_segment_ids
 from linear_attention_jax.ops.recurrent import recurrent_form
-from pallas_kernels import common as kernel_common
+from linear_attention_jax.pallas_kernels import common as kernel_common
 
 
 def _expand_heads(x, Hv):
@@ -60,7 +61,7 @@ def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_sta
                              rows_name="B" if N is None else "N")
   packing_kind = "segments" if segment_ids is not None else ("none" if cu_seqlens is None else "cu_seqlens")
   compute_dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)  # the kernel's matmul dtype
-  form = select_impl(impl, variant, K=K, V=V + v_extra, chunk_size=chunk_size, packing=packing_kind,
+  form = select_impl(impl, variant, T=T, K=K, V=V + v_extra, chunk_size=chunk_size, packing=packing_kind,
                      dtype=compute_dtype, sharded=kernel_common.explicitly_sharded(q, k, v),
                      v_extra=v_extra)
 
@@ -93,6 +94,11 @@ def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_sta
     o, final = pallas_form(q_in, k_in, v32, g32, b32, scale=scale, initial_state=h0,
                            segment_ids=segment_ids, chunk_size=chunk_size, compute_dtype=compute_dtype,
                            qk_l2norm=l2, v_extra=v_extra, mapped_qk=mapped, packing=packing)
+  elif form == "recurrent" and impl == "auto":  # the scan forward, the chunked form's derivatives
+    scan = lambda *x: recurrent_form(*x[:5], scale=scale, initial_state=x[5], packing=packing)
+    chunk = lambda *x: chunk_form(*x[:5], scale=scale, initial_state=x[5], packing=packing,
+                                  chunk_size=chunk_size)
+    o, final = scan_forward_chunk_derivatives(scan, chunk)(*mapped(), v32, g32, b32, h0)
   elif form == "recurrent":
     o, final = recurrent_form(*mapped(), v32, g32, b32, scale=scale, initial_state=h0, packing=packing)
   else:

@@ -48,7 +48,9 @@ def op_axes(mesh, rules) -> tuple:
 def shard_op(op, mesh, rules="dp", *, check_vma: bool = False):
   """`op` (one of the seven variant functions) run under `shard_map` on `mesh` as `rules` say.
 
-  Returns a function with the op's signature and results. Raises `ValueError` naming the size that the
+  Returns a function with the op's signature and results (`q, k: [B, T, H, K]`, `v: [B, T, H_v, V]`,
+  state `[B, H_v, K, V]`: B over the batch axes, T over the sequence axes, H / H_v over the head axes,
+  V over `state_v`). Raises `ValueError` naming the size that the
   mesh axes do not divide (B, T, H, H_v or V), and for `cu_seqlens` with a sharded batch or sequence.
   `retention` runs as `simple_gla` with its (per-head, hence sharded) log-gamma as the gate. Any other
   function with the variants' signature and results runs the same way (the tests shard a backend's

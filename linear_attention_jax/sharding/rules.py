@@ -167,7 +167,8 @@ def current_rules():
 
 def constrain(x, names: Sequence[str | None]):
   """`x` with its layout pinned to the logical axes `names` under `use_rules` (a sharding constraint
-  that guides XLA's partitioning of everything outside the `shard_map`s); `x` itself otherwise."""
+  that guides XLA's partitioning of everything outside the `shard_map`s); `x` itself otherwise.
+  One name per dimension, e.g. `x: [B, T, width]` with `names=("batch", "seq", "embed")`."""
   current = _CURRENT.get()
   if current is None:
     return x

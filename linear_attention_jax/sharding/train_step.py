@@ -82,12 +82,14 @@ def _unjitted(fn):
 
 
 def batch_sharding(mesh, rules, axes=("batch", "seq")) -> NamedSharding:
-  """The sharding of a batch leaf whose leading dimensions have the logical axes `axes`."""
+  """The sharding of a batch leaf whose leading dimensions have the logical axes `axes` (by default
+  a `[B, T, ...]` leaf: rows over the batch axes, T over the sequence axes)."""
   return named_sharding(mesh, axes, rule_set(rules))
 
 
 def shard_batch(batch, mesh, rules, axes=("batch", "seq")):
-  """`batch` (host arrays: the same global batch in every process) placed with `batch_sharding`.
+  """`batch` (host arrays `[B, T, ...]`: the same global batch in every process) placed with
+  `batch_sharding`.
 
   Each device receives only its block (`jax.make_array_from_callback`), so this also serves a
   multi-host job whose processes each build the global batch. Checks the shapes first (`check_batch`).

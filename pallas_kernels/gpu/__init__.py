@@ -21,10 +21,10 @@ inverse), `masks` (packed rows), `decay` (scalar decay's G and its tiles), `pipe
 TMA chunk pipeline and sequence pieces) and `channel` (per-channel decay's G, bound and key gradients).
 """
 
-from pallas_kernels.gpu.interpret import interpret_kernels, interpreter_threads, interpreting
-from pallas_kernels.gpu.ops import call_plan, chunked_attention
-from pallas_kernels.gpu import plan
-from pallas_kernels.gpu.plan import GpuConfig, Plan, hopper_reason, supports, walked_columns
+from .interpret import interpret_kernels, interpreter_threads, interpreting
+from .ops import call_plan, chunked_attention
+from . import plan
+from .plan import GpuConfig, Plan, hopper_reason, supports, walked_columns
 
 __all__ = ["GpuConfig", "Plan", "call_plan", "chunked_attention", "hopper_reason", "interpret_kernels",
            "interpreter_threads", "interpreting", "plan", "supports", "walked_columns"]

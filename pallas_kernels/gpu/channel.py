@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels import prep
-from pallas_kernels.gpu.tiles import F32
+from .. import prep
+from .tiles import F32
 
 HALF = 64   # key channels per pass
 

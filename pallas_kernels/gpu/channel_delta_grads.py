@@ -42,11 +42,11 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import common, prep
-from pallas_kernels.gpu import walk
-from pallas_kernels.gpu.channel import HALF, fits, key_grads
-from pallas_kernels.gpu.masks import SEG_ROWS, segment_masks, segment_vectors
-from pallas_kernels.gpu.tiles import COLS, F32, ROWS, WGMMA, flat, matmul, matmuls, smem, vary_like
+from .. import common, prep
+from . import walk
+from .channel import HALF, fits, key_grads
+from .masks import SEG_ROWS, segment_masks, segment_vectors
+from .tiles import COLS, F32, ROWS, WGMMA, flat, matmul, matmuls, smem, vary_like
 
 
 def serves(g, beta, segment_ids) -> bool:

@@ -26,10 +26,10 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import common, prep
-from pallas_kernels.gpu.channel import chunk_cumsum
-from pallas_kernels.gpu.masks import SEG_ROWS, segment_masks, segment_vectors
-from pallas_kernels.gpu.tiles import (COLS, F32, ROWS, WGMMA, matmul, matmuls, smem, unit_lower_inverse,
+from .. import common, prep
+from .channel import chunk_cumsum
+from .masks import SEG_ROWS, segment_masks, segment_vectors
+from .tiles import (COLS, F32, ROWS, WGMMA, matmul, matmuls, smem, unit_lower_inverse,
                                       vary_like)
 
 

@@ -10,8 +10,8 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels.gpu.masks import segment_masks
-from pallas_kernels.gpu.tiles import COLS, F32, ROWS, WGMMA
+from .masks import segment_masks
+from .tiles import COLS, F32, ROWS, WGMMA
 
 
 def local_cumsum(g, B: int, T_pad: int, Hv: int, C: int):

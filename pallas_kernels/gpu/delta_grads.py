@@ -32,13 +32,13 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import prep
-from pallas_kernels.gpu import delta_prep, walk
-from pallas_kernels.gpu.decay import decay_tile, last_state_term, local_cumsum, row_scales
-from pallas_kernels.gpu.delta_grads_pair import chunk_grads_pair
-from pallas_kernels.gpu.delta_terms import dbk_term, dl_and_m, dm_k
-from pallas_kernels.gpu.masks import SEG_ROWS, segment_vectors
-from pallas_kernels.gpu.tiles import (BLOCK_V, F32, ROWS, SMEM_BYTES, WGMMA, l2_normalize_grad,
+from .. import prep
+from . import delta_prep, walk
+from .decay import decay_tile, last_state_term, local_cumsum, row_scales
+from .delta_grads_pair import chunk_grads_pair
+from .delta_terms import dbk_term, dl_and_m, dm_k
+from .masks import SEG_ROWS, segment_vectors
+from .tiles import (BLOCK_V, F32, ROWS, SMEM_BYTES, WGMMA, l2_normalize_grad,
                                       l2_normalize_rows, matmul, matmuls, scratch_bytes, smem, vary_like)
 
 

@@ -11,10 +11,10 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels.gpu.decay import decay_tile, last_state_term, row_scales
-from pallas_kernels.gpu.delta_terms import dbk_term, dl_and_m, dm_k
-from pallas_kernels.gpu.masks import SEG_ROWS
-from pallas_kernels.gpu.tiles import (BLOCK_V, COLS, F32, ROWS, SMEM_BYTES, WGMMA, l2_normalize_grad,
+from .decay import decay_tile, last_state_term, row_scales
+from .delta_terms import dbk_term, dl_and_m, dm_k
+from .masks import SEG_ROWS
+from .tiles import (BLOCK_V, COLS, F32, ROWS, SMEM_BYTES, WGMMA, l2_normalize_grad,
                                       l2_normalize_rows, matmul, matmuls, scratch_bytes, smem, vary_like)
 
 

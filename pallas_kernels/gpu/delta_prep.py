@@ -33,10 +33,10 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import prep
-from pallas_kernels.gpu.decay import decay_tile, local_cumsum, row_scales
-from pallas_kernels.gpu.masks import SEG_ROWS, segment_vectors
-from pallas_kernels.gpu.tiles import (F32, ROWS, WGMMA, l2_normalize_rows, matmul, smem, unit_lower_inverse,
+from .. import prep
+from .decay import decay_tile, local_cumsum, row_scales
+from .masks import SEG_ROWS, segment_vectors
+from .tiles import (F32, ROWS, WGMMA, l2_normalize_rows, matmul, smem, unit_lower_inverse,
                                       vary_like)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels.gpu.tiles import F32, WGMMA, matmul, matmuls
+from .tiles import F32, WGMMA, matmul, matmuls
 
 
 def dbk_term(dbv, st, k_s, vectors, ck):

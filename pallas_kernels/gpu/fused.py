@@ -28,12 +28,12 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels.gpu.decay import local_cumsum
-from pallas_kernels.gpu.fused_grads import chunk_grads
-from pallas_kernels.gpu.fused_streamed import streamed_walk
-from pallas_kernels.gpu.masks import SEG_ROWS, segment_masks, segment_vectors
-from pallas_kernels.gpu.pipeline import chain_pieces, initial, pieces, program, store_last, walk_chunks
-from pallas_kernels.gpu.tiles import BLOCK_V, COLS, F32, ROWS, WGMMA, matmul, smem, vary_like
+from .decay import local_cumsum
+from .fused_grads import chunk_grads
+from .fused_streamed import streamed_walk
+from .masks import SEG_ROWS, segment_masks, segment_vectors
+from .pipeline import chain_pieces, initial, pieces, program, store_last, walk_chunks
+from .tiles import BLOCK_V, COLS, F32, ROWS, WGMMA, matmul, smem, vary_like
 
 
 def serves(g, beta, segment_ids) -> bool:

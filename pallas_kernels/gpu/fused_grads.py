@@ -11,9 +11,9 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels.gpu.decay import last_state_term
-from pallas_kernels.gpu.masks import SEG_ROWS, segment_masks
-from pallas_kernels.gpu.tiles import COLS, F32, ROWS, WGMMA, matmul, smem, vary_like
+from .decay import last_state_term
+from .masks import SEG_ROWS, segment_masks
+from .tiles import COLS, F32, ROWS, WGMMA, matmul, smem, vary_like
 
 
 def chunk_grads(q, k, v, G, states, dstates, do, *, dtype, masks=None, interpret=None,

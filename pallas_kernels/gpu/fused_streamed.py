@@ -10,9 +10,9 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels.gpu.masks import SEG_ROWS, segment_masks
-from pallas_kernels.gpu.pipeline import deepest_stages, initial, program, store_last, stream_chunks
-from pallas_kernels.gpu.tiles import COLS, F32, ROWS, WGMMA, matmul, smem
+from .masks import SEG_ROWS, segment_masks
+from .pipeline import deepest_stages, initial, program, store_last, stream_chunks
+from .tiles import COLS, F32, ROWS, WGMMA, matmul, smem
 
 
 def _streamed_scratch(C, K, bv, dtype, out_dtype, has_seg, stages):

@@ -7,7 +7,7 @@ import os
 
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import common
+from .. import common
 
 _INTERPRET = common.InterpretSwitch("pallas_kernels_gpu_interpret", plgpu.InterpretGPUParams)
 

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import prep
-from pallas_kernels.gpu.tiles import COLS, F32, ROWS
+from .. import prep
+from .tiles import COLS, F32, ROWS
 
 SEG_ROWS = 4  # run (read as rows), run (read as columns), carry, to_last
 

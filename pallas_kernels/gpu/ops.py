@@ -11,11 +11,11 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from pallas_kernels import common, prepared, vjp
-from pallas_kernels.gpu import plan as plans
-from pallas_kernels.gpu import walk
-from pallas_kernels.gpu.interpret import check_interpreter_threads, interpreting
-from pallas_kernels.gpu.plan import GpuConfig
+from .. import common, prepared, vjp
+from . import plan as plans
+from . import walk
+from .interpret import check_interpreter_threads, interpreting
+from .plan import GpuConfig
 
 SIXTEEN_BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

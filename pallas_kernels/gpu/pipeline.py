@@ -11,7 +11,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels.gpu.tiles import F32, SMEM_BYTES, WGMMA, matmul, scratch_bytes
+from .tiles import F32, SMEM_BYTES, WGMMA, matmul, scratch_bytes
 
 SM_COUNT = 132   # an H200's multiprocessors: walks with fewer programs split the sequence (`pieces`)
 

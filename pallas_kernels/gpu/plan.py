@@ -55,10 +55,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import prep
-from pallas_kernels.gpu import delta_grads
-from pallas_kernels.gpu.interpret import interpreting
-from pallas_kernels.gpu.tiles import BLOCK_V, SMEM_BYTES
+from .. import prep
+from . import delta_grads
+from .interpret import interpreting
+from .tiles import BLOCK_V, SMEM_BYTES
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 HEAD_DIMS = (64, 128)
@@ -203,7 +203,7 @@ def hopper_reason(backend: str | None = None) -> str | None:
   backend = jax.default_backend() if backend is None else backend
   if backend != "gpu":
     return (f"the Mosaic GPU kernels need a Hopper GPU and the backend is {backend!r} (tests run them "
-            f"on a CPU inside pallas_kernels.gpu.interpret_kernels())")
+            f"on a CPU inside linear_attention_jax.pallas_kernels.gpu.interpret_kernels())")
   device = jax.devices()[0]
   cc = getattr(device, "compute_capability", None)
   if cc != "9.0":

@@ -12,7 +12,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import common
+from .. import common
 
 F32 = jnp.float32
 WGMMA = plgpu.Layout.WGMMA

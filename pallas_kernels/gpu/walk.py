@@ -36,11 +36,11 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels.gpu.pipeline import (chain_pieces, fetch_chunk, initial, new_values, pieces, program,
+from .pipeline import (chain_pieces, fetch_chunk, initial, new_values, pieces, program,
                                          store_last, u_block, walk_chunks)
-from pallas_kernels.gpu.tiles import BLOCK_V, COLS, F32, flat, matmul, smem, vary_like
-from pallas_kernels.gpu.tiles import scratch_bytes  # noqa: F401  (the dispatch reads walk.scratch_bytes)
-from pallas_kernels.prep import ChunkTensors
+from .tiles import BLOCK_V, COLS, F32, flat, matmul, smem, vary_like
+from .tiles import scratch_bytes  # noqa: F401  (the dispatch reads walk.scratch_bytes)
+from ..prep import ChunkTensors
 
 
 def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = False, out_dtype=F32,

@@ -6,9 +6,9 @@ shard (the library's `linear_attention_jax.sharding.shard_op`). NOTES.md holds t
 and the roofline.
 """
 
-from pallas_kernels.tpu.ops import (chunked_attention, explicitly_sharded, interpret_kernels, interpreting,
+from .ops import (chunked_attention, explicitly_sharded, interpret_kernels, interpreting,
                                     supports, walked_columns)
-from pallas_kernels.tpu.walk import BlockSizes
+from .walk import BlockSizes
 
 __all__ = ["BlockSizes", "chunked_attention", "explicitly_sharded", "interpret_kernels", "interpreting",
            "supports", "walked_columns"]

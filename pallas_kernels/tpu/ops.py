@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import common, prepared, vjp
-from pallas_kernels.common import explicitly_sharded  # noqa: F401  (re-exported)
-from pallas_kernels.tpu import walk
-from pallas_kernels.tpu.walk import BlockSizes
+from .. import common, prepared, vjp
+from ..common import explicitly_sharded  # noqa: F401  (re-exported)
+from . import walk
+from .walk import BlockSizes
 
 _INTERPRET = common.InterpretSwitch("pallas_kernels_tpu_interpret", pltpu.InterpretParams)
 MIN_CHUNK = 16  # a bfloat16 (16, 128) tile: blocks of C rows are whole tiles
@@ -51,7 +51,7 @@ def supports(*, K: int, V: int, chunk_size: int, dtype=jnp.float32, packing: str
     backend = "tpu" if interpreting() is not None else jax.default_backend()
   if backend != "tpu":
     return (f"the Pallas TPU kernels need a TPU and the backend is {backend!r} (tests run them on a CPU "
-            f"inside pallas_kernels.tpu.interpret_kernels())")
+            f"inside linear_attention_jax.pallas_kernels.tpu.interpret_kernels())")
   if sharded:
     return ("the inputs are sharded over mesh axes and XLA cannot partition a pallas_call: run it under "
             "jax.shard_map (as linear_attention_jax.sharding.shard_op does)")

@@ -1,6 +1,6 @@
 """Roofline of the TPU chunk walk (and of the XLA preparation around it) at published chip rates.
 
-`python -m pallas_kernels.tpu.roofline` prints the table kept in NOTES.md. Nothing here was measured:
+`python -m linear_attention_jax.pallas_kernels.tpu.roofline` prints the table kept in NOTES.md. Nothing here was measured:
 no TPU was available. Times are `max(FLOPs / peak, bytes / HBM bandwidth)` per op, i.e. lower bounds
 that assume perfect overlap of DMA and compute and ignore per-grid-step overhead.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from pallas_kernels.tpu import walk
+from . import walk
 
 # Published per-chip rates: bf16 peak FLOP/s, HBM bandwidth (bytes/s), HBM capacity (bytes). Google
 # Cloud's "TPU v5e" / "TPU v6e" architecture pages give 197 TFLOP/s, 16 GB at 819 GB/s and 918 TFLOP/s,

@@ -36,8 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import common
-from pallas_kernels.prep import ChunkTensors
+from .. import common
+from ..prep import ChunkTensors
 
 MiB = 1 << 20
 DEFAULT_SCOPED_VMEM = 16 * MiB

@@ -79,3 +79,17 @@ def test_bridged_layer_decodes_with_its_cache():
   # Then decoding equals the full forward
   assert rel_rms(jnp.concatenate(outs, axis=1), full) <= 1e-5
   assert int(cache.pos) == 7
+
+
+@pytest.mark.parametrize("name", ["GatedDeltaNet", "Attention"])
+def test_init_cache_from_the_bridge_arguments_matches_the_nnx_layer(name):
+  # Given a layer's bridge arguments (no NNX instance)
+  cls, args, kwargs = LAYERS[name]
+  # When its cache is made from them
+  cache = layers.init_cache(cls, *args, batch=2, max_len=9, **kwargs)
+  # Then it is the NNX layer's own cache, array for array
+  want = cls(*args, rngs=nnx.Rngs(0), **kwargs).init_cache(2, 9)
+  assert type(cache) is type(want)
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), cache) == jax.tree.map(lambda a: (a.shape, a.dtype), want)
+  with pytest.raises(ValueError, match="rngs"):
+    layers.init_cache(cls, *args, batch=2, rngs=nnx.Rngs(0), **kwargs)

@@ -46,7 +46,7 @@ def test_gla_decay_is_log_sigmoid_over_sixteen():
   g = jax.nn.log_sigmoid(logits) / 16
   # log a in (log(1/2) / 16, 0) at zero logits: the decay stays close to 1
   assert bool(jnp.all(g <= 0))
-  assert layer.head_dim == 8 and layer.head_v_dim == 16  # K = d / 2H, V = d / H
+  assert layer.head_dim == 16 and layer.head_v_dim == 16  # K = V = d / H, as LMConfig builds it
 
 
 def test_a_log_and_dt_bias_initialisations():
@@ -56,10 +56,13 @@ def test_a_log_and_dt_bias_initialisations():
   assert float(dt.min()) >= 1e-3 * 0.999 and float(dt.max()) <= 0.1 * 1.001
 
 
-def test_default_head_shapes_follow_the_papers():
+def test_default_head_shapes_are_the_lm_s_and_the_papers_are_keywords():
   rngs = nnx.Rngs(0)
-  assert layers.MultiScaleRetention(32, 2, rngs=rngs).head_v_dim == 32  # V = 2K
-  assert layers.GatedDeltaNet(32, 2, rngs=rngs).head_v_dim == 32       # V = 2K
+  assert layers.MultiScaleRetention(32, 2, rngs=rngs).head_v_dim == 16  # V = K, as LMConfig builds it
+  assert layers.GatedDeltaNet(32, 2, rngs=rngs).head_v_dim == 16       # V = K, as LMConfig builds it
+  assert layers.GatedDeltaNet(32, 2, head_v_dim=32, rngs=rngs).head_v_dim == 32  # the paper's V = 2K
+  gla = layers.GatedLinearAttention(32, 2, head_dim=8, head_v_dim=16, rngs=rngs)  # the paper's K = d / 2H
+  assert (gla.head_dim, gla.head_v_dim) == (8, 16)
   assert layers.KimiDeltaAttention(32, 2, rngs=rngs).head_v_dim == 16  # V = K
   assert layers.DeltaNet(32, 2, rngs=rngs).q_conv is not None           # short convs on
   assert layers.LinearAttention(32, 2, rngs=rngs).q_conv is None

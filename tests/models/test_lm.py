@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from linear_attention_jax import layers
 from linear_attention_jax.layers import KVCache, LinearCache
-from linear_attention_jax.models import generate
+from linear_attention_jax.models import MIXER_LETTERS, LMConfig, generate, make_mixer
 from tests.layers.util import fast_jit, rel_rms
 from tests.models.util import B, T, VOCAB, call, decode, tiny_model, tokens
 
@@ -119,3 +120,16 @@ def test_untied_embeddings_add_an_output_head():
   untied = abstract_model(preset_125m("GGGA", tie_embeddings=False))
   assert tied.lm_head is None and untied.lm_head is not None
   assert count_params(untied) - count_params(tied) == 50304 * 768
+
+
+@pytest.mark.parametrize("letter", "LRFDGKA")
+def test_a_layer_built_alone_is_the_layer_the_lm_builds(letter):
+  # Given an LM config of one mixer kind, and that mixer built alone from the same width and heads
+  config = LMConfig(vocab_size=16, width=64, depth=1, num_heads=4, pattern=letter)
+  cls = getattr(layers, MIXER_LETTERS[letter])
+  shapes = lambda build: jax.tree.map(lambda p: p.shape, nnx.state(nnx.eval_shape(build), nnx.Param))
+  # When both are built (abstractly: shapes only)
+  from_lm = shapes(lambda: make_mixer(config, letter, rngs=nnx.Rngs(0)))
+  alone = shapes(lambda: cls(config.width, config.num_heads, rngs=nnx.Rngs(0)))
+  # Then they have the same parameters, path for path and shape for shape (one default per layer)
+  assert from_lm == alone

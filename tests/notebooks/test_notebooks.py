@@ -75,3 +75,34 @@ def test_notebook_runs_top_to_bottom_on_cpu(name, kernel_env):
   text = "".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
                  for out in cell.outputs)
   assert "CPU runtime" in text
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_install_cell_takes_repo_url_and_says_why_it_cannot_install(name, monkeypatch, tmp_path):
+  # Given the notebook's install cell, run as in Colab, with pip and git replaced by a recorder
+  import subprocess
+  import types
+  first = [cell for cell in read(name).cells if cell.cell_type == "code"][0].source
+  assert "# @param" in first.splitlines()[1]
+  monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+  monkeypatch.setattr(sys, "path", list(sys.path))
+  calls = []
+
+  def fake_run(returncode):
+    def run(args, **kwargs):
+      calls.append(args)
+      return subprocess.CompletedProcess(args, returncode, stdout="", stderr="ERROR: no such repository")
+    return run
+
+  # When REPO_URL names a local checkout and pip succeeds
+  monkeypatch.setattr(subprocess, "run", fake_run(0))
+  local = first.replace('REPO_URL = "https://', f'REPO_URL = {ROOT!r}  # "https://', 1)
+  exec(compile(local, name, "exec"), {"__name__": "cell"})
+  # Then pip installs that checkout, and nothing is cloned
+  assert calls[-1][:4] == [sys.executable, "-m", "pip", "install"] and calls[-1][5].startswith(ROOT)
+  assert not any(call[0] == "git" for call in calls)
+  # When the default URL cannot be fetched
+  monkeypatch.setattr(subprocess, "run", fake_run(1))
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(RuntimeError, match=r"REPO_URL='https://github.com/.*'.*\n.*no such repository"):
+    exec(compile(first, name, "exec"), {"__name__": "cell"})

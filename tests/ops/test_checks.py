@@ -418,3 +418,25 @@ def test_valid_steps_do_not_raise():
     o, state = _step(name, scale=jnp.float32(0.5))
     v_cols = V + 1 if name == "linear_attention_step" else V
     assert o.shape == (B, HV, V) and state.shape == (B, HV, K, v_cols), name
+
+
+@pytest.mark.parametrize("name", list(STEP_GATES))
+def test_step_takes_its_op_s_options(name):
+  # Given a step and its full-sequence op
+  import inspect
+  keywords = lambda f: {p.name for p in inspect.signature(f).parameters.values() if p.kind is p.KEYWORD_ONLY}
+  op, step = getattr(ops, name.removesuffix("_step")), getattr(ops, name)
+  # Then the step takes every option of the op but those of a sequence (packing, chunks, the final state)
+  sequence_only = {"output_final_state", "segment_ids", "cu_seqlens", "chunk_size"}
+  assert keywords(op) - sequence_only <= keywords(step)
+  # And initial_state= is state=, impl="recurrent"/"chunk" is the step, impl="pallas" raises
+  state = 0.1 * _x(B, HV, K, V + (name == "linear_attention_step"))
+  o, s = _step(name, state=state)
+  for kw in (dict(initial_state=state), dict(initial_state=state, impl="recurrent"), dict(state=state, impl="chunk")):
+    o2, s2 = _step(name, **kw)
+    np.testing.assert_array_equal(o2, o)
+    np.testing.assert_array_equal(s2, s)
+  with pytest.raises(ValueError, match=r"^impl='pallas' cannot serve a one-token step"):
+    _step(name, state=state, impl="pallas")
+  with pytest.raises(ValueError, match=r"not both"):
+    _step(name, state=state, initial_state=state)

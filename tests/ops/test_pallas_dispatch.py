@@ -11,7 +11,8 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from linear_attention_jax import ops
-from pallas_kernels import tpu
+from linear_attention_jax.ops import dispatch
+from linear_attention_jax.pallas_kernels import tpu
 from tests.ops.conftest import FAMILY, call, make_inputs, rel_rms
 
 PARAMS = pltpu.InterpretParams(random_seed=3)
@@ -112,3 +113,31 @@ def test_auto_avoids_the_kernel_for_explicitly_sharded_inputs():
     assert not _has_kernel(functools.partial(ops.kda, chunk_size=16), *args)
     with pytest.raises(ValueError, match=r"cannot serve kda: the inputs are sharded over mesh axes"):
       ops.kda(*args, chunk_size=16, impl="pallas")
+
+
+def test_auto_on_a_cpu_takes_the_scan_forward_up_to_the_measured_bound():
+  # The rule (README, "impl="auto" on a CPU"): the scan's forward up to CPU_SCAN_MAX_T tokens, else,
+  # or with T unknown, the chunked form; only on a CPU.
+  bound = dispatch.CPU_SCAN_MAX_T
+  assert dispatch.cpu_scan_forward(1, "cpu") and dispatch.cpu_scan_forward(bound, "cpu")
+  assert not dispatch.cpu_scan_forward(bound + 1, "cpu")
+  assert not dispatch.cpu_scan_forward(None, "cpu")
+  assert not dispatch.cpu_scan_forward(64, "gpu") and not dispatch.cpu_scan_forward(64, "tpu")
+  assert _select("auto", T=64) == "recurrent" and _select("auto", T=bound + 1) == "chunk"
+  assert _select("chunk", T=64) == "chunk" and _select("recurrent", T=bound + 1) == "recurrent"
+  with tpu.interpret_kernels(PARAMS):  # a kernel that serves the call still comes first
+    assert _select("auto", T=64) == "pallas"
+
+
+def test_auto_on_a_cpu_runs_the_scan_forward_and_the_chunked_gradient():
+  # Given a short call on the CPU
+  inp = make_inputs("simple_gla", B=1, T=20, H=1, Hv=2)
+  args = tuple(inp[n] for n in ("q", "k", "v", "g"))
+  op = lambda impl: functools.partial(ops.simple_gla, chunk_size=8, impl=impl)
+  jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})  # compiles fast
+  loss = lambda impl: jit(jax.grad(lambda *a: jnp.sum(op(impl)(*a)[0] ** 2), argnums=(0, 1, 2, 3)))
+  # When auto runs it, forward and differentiated
+  # Then its output is the scan's, bit for bit, and its gradients the chunked form's
+  np.testing.assert_array_equal(jit(op("auto"))(*args)[0], jit(op("recurrent"))(*args)[0])
+  for got, want in zip(loss("auto")(*args), loss("chunk")(*args)):
+    np.testing.assert_array_equal(got, want)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import prep
+from linear_attention_jax.pallas_kernels import prep
 from tests.ops.conftest import rel_rms
 
 

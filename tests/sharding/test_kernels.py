@@ -46,7 +46,7 @@ def test_sharded_op_equals_single_device(rules):
 def test_pallas_kernel_runs_per_shard():
   """The TPU kernel (in the TPU interpreter) under `shard_map`: heads over "tensor" and the sequence
   over "seq" (context parallel: the kernel walks each shard from the identity basis too)."""
-  from pallas_kernels import tpu as tpu_kernels
+  from linear_attention_jax.pallas_kernels import tpu as tpu_kernels
 
   mesh = make_mesh(MeshConfig(data=1, seq=2, tensor=2), devices=jax.devices()[:4])
   args, h0 = util.inputs("gated_delta_rule", T=64, K=16, V=16)
@@ -69,7 +69,7 @@ def test_tpu_kernel_sharded_equals_unsharded():
   under both splits."""
   from jax.experimental.pallas import tpu as pltpu
 
-  from pallas_kernels import tpu
+  from linear_attention_jax.pallas_kernels import tpu
   from tests.ops.conftest import make_inputs, rel_rms
   inp = make_inputs("kda", B=2, T=40, H=2, Hv=4, K=8, V=256, seed=0)
   seg = np.zeros((2, 40), np.int32)
@@ -119,7 +119,7 @@ def _export_grad(chunked_attention, mesh, rules, platform, arrays, **options):
 
 
 def test_tpu_kernel_sharded_exports_for_a_tpu_mesh():
-  from pallas_kernels import tpu
+  from linear_attention_jax.pallas_kernels import tpu
   B, T, H, D = 8, 1024, 16, 128
   heads = P("data", None, "tensor")
   arrays = [((B, T, H, D), jnp.bfloat16, heads)] * 3 + [((B, T, H), jnp.float32, heads)] * 2
@@ -133,7 +133,7 @@ def _export_gpu_grad(rules, T, delta, per_channel=False):
   """The GPU kernels' sharded gradient exported for a 2 x 2 H200 mesh (B=4, H=8, K=V=128, bf16; scalar
   or per-channel decay). The Mosaic GPU interpreter simulates a single device, so the GPU kernels
   cannot run sharded on a CPU: the numerics of the split are the TPU kernels' test's."""
-  from pallas_kernels import gpu
+  from linear_attention_jax.pallas_kernels import gpu
   B, H, D = 4, 8, 128
   rows = P("data", None, "tensor") if rules == "tp" else P("data")
   values = P("data", None, "tensor") if rules == "tp" else P("data", None, None, "tensor")

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.gpu import channel, channel_delta_grads
+from linear_attention_jax.pallas_kernels.gpu import channel, channel_delta_grads
 from tests.ops.conftest import make_inputs
 from tests.pallas_kernels.gpu.util import KERNELS, check, packed_runs
 

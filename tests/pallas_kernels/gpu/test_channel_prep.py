@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import gpu, prep
+from linear_attention_jax.pallas_kernels import gpu, prep
 from tests.ops.conftest import make_inputs, rel_rms
 from tests.pallas_kernels.gpu.util import KERNEL_FORWARD, KERNELS, PARAMS, check
 
@@ -25,8 +25,8 @@ def test_per_channel_preparation_kernel_equals_xla(variant, gates, K, V, packed)
   # operands, grouped heads, T = 150, runs changing inside a chunk and on its boundary. "normal" gates
   # are halved so that every chunk fits float16's bound (8 nats each side) and the kernel runs; "strong"
   # ones (g down to -20 a token) do not, and the call returns the merge form's tensors.
-  from pallas_kernels import vjp
-  from pallas_kernels.gpu import channel
+  from linear_attention_jax.pallas_kernels import vjp
+  from linear_attention_jax.pallas_kernels.gpu import channel
   inp = make_inputs(variant, B=1, T=150, H=1, Hv=2, K=K, V=V, gates=gates, seed=18)
   q, k, v = (jnp.asarray(inp[n], jnp.float16) for n in ("q", "k", "v"))
   g = jnp.asarray(inp["g"]) * (0.5 if gates == "normal" else 1.0)
@@ -54,7 +54,7 @@ def test_per_channel_gram_survives_decay_that_overflows_a_naive_split():
   # g = -20 on half the channels: e^(-G) reaches e^1260 inside a chunk, far beyond the one-reference
   # bound, so the call takes the merge form (exponents <= 0 only): P equals the float64 sum wherever it
   # is representable.
-  from pallas_kernels import vjp
+  from linear_attention_jax.pallas_kernels import vjp
   B, T, H, K = 1, 64, 1, 64
   r = np.random.default_rng(9)
   q, k, v = (jnp.asarray(r.normal(size=(B, T, H, K)), jnp.float16) for _ in range(3))
@@ -86,7 +86,7 @@ def test_per_channel_family_with_the_preparation_kernel_matches_the_float64_loop
 
 
 def test_per_channel_preparation_kernel_serves_per_channel_gates_only():
-  from pallas_kernels.gpu import channel_prep
+  from linear_attention_jax.pallas_kernels.gpu import channel_prep
   assert channel_prep.serves(jnp.zeros((1, 8, 2, 4)), None, None)
   assert channel_prep.serves(jnp.zeros((1, 8, 2, 4)), jnp.zeros((1, 8, 2)), jnp.zeros((1, 8), jnp.int32))
   assert not channel_prep.serves(jnp.zeros((1, 8, 2)), None, None)

@@ -16,8 +16,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import numpy as np
 import pytest
 
-from pallas_kernels import common, gpu, prep
-from pallas_kernels.gpu import GpuConfig, walk
+from linear_attention_jax.pallas_kernels import common, gpu, prep
+from linear_attention_jax.pallas_kernels.gpu import GpuConfig, walk
 from tests.ops.conftest import make_inputs, rel_rms
 from tests.pallas_kernels.gpu.util import BF16_TOL, KERNEL_FORWARD, KERNELS, PARAMS, XLA, check
 
@@ -228,7 +228,7 @@ def test_fused_path_matches_the_float64_loop(variant, gates, h0, H, V):
 
 
 def test_fused_path_serves_only_the_additive_family_with_scalar_or_no_decay():
-  from pallas_kernels.gpu import fused
+  from linear_attention_jax.pallas_kernels.gpu import fused
   g_scalar, g_channel, seg = jnp.zeros((1, 8, 2)), jnp.zeros((1, 8, 2, 4)), jnp.zeros((1, 8), jnp.int32)
   assert fused.serves(None, None, None) and fused.serves(g_scalar, None, None)
   assert fused.serves(g_scalar, None, seg)
@@ -298,7 +298,7 @@ def test_delta_preparation_kernel_equals_xla(variant, gates, K, V, packed):
   # prep.py with the same float16 operands (its inverse in float32), rounded as the kernel's outputs are
   # (grouped heads, T = 150). At strong gates k e^G itself loses digits as a float16 operand (w is then
   # 7e-3 from the float32 preparation, in XLA as in the kernel).
-  from pallas_kernels.gpu import delta_prep
+  from linear_attention_jax.pallas_kernels.gpu import delta_prep
   inp = make_inputs(variant, B=1, T=150, H=1, Hv=2, K=K, V=V, gates=gates, seed=18)
   q, k, v = (jnp.asarray(inp[n], jnp.float16) for n in ("q", "k", "v"))
   g = None if inp.get("g") is None else jnp.asarray(inp["g"])
@@ -331,7 +331,7 @@ def test_delta_family_with_the_preparation_kernel_matches_the_float64_loop(varia
 
 
 def test_delta_preparation_kernel_serves_scalar_or_no_decay_only():
-  from pallas_kernels.gpu import delta_prep
+  from linear_attention_jax.pallas_kernels.gpu import delta_prep
   beta, seg = jnp.zeros((1, 8, 2)), jnp.zeros((1, 8), jnp.int32)
   assert delta_prep.serves(None, beta, None) and delta_prep.serves(jnp.zeros((1, 8, 2)), beta, seg)
   assert not delta_prep.serves(jnp.zeros((1, 8, 2, 4)), beta, None)
@@ -415,7 +415,7 @@ def test_backward_recomputes_what_the_forward_did_not_keep(variant):
   # Under differentiation the op's forward keeps the states (and, for the delta family, the prepared
   # tensors and (I + L)^-1) for its backward; called without them, the backward recomputes them and
   # gives the same gradients.
-  from pallas_kernels.gpu import delta_grads, fused
+  from linear_attention_jax.pallas_kernels.gpu import delta_grads, fused
   inp = make_inputs(variant, B=1, T=100, H=1, Hv=2, K=64, V=64, seed=31)
   q, k, v = (jnp.asarray(inp[n], jnp.float16) for n in ("q", "k", "v"))
   g, beta = jnp.asarray(inp["g"]), (None if inp.get("beta") is None else jnp.asarray(inp["beta"]))
@@ -442,7 +442,7 @@ def test_backward_recomputes_what_the_forward_did_not_keep(variant):
 def test_delta_gradient_programs_over_several_value_blocks_change_no_bit():
   # chunk_grads can take several value blocks of a chunk in one program (the next block's tiles fetched
   # while the current one computes); the bits must equal one block per program's.
-  from pallas_kernels.gpu import delta_grads
+  from linear_attention_jax.pallas_kernels.gpu import delta_grads
   B, T, H, Hv, K, V, C = 1, 128, 1, 2, 128, 256, 64
   r = np.random.default_rng(33)
   f16 = lambda *shape: jnp.asarray(r.normal(size=shape) * 0.5, jnp.float16)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
-from pallas_kernels.gpu import delta_grads
-from pallas_kernels.gpu.delta_grads_pair import chunk_grads_pair
+from linear_attention_jax.pallas_kernels.gpu import delta_grads
+from linear_attention_jax.pallas_kernels.gpu.delta_grads_pair import chunk_grads_pair
 from tests.ops.conftest import rel_rms
 
 RACES = plgpu.InterpretGPUParams(detect_races=True)
@@ -36,7 +36,7 @@ def test_pair_equals_one_warpgroup_per_block_with_no_race(l2, packed):
   args = _grads_args(r)
   masks = None
   if packed:
-    from pallas_kernels.gpu.masks import segment_vectors
+    from linear_attention_jax.pallas_kernels.gpu.masks import segment_vectors
     seg = np.zeros((1, 128), np.int32)
     seg[0, 30:70], seg[0, 70:] = 1, 2
     masks = segment_vectors(jnp.asarray(seg), 64, 128)
@@ -70,7 +70,7 @@ def test_pair_rejects_what_it_cannot_serve():
 
 
 def test_public_option_is_checked():
-  from pallas_kernels import gpu
+  from linear_attention_jax.pallas_kernels import gpu
   x = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="delta_warpgroups"):
     gpu.chunked_attention(x, x, x, beta=jnp.zeros((1, 64, 1)), config=gpu.GpuConfig(delta_warpgroups=3),

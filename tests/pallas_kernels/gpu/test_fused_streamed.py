@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
-from pallas_kernels import gpu
-from pallas_kernels.gpu import fused
-from pallas_kernels.gpu.fused_streamed import streamed_stages
+from linear_attention_jax.pallas_kernels import gpu
+from linear_attention_jax.pallas_kernels.gpu import fused
+from linear_attention_jax.pallas_kernels.gpu.fused_streamed import streamed_stages
 from tests.ops.conftest import make_inputs
 from tests.pallas_kernels.gpu.util import KERNELS, assert_walk_outputs_close, check
 

@@ -9,7 +9,7 @@ import pytest
 from jax._src.mesh import AbstractDevice
 from jax.sharding import AbstractMesh
 
-from pallas_kernels import gpu
+from linear_attention_jax.pallas_kernels import gpu
 
 B, T, H = 2, 1024, 4
 KINDS = {"linear_attention": (None, False), "simple_gla": ("scalar", False), "gla": ("channel", False),

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import prepared, vjp
-from pallas_kernels.gpu import (GpuConfig, call_plan, channel, channel_delta_grads, channel_grads,
+from linear_attention_jax.pallas_kernels import prepared, vjp
+from linear_attention_jax.pallas_kernels.gpu import (GpuConfig, call_plan, channel, channel_delta_grads, channel_grads,
                                 channel_prep, chunked_attention, delta_grads, delta_prep, fused, plan, walk)
 
 ONE_WARPGROUP = dict(forward_warpgroups=1, delta_warpgroups=1)
@@ -138,8 +138,8 @@ def test_the_trace_reaches_exactly_the_planned_stages(monkeypatch, variant, forw
   want = {(m.__name__, n) for m, n in want}
   # walk.forward and prepared.prepare also serve backward stages that recompute (xla_vjp: the
   # preparation and the states walk; fused and delta_grads after xla_prep: their own kernels)
-  helpers = {("pallas_kernels.gpu.walk", "forward"), ("pallas_kernels.prepared", "prepare"),
-             ("pallas_kernels.gpu.delta_prep", "prepare"), ("pallas_kernels.gpu.fused", "forward")}
+  helpers = {("linear_attention_jax.pallas_kernels.gpu.walk", "forward"), ("linear_attention_jax.pallas_kernels.prepared", "prepare"),
+             ("linear_attention_jax.pallas_kernels.gpu.delta_prep", "prepare"), ("linear_attention_jax.pallas_kernels.gpu.fused", "forward")}
   assert want <= reached, (p, sorted(want - reached))
   extra = reached - want
   assert extra <= helpers, (p, sorted(extra))
@@ -170,7 +170,7 @@ def test_the_plan_rides_in_the_static_argument(monkeypatch):
 def test_the_entry_takes_at_most_ten_keywords():
   # the tuning values live in GpuConfig, not in the entry's signature (as the TPU entry's BlockSizes)
   import inspect
-  from pallas_kernels import tpu
+  from linear_attention_jax.pallas_kernels import tpu
   for entry in (chunked_attention, tpu.chunked_attention):
     keywords = [p for p in inspect.signature(entry).parameters.values() if p.kind == p.KEYWORD_ONLY]
     assert len(keywords) <= 10, (entry.__module__, [p.name for p in keywords])

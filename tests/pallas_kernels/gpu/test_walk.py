@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import prep
-from pallas_kernels.gpu import walk
+from linear_attention_jax.pallas_kernels import prep
+from linear_attention_jax.pallas_kernels.gpu import walk
 from tests.ops.conftest import make_inputs, rel_rms
 from tests.pallas_kernels.gpu.util import PARAMS
 

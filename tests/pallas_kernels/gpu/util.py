@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels import gpu
-from pallas_kernels.gpu import GpuConfig
+from linear_attention_jax.pallas_kernels import gpu
+from linear_attention_jax.pallas_kernels.gpu import GpuConfig
 from tests.ops.conftest import rel_rms
 from tests.ops.test_equivalence import _reference
 

@@ -13,7 +13,7 @@ import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import tpu
+from linear_attention_jax.pallas_kernels import tpu
 from tests.ops.conftest import make_inputs
 from tests.pallas_kernels.tpu.util import check
 

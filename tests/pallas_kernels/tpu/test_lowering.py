@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import tpu
+from linear_attention_jax.pallas_kernels import tpu
 
 # (8, 4096, 16, 128): B, T, heads, head dim, in bfloat16; chunk 64, default block sizes.
 B, T, H, D = 8, 4096, 16, 128

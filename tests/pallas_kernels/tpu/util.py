@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import tpu
+from linear_attention_jax.pallas_kernels import tpu
 from tests.ops.conftest import rel_rms
 from tests.ops.test_equivalence import _reference
 
