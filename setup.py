@@ -17,7 +17,7 @@ setup(
     package_dir={"linear_attention_jax.pallas_kernels": "pallas_kernels"},
     python_requires=">=3.12",
     install_requires=[
-        "jax>=0.11.2,<0.13",  # tested: 0.11.2 (the whole suite, CI); 0.12.0.1 (a subset, by hand)
+        "jax>=0.11.2,<0.13",  # tested: 0.11.2 (the whole suite, CI); 0.12.0.1 (make test-newest-jax, CI)
         "flax",
         "optax",
         "orbax-checkpoint",
@@ -26,7 +26,7 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest", "pytest-xdist", "nbclient", "nbformat", "ipykernel"],  # the last three run notebooks/
+        "test": ["pytest", "pytest-xdist", "hypothesis", "nbclient", "nbformat", "ipykernel"],  # the last three run notebooks/
         "experiments": ["matplotlib", "tqdm", "tensorboardX"],
         "docs": ["pdoc==16.0.0"],  # `make docs`: the API reference from the docstrings
     },

@@ -47,6 +47,20 @@ class ChunkTensors(NamedTuple):
   decay: jax.Array | None    # [B, H, NC, K] from `prepare`; `chunk_tensors` may keep it smaller
 
 
+# The floor on the log-decay of one token that every chunked form and kernel takes (`floor_log_decay`):
+# `g = -inf` ("forget everything", `log(sigmoid(a))` for a < -104) would make the chunk-local cumsum G hold
+# -inf, whose differences are NaN, and a huge finite g (-1e4) makes G so large that the float32
+# differences G_i - G_j of the tokens after it lose their small gates (3.7e-4 of accuracy at -1e4).
+# e^-20 ~ 2e-9: a token at the floor keeps 2e-9 of the state where exact forgetting keeps 0, far below
+# float32's epsilon against what the token writes.
+LOG_DECAY_FLOOR = -20.0
+
+
+def floor_log_decay(g):
+  """`max(g, LOG_DECAY_FLOOR)` elementwise (None stays None); the gradient is 0 below the floor."""
+  return None if g is None else jnp.maximum(g, LOG_DECAY_FLOOR)
+
+
 def padded_length(T: int, chunk_size: int, chunk_multiple: int = 1) -> int:
   """T rounded up to whole groups of `chunk_multiple` chunks."""
   step = chunk_size * chunk_multiple

@@ -138,12 +138,23 @@ def _chunk_walk(q, k, v, g, beta, scale, h0, seg, seg_before, C, resets, unroll=
   chunks = lambda x: None if x is None else to_chunks(x, C)
   # dtype=None: the backend's default matmul precision, no casts (the kernels choose theirs)
   t = chunk_tensors(*map(chunks, (q, k, v, g, beta)), seg, seg_before, dtype=None)
+  starts = None
+  if seg is not None:  # chunks whose first token starts a segment: none of their tokens reads the state
+    segc = seg.reshape(B, NC, C)
+    before = jnp.concatenate([segc[:, :1, 0] if seg_before is None else seg_before[:, None],
+                              segc[:, :-1, -1]], axis=1)
+    starts = jnp.moveaxis(segc[:, :, 0] != before, 1, 0)  # [NC, B]
 
   def body(state, xs):
     s_prev = state  # the state after the previous chunk, before any reset
     if resets is not None:
       reset_n, seq_n, table = xs["reset"], xs["seq"], resets[2]
       state = jnp.where(reset_n, table[seq_n][None], state)
+    if starts is not None:
+      # Zeros where a segment starts with the chunk: the masks already drop the carried state there,
+      # and a where (not a multiply by the zero masks) keeps a NaN or inf in an earlier segment out
+      # of this chunk, so it reaches no segment that starts in a later chunk.
+      state = jnp.where(xs["start"][:, None, None, None], 0.0, state)
     s_in = state
     decay = 1.0 if xs["decay"] is None else (
         xs["decay"][..., None] if xs["decay"].ndim == 3 else xs["decay"][..., None, None])
@@ -162,6 +173,8 @@ def _chunk_walk(q, k, v, g, beta, scale, h0, seg, seg_before, C, resets, unroll=
     xs.update(U=first(t.u), W=first(t.w), kd=first(t.kd))
   if resets is not None:
     xs.update(reset=resets[0], seq=resets[1])
+  if starts is not None:
+    xs["start"] = starts
   final, (states, prev, U) = jax.lax.scan(body, h0, xs, unroll=max(1, min(unroll, NC)))
   states = jnp.moveaxis(states, 0, 2)  # [B, H, NC, K, V]
   U = t.u if U is None else jnp.moveaxis(U, 0, 2)

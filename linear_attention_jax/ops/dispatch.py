@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from linear_attention_jax.ops.chunk import chunk_form
 from linear_attention_jax.pallas_kernels import gpu as gpu_kernels
+from linear_attention_jax.pallas_kernels.prep import floor_log_decay
 from linear_attention_jax.pallas_kernels import tpu as tpu_kernels
 
 BACKENDS = {"gpu": gpu_kernels, "tpu": tpu_kernels}
@@ -84,6 +85,19 @@ def select_impl(impl: str, variant: str, *, T: int | None = None, **call) -> str
   if impl == "pallas":
     raise ValueError(f"impl='pallas' cannot serve {variant}: {reason}; use impl='chunk' or impl='auto'")
   return "recurrent" if cpu_scan_forward(T, kernel_backend()) else "chunk"
+
+
+def gate_for(form: str, g):
+  """The log-decay `g` that the form `form` ("recurrent", "chunk" or "pallas") takes.
+
+  The recurrent scan takes g as given: it multiplies the state by `exp(g)`, so `g = -inf` forgets
+  exactly. Every other form sums g within a chunk and exponentiates differences of those sums, where a
+  -inf gives NaN (-inf - -inf) and a huge finite g drowns the small gates after it; they take
+  `floor_log_decay(g)`, g floored at `LOG_DECAY_FLOOR` (-20) per token and key channel (gradient 0
+  below the floor). A token at the floor keeps e^-20 ~ 2e-9 of the state instead of 0, so the forms
+  agree with the scan to float32 rounding for any `g <= 0`, -inf included. NaN stays NaN.
+  """
+  return g if form == "recurrent" else floor_log_decay(g)
 
 
 def scan_forward_chunk_derivatives(scan, chunk):

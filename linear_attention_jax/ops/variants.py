@@ -22,7 +22,7 @@ import numpy as np
 
 from linear_attention_jax.ops import checks
 from linear_attention_jax.ops.chunk import chunk_form
-from linear_attention_jax.ops.dispatch import (pallas_form, pallas_reason,  # noqa: F401
+from linear_attention_jax.ops.dispatch import (gate_for, pallas_form, pallas_reason,  # noqa: F401
                                                scan_forward_chunk_derivatives, select_impl)
 from linear_attention_jax.ops.feature_maps import l2_normalize, resolve_feature_map
 from linear_attention_jax.ops.packing import Packing, from_cu_seqlens, from_segment_ids
@@ -91,19 +91,19 @@ def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_sta
     # matmul dtype (the inputs' own: exact for raw inputs)
     l2 = qk_map is l2_normalize
     q_in, k_in = (q_raw, k_raw) if l2 else mapped()
-    o, final = pallas_form(q_in, k_in, v32, g32, b32, scale=scale, initial_state=h0,
+    o, final = pallas_form(q_in, k_in, v32, gate_for(form, g32), b32, scale=scale, initial_state=h0,
                            segment_ids=segment_ids, chunk_size=chunk_size, compute_dtype=compute_dtype,
                            qk_l2norm=l2, v_extra=v_extra, mapped_qk=mapped, packing=packing)
   elif form == "recurrent" and impl == "auto":  # the scan forward, the chunked form's derivatives
     scan = lambda *x: recurrent_form(*x[:5], scale=scale, initial_state=x[5], packing=packing)
-    chunk = lambda *x: chunk_form(*x[:5], scale=scale, initial_state=x[5], packing=packing,
-                                  chunk_size=chunk_size)
+    chunk = lambda q, k, v, g, b, h0: chunk_form(q, k, v, gate_for("chunk", g), b, scale=scale,
+                                                 initial_state=h0, packing=packing, chunk_size=chunk_size)
     o, final = scan_forward_chunk_derivatives(scan, chunk)(*mapped(), v32, g32, b32, h0)
   elif form == "recurrent":
     o, final = recurrent_form(*mapped(), v32, g32, b32, scale=scale, initial_state=h0, packing=packing)
   else:
-    o, final = chunk_form(*mapped(), v32, g32, b32, scale=scale, initial_state=h0, packing=packing,
-                          chunk_size=chunk_size)
+    o, final = chunk_form(*mapped(), v32, gate_for(form, g32), b32, scale=scale, initial_state=h0,
+                          packing=packing, chunk_size=chunk_size)
   return o, (final if output_final_state else None)
 
 

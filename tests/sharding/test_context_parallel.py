@@ -60,3 +60,42 @@ def test_context_parallel_with_batch_and_heads_split():
     errors = util.compare(shard_op(util.op(variant), mesh, rules), util.op(variant), args, h0, **kwargs)
     print(util.table(f"{variant} under {rules}", errors))
     assert max(errors.values()) <= util.TOL, (variant, errors)
+
+
+@multidevice
+def test_context_parallel_property():
+  """Context parallel == one device as a property (hypothesis, derandomized, 3 examples a variant):
+  random values, gate strengths (0.01 ... 30 times the usual gates) and segment boundaries (0 to 3
+  changes anywhere, on or off the 4 shards' edges) over one fixed shape, so each variant compiles once;
+  o and the final state within util.TOL. Both families, scalar and per-channel gates."""
+  import functools
+
+  import numpy as np
+  from hypothesis import given, settings
+  from hypothesis import strategies as st
+
+  from tests.ops.conftest import FAMILY
+
+  mesh = make_mesh(MeshConfig(data=1, seq=4), devices=jax.devices()[:4])
+  for variant in ("gated_delta_rule", "gla", "linear_attention"):
+    kwargs = dict(_options(variant), output_final_state=True)
+    sharded = util.fast_jit(functools.partial(shard_op(util.op(variant), mesh, "cp"), **kwargs))
+    single = util.fast_jit(functools.partial(util.op(variant), **kwargs))
+
+    @settings(max_examples=3, derandomize=True, deadline=None, database=None)
+    @given(seed=st.integers(0, 2**31 - 1), strength=st.floats(0.01, 30.0),
+           cuts=st.lists(st.integers(1, T - 1), max_size=3))
+    def check(seed, strength, cuts):
+      args, h0 = util.inputs(variant, T=T, seed=seed % 1000)
+      if FAMILY[variant][0] is not None:  # the gate follows q, k, v
+        args[3] = args[3] * strength
+      ids = np.zeros((2, T), np.int32)
+      for c in cuts:
+        ids[:, c:] += 1
+      seg = jax.numpy.asarray(ids)
+      o, final = sharded(*args, initial_state=h0, segment_ids=seg)
+      o_ref, final_ref = single(*args, initial_state=h0, segment_ids=seg)
+      errors = {"o": util.rel_rms(o, o_ref), "final": util.rel_rms(final, final_ref)}
+      assert max(errors.values()) <= util.TOL, (variant, seed, strength, cuts, errors)
+
+    check()
