@@ -16,10 +16,10 @@ HALF = 64   # key channels per pass
 
 
 def chunk_cumsum(g, T_pad: int, C: int):
-  """`(G [B, T_pad, H_v, K], refs [B, NC, 2 + 2 NG, H_v, K])` float32: the chunk-local cumulative
+  """`(G [B, T_pad, H_v, K], refs [B, NC, 2 + NG, H_v, K])` float32: the chunk-local cumulative
   log-decay in g's token layout (g floored at `prep.LOG_DECAY_FLOOR`), and per chunk and channel the
-  reference `R` (`prep.reference`, row 0), the last token's `G_C` (row 1) and the 8-token groups'
-  references (`groups.ref_rows`: each group's last row, then its middle)."""
+  reference `R` (`prep.reference`, row 0), the last token's `G_C` (row 1) and the last row of each
+  8-token group (`groups.ref_rows`)."""
   B, T, Hv, K = g.shape
   g = jnp.pad(prep.floor_log_decay(g.astype(F32)), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
   G = jnp.cumsum(g.reshape(B, T_pad // C, C, Hv, K), axis=2)
@@ -29,7 +29,7 @@ def chunk_cumsum(g, T_pad: int, C: int):
 
 def ref_count(C: int) -> int:
   """Rows of `chunk_cumsum`'s refs for chunks of C tokens."""
-  return groups.FIRST_ROW + 2 * groups.groups(C)
+  return groups.FIRST_ROW + groups.groups(C)
 
 
 def fits(G, C: int, dtype):

@@ -234,7 +234,6 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
     # M = strict(Ar Kr^T) over both halves, for dbeta's rowsum(dL M); then dM = Diag(beta) dL in dL's tile
     gb = groups.group_bound(dtype)
     vec_end = lambda i: lambda t: colv(groups.FIRST_ROW + t, i)
-    vec_mid = lambda i: lambda t: colv(groups.FIRST_ROW + C // groups.GROUP + t, i)
     if grams == "one":
       M = None
       for i in range(KH):
@@ -248,7 +247,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
       for s in groups.products(C):
         Ms = None
         for i in range(KH):
-          up, down = groups.factors(load(g_s.at[i]), vec_end(i), vec_mid(i), s, gb)
+          up, down = groups.factors(load(g_s.at[i]), vec_end(i), s, gb)
           kt = load(k_s.at[i])
           ar_s[...] = (kt * up).astype(dtype)
           kr_s[...] = (kt * down).astype(dtype)
@@ -283,7 +282,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
         d = rows(groups.diagonal_of(load(dp_s)))
         dq_p, minus, plus = d * load(k_s.at[i]), d * load(q_s.at[i]), 0.0
         for s in groups.products(C):
-          up, down = groups.factors(fresh(load(g_s.at[i])), vec_end(i), vec_mid(i), s, gb)
+          up, down = groups.factors(fresh(load(g_s.at[i])), vec_end(i), s, gb)
           qt, kt = load(q_s.at[i]), load(k_s.at[i])
           kr_s[...] = (kt * down).astype(dtype)
           qr_s[...] = (qt * up).astype(dtype)
@@ -336,7 +335,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
   outs = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
-      kernel_name="chunk_grads_channel_delta_k")(*args)
+      kernel_name="chunk_grads_channel_delta_k" + ("_groups" if grams == "groups" else ""))(*args)
   return vary_like(outs, args)
 
 

@@ -77,7 +77,8 @@ def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, int
   has_seg = masks is not None
   halves = lambda rows: smem((KH, rows, HALF), dtype)
   scratch = dict(
-      q_s=halves(C), k_s=halves(C), a_s=halves(C), b_s=halves(C), st_s=halves(V), dst_s=halves(V),
+      q_s=halves(C), k_s=halves(C), a_s=smem((1, C, HALF), dtype) if grams == "groups" else halves(C),
+      b_s=halves(C), st_s=halves(V), dst_s=halves(V),
       g_s=smem((KH, C, HALF), F32), v_s=smem((C, V), dtype), do_s=smem((C, V), dtype),
       p_s=smem((C, C), dtype), dp_s=smem((C, C), dtype), r_s=plgpu.SMEM((refs.shape[2], K), F32),
       bar=plgpu.Barrier(num_arrivals=5 * KH + 3 + SEG_ROWS * has_seg))
@@ -122,7 +123,6 @@ def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, int
 
     gb = groups.group_bound(dtype)
     vec_end = lambda i: lambda t: colv(groups.FIRST_ROW + t, i)
-    vec_mid = lambda i: lambda t: colv(groups.FIRST_ROW + C // groups.GROUP + t, i)
     if grams == "one":
       # Qr = q e^(G - R), Kr = k e^(R - G), half by half
       for i in range(KH):
@@ -134,16 +134,16 @@ def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, int
       for i in range(1, KH):
         P = matmul(a_s.at[i], b_s.at[i].T, sq, init=P)
     else:   # each product of the groups (groups.py) over both halves, kept on its own entries
+      # (q's factor tile holds one half at a time: the groups' kernel needs the room for dP's staging)
       P = 0.0
       for s in groups.products(C):
+        Ps = None
         for i in range(KH):
-          up, down = groups.factors(load(g_s.at[i]), vec_end(i), vec_mid(i), s, gb)
-          a_s.at[i][...] = (load(q_s.at[i]) * up).astype(dtype)
+          up, down = groups.factors(load(g_s.at[i]), vec_end(i), s, gb)
+          a_s.at[0][...] = (load(q_s.at[i]) * up).astype(dtype)
           b_s.at[i][...] = (load(k_s.at[i]) * down).astype(dtype)
-        plgpu.commit_smem()
-        Ps = matmul(a_s.at[0], b_s.at[0].T, sq)
-        for i in range(1, KH):
-          Ps = matmul(a_s.at[i], b_s.at[i].T, sq, init=Ps)
+          plgpu.commit_smem()
+          Ps = matmul(a_s.at[0], b_s.at[i].T, sq, init=Ps)
         P = P + jnp.where(groups.keep_mask(C, s), Ps, 0.0)
       for i in range(KH):
         P = groups.with_diagonal(P, load(q_s.at[i]), load(k_s.at[i]))
@@ -167,13 +167,13 @@ def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, int
         d = rows(groups.diagonal_of(load(dp_s)))
         dq_p, dk_p = d * load(k_s.at[i]), d * load(q_s.at[i])
         for s in groups.products(C):
-          up, down = groups.factors(fresh(load(g_s.at[i])), vec_end(i), vec_mid(i), s, gb)
-          a_s.at[i][...] = (load(q_s.at[i]) * up).astype(dtype)
+          up, down = groups.factors(fresh(load(g_s.at[i])), vec_end(i), s, gb)
+          a_s.at[0][...] = (load(q_s.at[i]) * up).astype(dtype)
           b_s.at[i][...] = (load(k_s.at[i]) * down).astype(dtype)
           keep = groups.keep_mask(C, s)
           dpl_s[...] = jnp.where(keep, load(dp_s), 0.0).astype(dtype)
           plgpu.commit_smem()
-          dPK, dPQ = matmuls((ck, [(dpl_s, b_s.at[i])]), (ck, [(dpl_s.T, a_s.at[i])]))
+          dPK, dPQ = matmuls((ck, [(dpl_s, b_s.at[i])]), (ck, [(dpl_s.T, a_s.at[0])]))
           dq_p, dk_p = dq_p + up * dPK, dk_p + down * dPQ
       dq = e_q * matmul(do_s, st_s.at[i], ck) + dq_p
       qt = load(q_s.at[i])
@@ -213,7 +213,7 @@ def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, int
   outs = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
-      kernel_name="chunk_grads_channel")(*args)
+      kernel_name="chunk_grads_channel" + ("_groups" if grams == "groups" else ""))(*args)
   return vary_like(outs, args)
 
 

@@ -147,9 +147,8 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
     else:   # the 8-token groups' products (groups.py), each kept on its own entries
       P = M = 0.0
       vec_end = lambda t: col(groups.FIRST_ROW + t)
-      vec_mid = lambda t: col(groups.FIRST_ROW + C // groups.GROUP + t)
       for s in groups.products(C):
-        up, down = groups.factors(load_G(), vec_end, vec_mid, s, group_bound)
+        up, down = groups.factors(load_G(), vec_end, s, group_bound)
         kt = load(k_s)
         bk_s[...] = (kt * down).astype(dtype)
         a_s[...] = (load(q_s) * up).astype(dtype)
@@ -220,7 +219,7 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
   outs = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
-      kernel_name="chunk_prep_channel")(*args)
+      kernel_name="chunk_prep_channel" + ("_groups" if grams == "groups" else ""))(*args)
   outs = [x.reshape(B, Hv, NC, C, x.shape[-1]) for x in vary_like(outs, args)]
   qg, kd, p = outs[:3]
   decay = jnp.swapaxes(jnp.exp(refs[:, :, 1]), 1, 2)     # e^(G_C), [B, H_v, NC, K]

@@ -11,12 +11,13 @@ g = -20 a token, about six tokens). Here the `[C, C]` tile splits into
   block: `(a e^(G - e)) (b e^(e - G))^T` kept on those blocks only. For a later row i and an earlier
   column j, `G_i <= e <= G_j`, so both exponents are <= 0: a factor can only underflow (to a term
   smaller than float32 resolves), never overflow, at any decay;
-- the 8 x 8 diagonal blocks ("diag"): one product about each group's middle, `m = (G_first +
-  G_last) / 2`, kept on the same-group strictly causal entries; the tile's own diagonal (a token with
+- the 8 x 8 diagonal blocks ("diag"): one product about each group's middle `m = (e_prev + e) / 2`, e
+  the group's last row and e_prev the previous group's (0 before the first), kept on the same-group
+  strictly causal entries. Its factors lie within `e^(+-span/2)`, the span (e_prev - e) being 8 tokens
+  of decay: 80 nats at g = -20 a token, within `GROUP_BOUND`. The tile's own diagonal (a token with
   itself, no decay) is a float32 row sum, and in the backward its terms (`dP_ii k_i` in dq, `dP_ii q_i`
   in dk) are float32 too, so they cancel exactly in `dG = q dq - k dk` (rounded apart in two products,
-  they leave an error comparable to the whole of dg where the decay is strong). Its factors lie within `e^(+-span/2)`, the
-  group's span being at most 7 tokens of decay: 70 nats at g = -20 a token, within `GROUP_BOUND`.
+  they leave an error comparable to the whole of dg where the decay is strong).
 
 log2(C / 8) + 1 products (4 at C = 64) cover the tile exactly once. The entries a product does not keep
 are dropped by a select (the accumulator's entries are independent), so their factors need only be
@@ -25,9 +26,9 @@ token) makes every chunk of bfloat16 operands fit; float16 operands (largest ~e^
 token and beyond it the caller takes XLA's merge form (`fits`).
 
 The per-chunk reference vectors ride in the kernels' `refs` rows (`channel.chunk_cumsum`): row 0 the
-one-reference `R`, row 1 `G_C`, rows `2 + t` the last row of group t, rows `2 + NG + t` group t's
-middle (NG = C / 8 groups). The functions below build, inside a kernel, the `[C, W]` reference tiles
-and the `[C, C]` keep masks of each product from those rows.
+one-reference `R`, row 1 `G_C`, rows `2 + t` the last row of group t (NG = C / 8 groups; the middles
+are formed from them in the kernel, sparing shared memory). The functions below build, inside a
+kernel, the `[C, W]` reference tiles and the `[C, C]` keep masks of each product from those rows.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from .. import prep
 from .tiles import WGMMA
 
 GROUP = 8             # tokens of a diagonal block
-GROUP_BOUND = 80.0    # |G - m| on the diagonal blocks, bfloat16 and float32 operands (e^80 ~ 5.5e34)
+GROUP_BOUND = 84.0    # |G - m| on the diagonal blocks, bfloat16 and float32 operands (e^84 ~ 3e36)
 GROUP_BOUND_F16 = 8.0   # float16 operands (largest 65504 ~ e^11)
 FIRST_ROW = 2         # refs rows: R, G_C, then the groups' last rows, then their middles
 
@@ -66,27 +67,25 @@ def levels(C: int) -> tuple[int, ...]:
 
 
 def ref_rows(Gc):
-  """XLA: the groups' reference rows of chunked `Gc [B, NC, C, H_v, K]`: `[B, NC, 2 NG, H_v, K]`, each
-  group's last row, then each group's middle `(first + last) / 2`."""
+  """XLA: the groups' reference rows of chunked `Gc [B, NC, C, H_v, K]`: `[B, NC, NG, H_v, K]`, each
+  group's last row."""
   B, NC, C, Hv, K = Gc.shape
-  NG = groups(C)
-  g = Gc.reshape(B, NC, NG, GROUP, Hv, K)
-  last, first = g[:, :, :, -1], g[:, :, :, 0]
-  return jnp.concatenate([last, (first + last) / 2], axis=2)
+  return Gc.reshape(B, NC, groups(C), GROUP, Hv, K)[:, :, :, -1]
 
 
 def always_fits(dtype) -> bool:
-  """True when every group fits by construction: gates at or above prep.LOG_DECAY_FLOOR span at most
-  `(GROUP - 1) * 20` nats in a group (bfloat16 operands: 140 <= 2 * 80)."""
-  return (GROUP - 1) * -prep.LOG_DECAY_FLOOR <= 2.0 * group_bound(dtype)
+  """True when every group fits by construction: gates at or above prep.LOG_DECAY_FLOOR decay at most
+  `GROUP * 20` nats over a group (bfloat16 operands: 160 <= 2 * 84)."""
+  return GROUP * -prep.LOG_DECAY_FLOOR <= 2.0 * group_bound(dtype)
 
 
 def fits(G, C: int, dtype):
   """True when every 8-token group of `G [B, T_pad, H_v, K]` (token layout) spans at most twice the
   diagonal bound (always, for bfloat16 operands and gates at or above prep.LOG_DECAY_FLOOR)."""
   B, T_pad, Hv, K = G.shape
-  g = G.reshape(B, T_pad // GROUP, GROUP, Hv, K)
-  return jnp.all(g[:, :, 0] - g[:, :, -1] <= 2.0 * group_bound(dtype))
+  last = G.reshape(B, T_pad // C, C // GROUP, GROUP, Hv, K)[:, :, :, -1]
+  prev = jnp.pad(last[:, :, :-1], [(0, 0), (0, 0), (1, 0), (0, 0), (0, 0)])
+  return jnp.all(prev - last <= 2.0 * group_bound(dtype))
 
 
 def _pick(shape, pieces, size):
@@ -106,9 +105,11 @@ def level_reference(vec, shape, s: int):
 
 
 def middle_reference(vec, shape):
-  """The diagonal blocks' reference tile: row i holds the middle of i's group (`vec(t)`: the broadcast
-  tile of refs row `FIRST_ROW + NG + t`)."""
-  return _pick(shape, [vec(t) for t in range(shape[0] // GROUP)], GROUP)
+  """The diagonal blocks' reference tile: row i holds the middle `(e_prev + e) / 2` of i's group
+  (`vec(t)`: the broadcast tile of group t's last row, refs row `FIRST_ROW + t`)."""
+  NG = shape[0] // GROUP
+  mids = [vec(0) * 0.5] + [(vec(t - 1) + vec(t)) * 0.5 for t in range(1, NG)]
+  return _pick(shape, mids, GROUP)
 
 
 def level_mask(C: int, s: int):
@@ -132,13 +133,13 @@ def products(C: int):
   return levels(C) + (None,)
 
 
-def factors(G, vec_end, vec_mid, s, bound: float):
+def factors(G, vec_end, s, bound: float):
   """`(up, down)` float32 `[C, W]` for product `s` (a level's block size, or None: the diagonal):
   `a` takes `up = e^(G - ref)` and `b` takes `down = e^(ref - G)`, exponents clamped (the levels' to
   <= 0, exact on the entries they keep; the diagonal's to the bound)."""
   shape = G.shape
   if s is None:
-    ref = middle_reference(vec_mid, shape)
+    ref = middle_reference(vec_end, shape)
     return jnp.exp(jnp.minimum(G - ref, bound)), jnp.exp(jnp.minimum(ref - G, bound))
   ref = level_reference(vec_end, shape, s)
   return jnp.exp(jnp.minimum(G - ref, 0.0)), jnp.exp(jnp.minimum(ref - G, 0.0))
