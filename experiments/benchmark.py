@@ -57,6 +57,7 @@ class Config:
   impls: tuple[str, ...] = ("chunk", "recurrent")  # this library's impls to time
   shapes: tuple[tuple[int, int, int, int], ...] = ((1, 4096, 4, 64),)  # (B, T, H, K); V = K, H_v = H
   dtype: str = "bfloat16"  # q, k, v, beta dtype (float32 | bfloat16); gates are float32
+  gates: str = "benchmark"  # common.GATES: the benchmark's mild gates, "layer", "bounded", "strong", ...
   modes: tuple[str, ...] = MODES  # "fwd" (o) and/or "fwd_bwd" (gradients of every float input)
   warmup: int = 2  # untimed rounds over all contenders after compilation
   iters: int = 5  # timed rounds; the median is reported
@@ -166,7 +167,7 @@ def _contenders(config: Config, shape, shape_index: int, jla_ops, jla_status: st
   out = []
   for variant in config.variants:
     rng = np.random.default_rng([config.seed, shape_index, ops.VARIANTS.index(variant)])
-    inputs = common.make_inputs(variant, rng, B=B, T=T, H=H, K=K, V=K, dtype=dtype)
+    inputs = common.make_inputs(variant, rng, B=B, T=T, H=H, K=K, V=K, dtype=dtype, gates=config.gates)
     forwards = {impl: (lambda x, v=variant, i=impl: common.call(
         v, x, impl=i, chunk_size=config.chunk_size)[0]) for impl in config.impls}
     statuses = {}
@@ -355,6 +356,8 @@ def _define_flags():
                       "Semicolon list of B,T,H,K (V = K, H_v = H).")
   flags.DEFINE_enum("dtype", d.dtype, sorted(common.DTYPES), "dtype of q, k, v and beta.")
   flags.DEFINE_list("modes", list(d.modes), "fwd and/or fwd_bwd.")
+  flags.DEFINE_enum("gates", d.gates, list(common.GATES), "Gates: the mild 'benchmark' ones, the layers' "
+                    "own at initialisation ('layer'), the bounded per-channel gate, 'strong' (U(-20, 0)).")
   flags.DEFINE_integer("warmup", d.warmup, "Untimed rounds after compilation.")
   flags.DEFINE_integer("iters", d.iters, "Timed rounds; the median is reported.")
   flags.DEFINE_integer("stream", d.stream, "> 1: each round also times this many calls issued back to "
@@ -380,7 +383,8 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   f = flags.FLAGS
   config = Config(variants=tuple(f.variants), impls=tuple(f.impls), shapes=parse_shapes(f.shapes),
-                  dtype=f.dtype, modes=tuple(f.modes), warmup=f.warmup, iters=f.iters, warm_s=f.warm_s,
+                  dtype=f.dtype, gates=f.gates, modes=tuple(f.modes), warmup=f.warmup, iters=f.iters,
+                  warm_s=f.warm_s,
                   stream=f.stream,
                   chunk_size=f.chunk_size, peers=tuple(f.peers), jla_impls=tuple(f.jla_impls),
                   softmax=f.softmax, anchor=f.anchor, seed=f.seed, plot=f.plot, roofline=f.roofline)

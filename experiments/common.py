@@ -59,7 +59,26 @@ def state_shape(variant: str, B: int, H_v: int, K: int, V: int) -> tuple[int, in
   return (B, H_v, K, V + 1) if variant == "linear_attention" else (B, H_v, K, V)
 
 
-GATES = ("benchmark", "edge", "strong")
+GATES = ("benchmark", "edge", "strong", "layer", "bounded")
+GATE_LOWER_BOUND = -5.0   # the bounded gate's lb (Kimi Linear's successors; fla enforces -5 <= lb < 0)
+
+
+def _layer_gates(rng, shape, *, gla: bool, bounded: bool = False):
+  """Gates as the layers draw them at initialisation (`layers.base.a_log_init`, `dt_bias_init`), with
+  the gate projection's output `a ~ N(0, 1)`: GatedDeltaNet (scalar) and KimiDeltaAttention (per
+  channel) `-A softplus(a + dt_bias)`, A ~ U(1, 16) per value head and softplus(dt_bias) ~
+  logU(1e-3, 0.1) per head (GatedDeltaNet) or per head and channel (KDA); GatedLinearAttention
+  `log_sigmoid(a) / 16`; `bounded`: `lb sigmoid(A (a + dt_bias))`, lb = GATE_LOWER_BOUND."""
+  a = rng.standard_normal(shape).astype(np.float32)
+  if gla and not bounded:
+    return (-np.logaddexp(0.0, -a) / 16.0).astype(np.float32)
+  Hv = shape[2]
+  A = rng.uniform(1.0, 16.0, size=(Hv,) + (1,) * (len(shape) - 3)).astype(np.float32)
+  dt = np.exp(rng.uniform(np.log(1e-3), np.log(0.1), size=shape[2:])).astype(np.float32)
+  dt_bias = dt + np.log(-np.expm1(-dt))
+  if bounded:
+    return (GATE_LOWER_BOUND / (1.0 + np.exp(-A * (a + dt_bias)))).astype(np.float32)
+  return (-A * np.logaddexp(0.0, a + dt_bias)).astype(np.float32)
 
 
 def make_inputs(variant: str, rng: np.random.Generator, *, B: int, T: int, H: int, K: int, V: int,
@@ -70,7 +89,10 @@ def make_inputs(variant: str, rng: np.random.Generator, *, B: int, T: int, H: in
   gates (`GATES`): "benchmark" `log_sigmoid(N(0, 1) + 4)`; "edge" the same with g = -1.8 a token on
   every other key channel (per-channel gates) or value head (scalar gates): 115 nats over a 64-token
   chunk, inside the one-reference bound of 16-bit operands (2 x 60 nats) for bfloat16; "strong"
-  uniform in [-20, 0], far beyond it (per-channel calls take the merge form).
+  uniform in [-20, 0], far beyond it (per-channel kernels take their 8-token groups' grams); "layer"
+  what the layers draw at initialisation (`_layer_gates`: GatedDeltaNet's and KDA's -A softplus(.),
+  GLA's log_sigmoid(.) / 16; other variants "benchmark"); "bounded" the bounded per-channel gate
+  `-5 sigmoid(A (a + dt_bias))` (other variants "layer").
 
   Drawn with NumPy (no per-shape compilation, unlike `jax.random` run eagerly), then put on the device.
   """
@@ -82,8 +104,12 @@ def make_inputs(variant: str, rng: np.random.Generator, *, B: int, T: int, H: in
     shape = (B, T, H_v) if gate == "scalar" else (B, T, H_v, K)
     if gates not in GATES:
       raise ValueError(f"gates must be one of {GATES}; got {gates!r}")
+    layer_like = gates == "layer" and variant in ("gla", "kda", "gated_delta_rule")
     if gates == "strong":
       inputs["g"] = rng.uniform(-20.0, 0.0, size=shape).astype(np.float32)
+    elif layer_like or (gates == "bounded" and variant in ("gla", "kda", "gated_delta_rule")):
+      inputs["g"] = _layer_gates(rng, shape, gla=variant == "gla",
+                                 bounded=gates == "bounded" and gate == "channel")
     else:
       inputs["g"] = -np.logaddexp(0.0, -(normal(*shape) + 4.0))  # log_sigmoid(N(0, 1) + 4)
       if gates == "edge":

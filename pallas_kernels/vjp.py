@@ -7,8 +7,9 @@ argument, so the backward never repeats the choice.
 
 "xla_prep" / "xla_vjp" are the prepared path (`prepared.py`: XLA's preparation and the backend's walk),
 which every backend has (the TPU's plan is `PREPARED`); the other stages are Mosaic GPU kernels. A
-per-channel stage chooses between its kernels and XLA's merge form on the data, in one `lax.cond` here:
-the plan names both branches (`forward_beyond`, `backward_beyond`).
+per-channel stage chooses on the data, in one `lax.cond` here, between its kernels' one-reference grams
+and their 8-token groups' products (the plan's `forward_beyond`, `backward_beyond`); float16 operands
+beyond the groups' bound take XLA's merge form one head at a time (`Plan.per_head_beyond`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from jax import lax
 
 from . import common, prep, prepared
 from .gpu import channel, channel_delta_grads, channel_grads, channel_prep, delta_grads, delta_prep
-from .gpu import fused, walk
+from .gpu import fused, groups, walk
 from .gpu.plan import Plan
 
 Static = prepared.Static
@@ -47,18 +48,20 @@ def _pieces(static: Static) -> int:
 def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
                     chunk_multiple: int = 1, cumsum=None, with_inverse: bool = False):
   """The per-channel forward's chunk tensors (the plan's "channel_prep" stage and its `forward_beyond`),
-  arguments as `channel_prep.prepare`'s: the preparation kernel where every chunk's decay fits the
-  one-reference bound, else XLA's merge form one (batch row, value head) at a time (one `lax.cond`);
-  `with_inverse` returns `(tensors, X)`, X zeros in the merge-form branch (whose backward recomputes)."""
+  arguments as `channel_prep.prepare`'s: the preparation kernel with one reference per chunk and channel
+  where every chunk's decay fits that bound, else with the 8-token groups' products (groups.py; one
+  `lax.cond`). Float16 operands beyond the groups' bound take XLA's merge form one (batch row, value
+  head) at a time (a second `lax.cond`; bfloat16 operands always fit). `with_inverse` returns
+  `(tensors, X)`, X zeros in the merge-form branch (whose backward recomputes)."""
   C = chunk_size
   if cumsum is None:
     cumsum = channel.chunk_cumsum(g, prep.padded_length(q.shape[1], C, chunk_multiple), C)
-  kernel = lambda: channel_prep.prepare(q, k, v, g, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
-                                        interpret=interpret, chunk_multiple=chunk_multiple, cumsum=cumsum,
-                                        with_inverse=with_inverse)
+  kernel = lambda grams: lambda: channel_prep.prepare(
+      q, k, v, g, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids, interpret=interpret,
+      chunk_multiple=chunk_multiple, cumsum=cumsum, with_inverse=with_inverse, grams=grams)
 
-  def beyond():
-    t = prepared.merge_tensors_per_head(q, k, v, g, beta, segment_ids, chunk_size=C,
+  def per_head():
+    t = prepared.merge_tensors_per_head(q, k, v, prep.floor_log_decay(g), beta, segment_ids, chunk_size=C,
                                         chunk_multiple=chunk_multiple, dtype=dtype)
     return (t, jnp.zeros(t.qg.shape[:3] + (C, C), dtype)) if with_inverse else t
 
@@ -66,7 +69,15 @@ def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=Non
   # results say so of all of them; the types of a lax.cond's branches must match)
   axes = common.varying_axes([x for x in (q, k, v, g, beta, segment_ids) if x is not None])
   varying = lambda branch: lambda: jax.tree.map(lambda x: common.vary_over(x, axes), branch())
-  return lax.cond(channel.fits(cumsum[0], C, dtype), varying(kernel), varying(beyond))
+  return _by_bound(cumsum[0], C, dtype, varying(kernel("one")), varying(kernel("groups")), varying(per_head))
+
+
+def _by_bound(G, C: int, dtype, one, grouped, per_head):
+  """`one()` where every chunk of `G` fits one reference, else `grouped()` where every 8-token group fits
+  the groups' bound (always, for bfloat16 operands), else `per_head()`."""
+  beyond = grouped if groups.always_fits(dtype) else (
+      lambda: lax.cond(groups.fits(G, C, dtype), grouped, per_head))
+  return lax.cond(channel.fits(G, C, dtype), one, beyond)
 
 
 def _forward(static: Static, q, k, v, g, beta, h0, segment_ids, *, keep: bool):
@@ -131,18 +142,19 @@ def _backward(static: Static, q, k, v, g, beta, h0, segment_ids, saved, do, dfin
                                   sequence_pieces=_sequence_pieces(static), saved=saved,
                                   qk_l2norm=plan.l2 == "on_load", warpgroups=plan.grads_warpgroups)
     case "channel_grads":
-      kernels = lambda: channel_grads.backward(q, k, v, g, h0, do, dfinal, **kw,
-                                               sequence_pieces=_sequence_pieces(static), scale=static.scale,
-                                               saved=saved)
+      kernels = lambda grams: lambda: channel_grads.backward(
+          q, k, v, g, h0, do, dfinal, **kw, sequence_pieces=_sequence_pieces(static), scale=static.scale,
+          saved=saved, grams=grams)
     case "channel_delta_grads":
-      kernels = lambda: channel_delta_grads.backward(q, k, v, g, beta, h0, do, dfinal, **kw,
-                                                     sequence_pieces=_sequence_pieces(static),
-                                                     scale=static.scale, saved=saved)
+      kernels = lambda grams: lambda: channel_delta_grads.backward(
+          q, k, v, g, beta, h0, do, dfinal, **kw, sequence_pieces=_sequence_pieces(static),
+          scale=static.scale, saved=saved, grams=grams)
     case other:
       raise ValueError(f"no backward stage {other!r}")
   # the kernels sum their gradients over the mesh axes their primals do not vary over, as the per-head
   # branch's already are (the types of a lax.cond's branches must match under shard_map)
-  return lax.cond(channel.fits(saved.G, static.chunk_size, static.compute_dtype), kernels, per_head)
+  return _by_bound(saved.G, static.chunk_size, static.compute_dtype, kernels("one"), kernels("groups"),
+                   per_head)
 
 
 def _sequence_pieces(static: Static):

@@ -6,6 +6,8 @@ Gated DeltaNet with a decay per key channel instead of per head:
     q, k    = q / |q|, k / |k|
     g_t     = -exp(A_log_h) * softplus(x W_f1 W_f2 + dt_bias)            (per channel, [H_v, K];
                                                                            a low-rank f projection, rank V)
+                or, with `gate_lower_bound=lb` (lb in [-5, 0)), the bounded gate
+            g_t = lb * sigmoid(exp(A_log_h) * (x W_f1 W_f2 + dt_bias))     (g in (lb, 0))
     beta_t  = sigmoid(x W_b)
     S'_t = Diag(e^{g_t}) S_{t-1};  S_t = S'_t + beta_t k_t (v_t - S'_t^T k_t)^T;  o_t = K^-1/2 S_t^T q_t
     y   = (RMSNorm(o) * sigmoid(x W_g1 W_g2 + b_g)) W_o                 (a low-rank output gate; Kimi
@@ -34,6 +36,8 @@ class KimiDeltaAttention(LinearMixer):
     head_dim: K (default d / H).  head_v_dim: V (default K).
     norm_eps: epsilon of the gated output RMSNorm.
     gate_bias: the output gate's up projection has a bias b_g (Kimi Linear's checkpoints have none).
+    gate_lower_bound: None (Kimi Linear's unbounded gate) or lb in [-5, 0): the bounded gate above, of
+      Kimi Linear's successors, whose decay never exceeds |lb| nats a token.
     use_short_conv, conv_size: causal depthwise convolutions (SiLU) on q, k, v; on by default.
     impl, chunk_size: passed to `ops.kda` in training and prefill.
     dtype, param_dtype: compute and parameter dtypes; the state, g and beta are float32 regardless.
@@ -45,8 +49,12 @@ class KimiDeltaAttention(LinearMixer):
 
   def __init__(self, width: int, num_heads: int, *, num_v_heads: int | None = None,
                head_dim: int | None = None, head_v_dim: int | None = None, norm_eps: float = 1e-5,
-               gate_bias: bool = True, use_short_conv: bool = True, conv_size: int = 4, impl: str = "auto",
-               chunk_size: int = 64, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+               gate_bias: bool = True, gate_lower_bound: float | None = None, use_short_conv: bool = True,
+               conv_size: int = 4, impl: str = "auto", chunk_size: int = 64, dtype=jnp.float32,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
+    if gate_lower_bound is not None and not -5.0 <= gate_lower_bound < 0.0:
+      raise ValueError(f"gate_lower_bound must be None or in [-5, 0); got {gate_lower_bound!r}")
+    self.gate_lower_bound = None if gate_lower_bound is None else float(gate_lower_bound)
     super().__init__(width, num_heads, num_v_heads=num_v_heads, head_dim=head_dim,
                      head_v_dim=head_v_dim, use_short_conv=use_short_conv, conv_size=conv_size,
                      impl=impl, chunk_size=chunk_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -68,7 +76,11 @@ class KimiDeltaAttention(LinearMixer):
     Hv, K = self.num_v_heads, self.head_dim
     f = self.f_up(self.f_down(x)).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
     A = jnp.exp(self.A_log[...].astype(jnp.float32))
-    g = -A[:, None] * jax.nn.softplus(f.reshape(B, T, Hv, K))
+    f = f.reshape(B, T, Hv, K)
+    if self.gate_lower_bound is not None:
+      g = self.gate_lower_bound * jax.nn.sigmoid(A[:, None] * f)
+    else:
+      g = -A[:, None] * jax.nn.softplus(f)
     beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
     return g, beta
 

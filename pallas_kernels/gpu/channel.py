@@ -6,21 +6,30 @@ bound (`fits`), the key channels per pass (`HALF`) and the gradients' last steps
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 from .. import prep
+from . import groups
 from .tiles import F32
 
 HALF = 64   # key channels per pass
 
 
 def chunk_cumsum(g, T_pad: int, C: int):
-  """`(G [B, T_pad, H_v, K], R [B, NC, 2, H_v, K])` float32: the chunk-local cumulative log-decay in g's
-  token layout, and per chunk and channel the reference `R` (`prep.reference`, row 0) and the last
-  token's `G_C` (row 1)."""
+  """`(G [B, T_pad, H_v, K], refs [B, NC, 2 + NG, H_v, K])` float32: the chunk-local cumulative
+  log-decay in g's token layout (g floored at `prep.LOG_DECAY_FLOOR`), and per chunk and channel the
+  reference `R` (`prep.reference`, row 0), the last token's `G_C` (row 1) and the last row of each
+  8-token group (`groups.ref_rows`)."""
   B, T, Hv, K = g.shape
-  g = jnp.pad(g.astype(F32), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
+  g = jnp.pad(prep.floor_log_decay(g.astype(F32)), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
   G = jnp.cumsum(g.reshape(B, T_pad // C, C, Hv, K), axis=2)
-  return G.reshape(B, T_pad, Hv, K), jnp.concatenate([prep.reference(G, axis=2), G[:, :, -1:]], axis=2)
+  refs = [prep.reference(G, axis=2), G[:, :, -1:], lax.stop_gradient(groups.ref_rows(G))]
+  return G.reshape(B, T_pad, Hv, K), jnp.concatenate(refs, axis=2)
+
+
+def ref_count(C: int) -> int:
+  """Rows of `chunk_cumsum`'s refs for chunks of C tokens."""
+  return groups.FIRST_ROW + groups.groups(C)
 
 
 def fits(G, C: int, dtype):
@@ -39,6 +48,7 @@ def key_grads(dq, dk, dG, q, k, g, C: int):
   group = Hv // H
   dG = dG.reshape(B, T_pad // C, C, Hv, K)
   dg = jnp.flip(jnp.cumsum(jnp.flip(dG, 2), 2), 2).reshape(B, T_pad, Hv, K)[:, :T]
+  dg = jnp.where(g >= prep.LOG_DECAY_FLOOR, dg, 0.0)   # the floor's gradient (chunk_cumsum)
   per_head = lambda x: (x[:, :T].astype(F32).reshape(B, T, H, group, K).sum(3) if group > 1
                         else x[:, :T])
   return per_head(dq).astype(q.dtype), per_head(dk).astype(k.dtype), dg.astype(g.dtype)

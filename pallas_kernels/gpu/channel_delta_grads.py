@@ -28,8 +28,9 @@ so, with `dS` the gradient of S' and `do` that of the unscaled o:
 reverse cumsum within the chunk. The value side writes u, dr, dP and dL (16-bit) for the key side: two
 kernels, because one program holding both sides' tiles needs more than the 227 KB of shared memory.
 
-Like channel_grads.py this needs every chunk's decay to fit the one-reference bound; the caller takes
-the XLA preparation's vjp (the merge form) for a call where it does not.
+Like channel_grads.py, a call where some chunk's decay does not fit the one-reference bound takes the
+8-token groups' products in the key side (`grams="groups"`, groups.py); the value side has no decayed
+gram.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from .. import common, prep
-from . import walk
+from . import groups, walk
 from .channel import HALF, fits, key_grads
 from .masks import SEG_ROWS, segment_masks, segment_vectors
 from .tiles import COLS, F32, ROWS, WGMMA, flat, matmul, matmuls, smem, vary_like
@@ -159,7 +160,8 @@ def value_side(t: prep.ChunkTensors, X, states, dstates, do, v, b, *, dtype, mas
   return vary_like(outs, args)
 
 
-def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, masks=None, interpret=None):
+def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, masks=None, interpret=None,
+             grams: str = "one"):
   """The key side of every chunk (module docstring), one program per chunk of one value head.
 
   Args: q, k `[B, T_pad, H, K]`; G, refs as `channel.chunk_cumsum` returns them; b `[B, H_v,
@@ -167,7 +169,12 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
     states, dstates `[B, H_v, NC, V, K]` (transposed); masks None or `segment_vectors(...)`.
   Returns: dq, dk `[B, T_pad, H_v, K]` (per value head) in `dtype`; dG `[B, T_pad, H_v, K]` float32
     with the last token's terms added; `rowsum(dB_k k E) + rowsum(dL M)` `[B, H_v, T_pad]` float32.
+  grams: "one" (the module docstring's one reference) or "groups" (groups.py's products, for chunks
+    beyond the one-reference bound: every gram term is their sum, each product's factors about its own
+    references, dP and dM kept on each product's entries in turn).
   """
+  if grams not in ("one", "groups"):
+    raise ValueError(f"grams must be 'one' or 'groups'; got {grams!r}")
   B, T_pad, H, K = q.shape
   Hv, NC = states.shape[1], states.shape[2]
   V = states.shape[3]
@@ -176,13 +183,15 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
   if K % HALF:
     raise ValueError(f"K must be a multiple of {HALF}; got {K}")
   KH = K // HALF
+  if grams == "groups" and C != HALF:
+    raise ValueError(f"the group form stages dP and dM in a [C, {HALF}] tile: C must be {HALF}; got {C}")
   has_seg = masks is not None
   halves = lambda rows: smem((KH, rows, HALF), dtype)
   scratch = dict(
       q_s=halves(C), k_s=halves(C), st_s=halves(V), dst_s=halves(V), g_s=smem((KH, C, HALF), F32),
       do_s=smem((C, V), dtype), u_s=smem((C, V), dtype), dr_s=smem((C, V), dtype),
       dp_s=smem((C, C), dtype), dl_s=smem((C, C), dtype), qr_s=smem((C, HALF), dtype),
-      kr_s=smem((C, HALF), dtype), ar_s=smem((C, HALF), dtype), r_s=plgpu.SMEM((2, K), F32),
+      kr_s=smem((C, HALF), dtype), ar_s=smem((C, HALF), dtype), r_s=plgpu.SMEM((refs.shape[2], K), F32),
       b_s=plgpu.SMEM((C,), F32), vec_s=plgpu.SMEM((C,), F32),
       bar=plgpu.Barrier(num_arrivals=5 * KH + 7 + SEG_ROWS * has_seg))
   if has_seg:
@@ -223,13 +232,28 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
     last_row = plgpu.broadcasted_iota(jnp.int32, ck, 0, layout=WGMMA) == C - 1
 
     # M = strict(Ar Kr^T) over both halves, for dbeta's rowsum(dL M); then dM = Diag(beta) dL in dL's tile
-    M = None
-    for i in range(KH):
-      Gt, R, kt = load(g_s.at[i]), colv(0, i), load(k_s.at[i])
-      ar_s[...] = (kt * clamp(Gt - R)).astype(dtype)
-      kr_s[...] = (kt * clamp(R - Gt)).astype(dtype)
-      plgpu.commit_smem()
-      M = matmul(ar_s, kr_s.T, sq, init=M)
+    gb = groups.group_bound(dtype)
+    vec_end = lambda i: lambda t: colv(groups.FIRST_ROW + t, i)
+    if grams == "one":
+      M = None
+      for i in range(KH):
+        Gt, R, kt = load(g_s.at[i]), colv(0, i), load(k_s.at[i])
+        ar_s[...] = (kt * clamp(Gt - R)).astype(dtype)
+        kr_s[...] = (kt * clamp(R - Gt)).astype(dtype)
+        plgpu.commit_smem()
+        M = matmul(ar_s, kr_s.T, sq, init=M)
+    else:   # each product of the groups over both halves, kept on its own entries
+      M = 0.0
+      for s in groups.products(C):
+        Ms = None
+        for i in range(KH):
+          up, down = groups.factors(load(g_s.at[i]), vec_end(i), s, gb)
+          kt = load(k_s.at[i])
+          ar_s[...] = (kt * up).astype(dtype)
+          kr_s[...] = (kt * down).astype(dtype)
+          plgpu.commit_smem()
+          Ms = matmul(ar_s, kr_s.T, sq, init=Ms)
+        M = M + jnp.where(groups.keep_mask(C, s), Ms, 0.0)
     dL = load(dl_s)
     # above the diagonal the factors do not cancel (they may overflow): the where drops them
     dbeta = jnp.sum(jnp.where(strict, M, 0.0) * dL, axis=1)
@@ -237,33 +261,56 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
     plgpu.commit_smem()
 
     for i in range(KH):
-      Gt, R = fresh(load(g_s.at[i])), colv(0, i)
-      qt, kt = load(q_s.at[i]), load(k_s.at[i])
-      up = clamp(Gt - R)
-      qr_s[...] = (qt * up).astype(dtype)
-      ar_s[...] = (kt * up).astype(dtype)
-      kr_s[...] = (kt * clamp(R - Gt)).astype(dtype)
-      plgpu.commit_smem()
-      # dq = E (do S^T) + e^(G - R) (dP Kr)
-      dqg, dPK = matmuls((ck, [(do_s, st_s.at[i])]), (ck, [(dp_s, kr_s)]))
+      if grams == "one":
+        Gt, R = fresh(load(g_s.at[i])), colv(0, i)
+        qt, kt = load(q_s.at[i]), load(k_s.at[i])
+        up = clamp(Gt - R)
+        qr_s[...] = (qt * up).astype(dtype)
+        ar_s[...] = (kt * up).astype(dtype)
+        kr_s[...] = (kt * clamp(R - Gt)).astype(dtype)
+        plgpu.commit_smem()
+        # dq = E (do S^T) + e^(G - R) (dP Kr)
+        dqg, dPK = matmuls((ck, [(do_s, st_s.at[i])]), (ck, [(dp_s, kr_s)]))
+        # k's terms: dkd = u dS^T, dB_k = -dr S^T, and the grams' (issued together)
+        dkd, dBk, minus, plus = matmuls((ck, [(u_s, dst_s.at[i])]), (ck, [(dr_s, st_s.at[i])]),
+                                        (ck, [(dp_s.T, qr_s), (dl_s.T, ar_s)]), (ck, [(dl_s, kr_s)]))
+        dq_p, minus, plus = clamp(Gt - R) * dPK, clamp(R - Gt) * minus, clamp(Gt - R) * plus
+      else:   # the grams' terms product by product: dP, then dM, kept on the product's entries in ar's tile
+        dqg, dkd, dBk = matmuls((ck, [(do_s, st_s.at[i])]), (ck, [(u_s, dst_s.at[i])]),
+                                (ck, [(dr_s, st_s.at[i])]))
+        # dP's own diagonal in float32 (groups.py); dM has none
+        d = rows(groups.diagonal_of(load(dp_s)))
+        dq_p, minus, plus = d * load(k_s.at[i]), d * load(q_s.at[i]), 0.0
+        for s in groups.products(C):
+          up, down = groups.factors(fresh(load(g_s.at[i])), vec_end(i), s, gb)
+          qt, kt = load(q_s.at[i]), load(k_s.at[i])
+          kr_s[...] = (kt * down).astype(dtype)
+          qr_s[...] = (qt * up).astype(dtype)
+          ar_s[...] = jnp.where(groups.keep_mask(C, s), load(dp_s), 0.0).astype(dtype)
+          plgpu.commit_smem()
+          dPK, dPQ = matmuls((ck, [(ar_s, kr_s)]), (ck, [(ar_s.T, qr_s)]))
+          qr_s[...] = (kt * up).astype(dtype)                 # Ar
+          ar_s[...] = jnp.where(groups.keep_mask(C, s), load(dl_s), 0.0).astype(dtype)
+          plgpu.commit_smem()
+          dMK, dMA = matmuls((ck, [(ar_s, kr_s)]), (ck, [(ar_s.T, qr_s)]))
+          dq_p, minus, plus = dq_p + up * dPK, minus + down * (dPQ + dMA), plus + up * dMK
+      Gt = fresh(load(g_s.at[i]))
+      qt = load(q_s.at[i])
       e_q = jnp.exp(Gt)
       if carry is not None:
         e_q = e_q * rows(carry)
-      dq = e_q * dqg + clamp(Gt - R) * dPK
+      dq = e_q * dqg + dq_p
       dG = qt * dq
       q_s.at[i][...] = dq.astype(dtype)
-      # k's terms: dkd = u dS^T, dB_k = -dr S^T, and the grams' (issued together)
-      dkd, dBk, minus, plus = matmuls((ck, [(u_s, dst_s.at[i])]), (ck, [(dr_s, st_s.at[i])]),
-                                      (ck, [(dp_s.T, qr_s), (dl_s.T, ar_s)]), (ck, [(dl_s, kr_s)]))
-      Gt, R, Gc = fresh(load(g_s.at[i])), colv(0, i), colv(1, i)
+      Gt, Gc = fresh(load(g_s.at[i])), colv(1, i)
       e_q, e_k = jnp.exp(Gt), jnp.exp(Gc - Gt)
       if carry is not None:
         e_q, e_k = e_q * rows(carry), e_k * rows(to_last)
       kt = load(k_s.at[i])
       bk = kt * e_q                       # B_k / beta
       dbeta = dbeta - jnp.sum(dBk * bk, axis=1)
-      minus = e_k * dkd + clamp(R - Gt) * minus
-      plus = clamp(Gt - R) * plus - rows(beta_rows()) * e_q * dBk
+      minus = e_k * dkd + minus
+      plus = plus - rows(beta_rows()) * e_q * dBk
       dG = dG + kt * (plus - minus)
       # the last token: colsum(kd (u dS^T)) + e^(G_C) colsum(S dS), S and dS `[V, 64]` tiles
       s_ds = jnp.sum(load(st_s.at[i]) * load(dst_s.at[i]), axis=0)
@@ -288,18 +335,18 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
   outs = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
-      kernel_name="chunk_grads_channel_delta_k")(*args)
+      kernel_name="chunk_grads_channel_delta_k" + ("_groups" if grams == "groups" else ""))(*args)
   return vary_like(outs, args)
 
 
 def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None,
-             interpret=None, sequence_pieces=None, scale: float = 1.0, saved: Saved):
+             interpret=None, sequence_pieces=None, scale: float = 1.0, saved: Saved, grams: str = "one"):
   """`(dq, dk, dv, dg, dbeta, dh0)` of kda's prepared forward (`o` scaled by `scale`; in q, k, v, g,
   beta's dtypes, dh0 float32) for `do: [B, T, H_v, V]` and `dfinal` None or `[B, H_v, K, V]`, from what
   the forward `saved`: the reverse walk over the saved tensors, then `value_side` and `key_side`; XLA
-  takes dG's reverse cumsum within the chunks and, for grouped heads, adds the value heads' dq, dk. A
-  call where some chunk's decay does not fit the one-reference bound takes XLA's vjp instead: the
-  caller's `lax.cond` (`vjp.py`)."""
+  takes dG's reverse cumsum within the chunks and, for grouped heads, adds the value heads' dq, dk.
+  `grams`: `key_side`'s; the caller's `lax.cond` (`vjp.py`) takes "one" where every chunk's decay fits the
+  one-reference bound, else "groups" (or XLA's vjp, for float16 beyond the groups' bound)."""
   del h0   # the state entering each chunk is saved
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
@@ -319,7 +366,7 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
     u, dr, dP, dL, dv, dbeta_v = value_side(saved.t, saved.X, saved.states, dstates, do_c, pad(v), b,
                                             dtype=dtype, masks=masks, interpret=interpret)
     dq, dk, dG, dbeta_k = key_side(pad(q), pad(k), G, refs, b, flat(do_c), u, dr, dP, dL, saved.states,
-                                   dstates, dtype=dtype, masks=masks, interpret=interpret)
+                                   dstates, dtype=dtype, masks=masks, interpret=interpret, grams=grams)
     dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C)
     dbeta = jnp.swapaxes(dbeta_v + dbeta_k, 1, 2)[:, :T].astype(beta.dtype)
     grads = (dq, dk, dv[:, :T].astype(v.dtype), dg, dbeta)

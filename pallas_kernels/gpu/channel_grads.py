@@ -22,8 +22,9 @@ are processed in halves of 64 columns (`[C, 64]` float32 tiles, 32 registers a t
 full-width products are P, dP and dv. Shared memory is reused for the outputs: dq leaves through q's
 tile, dk through k's, kd through Kr's, dG through G's and dv through v's.
 
-This form needs every chunk's decay to fit the one-reference bound (`prep.one_reference_fits`); the
-caller takes the XLA preparation's vjp (the merge form) for a call where it does not.
+This form needs every chunk's decay to fit the one-reference bound (`prep.one_reference_fits`); a call
+where some chunk does not takes the 8-token groups' products (`grams="groups"`, groups.py), the same
+terms with each product's factors about its own references.
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from .. import common, prep
-from . import walk
+from . import groups, walk
 from .channel import HALF, fits, key_grads
 from .channel import chunk_cumsum  # noqa: F401  (the dispatch calls it from here)
 from .masks import SEG_ROWS, segment_masks, segment_vectors
-from .tiles import COLS, F32, WGMMA, matmul, smem, vary_like
+from .tiles import COLS, F32, WGMMA, matmul, matmuls, smem, vary_like
 
 
 def serves(g, beta, segment_ids) -> bool:
@@ -50,7 +51,8 @@ def serves(g, beta, segment_ids) -> bool:
   return beta is None and g is not None and g.ndim == 4
 
 
-def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, interpret=None):
+def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, interpret=None,
+                grams: str = "one"):
   """Every chunk's `(dq, dk, dv, dG)` (module docstring), one program per chunk of one value head.
 
   Args: q, k `[B, T_pad, H, K]`, v, do `[B, T_pad, H_v, V]` (16-bit; do the gradient of the unscaled
@@ -58,7 +60,12 @@ def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, int
     walks' layout); masks None or `segment_vectors(...)`.
   Returns: dq, dk `[B, T_pad, H_v, K]` (per value head) and dv `[B, T_pad, H_v, V]` in `dtype`; dG
     `[B, T_pad, H_v, K]` float32 with the last token's terms added.
+  grams: "one" (the module docstring's one reference) or "groups" (groups.py's products, for chunks
+    beyond the one-reference bound: every gram term above is their sum, each product's factors about
+    its own references).
   """
+  if grams not in ("one", "groups"):
+    raise ValueError(f"grams must be 'one' or 'groups'; got {grams!r}")
   B, T_pad, H, K = q.shape
   Hv, V = v.shape[2:]
   NC = states.shape[2]
@@ -70,14 +77,18 @@ def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, int
   has_seg = masks is not None
   halves = lambda rows: smem((KH, rows, HALF), dtype)
   scratch = dict(
-      q_s=halves(C), k_s=halves(C), a_s=halves(C), b_s=halves(C), st_s=halves(V), dst_s=halves(V),
+      q_s=halves(C), k_s=halves(C), a_s=smem((1, C, HALF), dtype) if grams == "groups" else halves(C),
+      b_s=halves(C), st_s=halves(V), dst_s=halves(V),
       g_s=smem((KH, C, HALF), F32), v_s=smem((C, V), dtype), do_s=smem((C, V), dtype),
-      p_s=smem((C, C), dtype), dp_s=smem((C, C), dtype), r_s=plgpu.SMEM((2, K), F32),
+      p_s=smem((C, C), dtype), dp_s=smem((C, C), dtype), r_s=plgpu.SMEM((refs.shape[2], K), F32),
       bar=plgpu.Barrier(num_arrivals=5 * KH + 3 + SEG_ROWS * has_seg))
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
+  if grams == "groups":
+    scratch["dpl_s"] = smem((C, C), dtype)   # dP kept on one product's entries
 
-  def body(*refs_, q_s, k_s, a_s, b_s, st_s, dst_s, g_s, v_s, do_s, p_s, dp_s, r_s, bar, m_s=None):
+  def body(*refs_, q_s, k_s, a_s, b_s, st_s, dst_s, g_s, v_s, do_s, p_s, dp_s, r_s, bar, m_s=None,
+           dpl_s=None):
     q_r, k_r, v_r, g_r, ref_r, st_r, dst_r, do_r = refs_[:8]
     m_r = refs_[8] if has_seg else None
     dq_r, dk_r, dv_r, dg_r = refs_[8 + has_seg:]
@@ -107,17 +118,35 @@ def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, int
       same, carry, to_last, carry_last = segment_masks(m_s, None, C)
       lower = lower & same
     load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
+    fresh = lax.optimization_barrier
     clamp = lambda x: jnp.exp(jnp.minimum(x, prep.ref_bound(dtype)))
 
-    # Qr = q e^(G - R), Kr = k e^(R - G), half by half
-    for i in range(KH):
-      Gt, R = load(g_s.at[i]), colv(0, i)
-      a_s.at[i][...] = (load(q_s.at[i]) * clamp(Gt - R)).astype(dtype)
-      b_s.at[i][...] = (load(k_s.at[i]) * clamp(R - Gt)).astype(dtype)
-    plgpu.commit_smem()
-    P = matmul(a_s.at[0], b_s.at[0].T, sq)
-    for i in range(1, KH):
-      P = matmul(a_s.at[i], b_s.at[i].T, sq, init=P)
+    gb = groups.group_bound(dtype)
+    vec_end = lambda i: lambda t: colv(groups.FIRST_ROW + t, i)
+    if grams == "one":
+      # Qr = q e^(G - R), Kr = k e^(R - G), half by half
+      for i in range(KH):
+        Gt, R = load(g_s.at[i]), colv(0, i)
+        a_s.at[i][...] = (load(q_s.at[i]) * clamp(Gt - R)).astype(dtype)
+        b_s.at[i][...] = (load(k_s.at[i]) * clamp(R - Gt)).astype(dtype)
+      plgpu.commit_smem()
+      P = matmul(a_s.at[0], b_s.at[0].T, sq)
+      for i in range(1, KH):
+        P = matmul(a_s.at[i], b_s.at[i].T, sq, init=P)
+    else:   # each product of the groups (groups.py) over both halves, kept on its own entries
+      # (q's factor tile holds one half at a time: the groups' kernel needs the room for dP's staging)
+      P = 0.0
+      for s in groups.products(C):
+        Ps = None
+        for i in range(KH):
+          up, down = groups.factors(load(g_s.at[i]), vec_end(i), s, gb)
+          a_s.at[0][...] = (load(q_s.at[i]) * up).astype(dtype)
+          b_s.at[i][...] = (load(k_s.at[i]) * down).astype(dtype)
+          plgpu.commit_smem()
+          Ps = matmul(a_s.at[0], b_s.at[i].T, sq, init=Ps)
+        P = P + jnp.where(groups.keep_mask(C, s), Ps, 0.0)
+      for i in range(KH):
+        P = groups.with_diagonal(P, load(q_s.at[i]), load(k_s.at[i]))
     # above the diagonal the factors do not cancel (they may overflow): the where drops them
     p_s[...] = jnp.where(lower, P, 0.0).astype(dtype)
     dp_s[...] = jnp.where(lower, matmul(do_s, v_s.T, sq), 0.0).astype(dtype)
@@ -129,14 +158,29 @@ def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, int
       e_q, e_k = jnp.exp(Gt), jnp.exp(Gc - Gt)
       if has_seg:
         e_q, e_k = e_q * rows(carry), e_k * rows(to_last)
-      # dq = e^G (do S^T) + e^(G - R) (dP Kr)
-      dq = e_q * matmul(do_s, st_s.at[i], ck) + clamp(Gt - R) * matmul(dp_s, b_s.at[i], ck)
+      if grams == "one":
+        # dq = e^G (do S^T) + e^(G - R) (dP Kr);  dk = e^(G_C - G) (v dS^T) + e^(R - G) (dP^T Qr)
+        dq_p = clamp(Gt - R) * matmul(dp_s, b_s.at[i], ck)
+        dk_p = clamp(R - Gt) * matmul(dp_s.T, a_s.at[i], ck)
+      else:   # the same gram terms, product by product, dP kept on each product's entries
+        # (dP's own diagonal in float32: groups.py)
+        d = rows(groups.diagonal_of(load(dp_s)))
+        dq_p, dk_p = d * load(k_s.at[i]), d * load(q_s.at[i])
+        for s in groups.products(C):
+          up, down = groups.factors(fresh(load(g_s.at[i])), vec_end(i), s, gb)
+          a_s.at[0][...] = (load(q_s.at[i]) * up).astype(dtype)
+          b_s.at[i][...] = (load(k_s.at[i]) * down).astype(dtype)
+          keep = groups.keep_mask(C, s)
+          dpl_s[...] = jnp.where(keep, load(dp_s), 0.0).astype(dtype)
+          plgpu.commit_smem()
+          dPK, dPQ = matmuls((ck, [(dpl_s, b_s.at[i])]), (ck, [(dpl_s.T, a_s.at[0])]))
+          dq_p, dk_p = dq_p + up * dPK, dk_p + down * dPQ
+      dq = e_q * matmul(do_s, st_s.at[i], ck) + dq_p
       qt = load(q_s.at[i])
       dG = qt * dq
       q_s.at[i][...] = dq.astype(dtype)
-      # dk = e^(G_C - G) (v dS^T) + e^(R - G) (dP^T Qr)
       v_ds = matmul(v_s, dst_s.at[i], ck)
-      dk = e_k * v_ds + clamp(R - Gt) * matmul(dp_s.T, a_s.at[i], ck)
+      dk = e_k * v_ds + dk_p
       kt = load(k_s.at[i])
       kd = kt * e_k
       dG = dG - kt * dk
@@ -169,7 +213,7 @@ def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, int
   outs = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
-      kernel_name="chunk_grads_channel")(*args)
+      kernel_name="chunk_grads_channel" + ("_groups" if grams == "groups" else ""))(*args)
   return vary_like(outs, args)
 
 
@@ -185,16 +229,16 @@ class Saved(NamedTuple):
 
 
 def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
-             sequence_pieces=None, scale: float = 1.0, saved: Saved):
+             sequence_pieces=None, scale: float = 1.0, saved: Saved, grams: str = "one"):
   """`(dq, dk, dv, dg, None, dh0)` of the prepared forward of gla (`o` scaled by `scale`; dq, dk, dv,
   dg in q, k, v, g's dtypes, dh0 float32) for `do: [B, T, H_v, V]` and `dfinal` None or
   `[B, H_v, K, V]`, from what the forward `saved`.
 
   The reverse walk (`walk.backward_states`, over the saved q e^G and decay) gives the gradient of the
   state leaving every chunk; then `chunk_grads` forms every chunk's gradients and XLA takes dG's
-  reverse cumsum within the chunks and, for grouped heads, adds the value heads' dq, dk. A call where
-  some chunk's decay does not fit the one-reference bound (`fits`) takes XLA's vjp instead: the caller's
-  `lax.cond` (`vjp.py`).
+  reverse cumsum within the chunks and, for grouped heads, adds the value heads' dq, dk. `grams`:
+  `chunk_grads`'; the caller's `lax.cond` (`vjp.py`) takes "one" where every chunk's decay fits the
+  one-reference bound (`fits`), else "groups" (or XLA's vjp, for float16 beyond the groups' bound).
   """
   del h0   # the state entering each chunk is saved
   B, T, H, K = q.shape
@@ -214,7 +258,7 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
     dstates, dh0 = walk.backward_states(t, prep.to_chunks(dos, C, T_pad), dfinal, interpret=interpret,
                                         sequence_pieces=sequence_pieces, transitions=saved.transitions)
     dq, dk, dv, dG = chunk_grads(qp, kp, vp, G, refs, saved.states, dstates, dos, dtype=dtype,
-                                 masks=masks, interpret=interpret)
+                                 masks=masks, interpret=interpret, grams=grams)
     dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C)
     grads = (dq, dk, dv[:, :T].astype(v.dtype), dg)
     return common.summed_like(grads, (q, k, v, g)) + (None, dh0.astype(F32))

@@ -15,7 +15,9 @@ form: per chunk and channel `R = (max G + min G) / 2`, and one whole-tile produc
 
 whose factors all lie within e^(+-bound) when the chunk's decay spans at most twice the bound
 (`prep.ref_bound`: 60 nats for bfloat16 operands, 8 for float16). A call where some chunk does not fit
-takes prep.py's XLA preparation with the merge form instead: the caller's `lax.cond` (`vjp.py`).
+takes the 8-token groups' products instead (`grams="groups"`, groups.py: exact at any decay above
+`prep.LOG_DECAY_FLOOR` for bfloat16 operands; float16 operands beyond its bound take prep.py's XLA
+preparation with the merge form): the caller's `lax.cond` (`vjp.py`).
 """
 
 from __future__ import annotations
@@ -27,10 +29,14 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from .. import common, prep
+from . import groups
 from .channel import chunk_cumsum
 from .masks import SEG_ROWS, segment_masks, segment_vectors
 from .tiles import (COLS, F32, ROWS, WGMMA, matmul, matmuls, smem, unit_lower_inverse,
                                       vary_like)
+
+
+GRAMS = ("one", "groups")
 
 
 def serves(g, beta, segment_ids) -> bool:
@@ -40,14 +46,18 @@ def serves(g, beta, segment_ids) -> bool:
 
 
 def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
-            chunk_multiple: int = 1, cumsum=None, with_inverse: bool = False):
+            chunk_multiple: int = 1, cumsum=None, with_inverse: bool = False, grams: str = "one"):
   """`prep.prepare(q, k, v, g, beta, segment_ids, ...)` for per-channel `g: [B, T, H_v, K]` whose every
   chunk fits the one-reference bound (`channel_grads.fits`; the caller takes XLA's merge form for the
   others), with every matmul operand in `dtype` (16-bit), the tensors in `dtype` and `decay` float32;
   shapes as there (`[B, H_v, NC, C, ...]`); beta None (gla) or `[B, T, H_v]` (kda). chunk_multiple: T is
   padded to whole groups of this many chunks (as in prep.py). cumsum: `chunk_cumsum(g, T_pad, C)` if the
   caller has it. with_inverse (kda): return `(tensors, X)` with `X = (I + L)^-1` `[B, H_v, NC, C, C]` in
-  `dtype`, which kda's gradient kernels read (`channel_delta_grads.py`)."""
+  `dtype`, which kda's gradient kernels read (`channel_delta_grads.py`). grams: "one" (one product about
+  the reference R, for chunks within `prep.ref_bound`) or "groups" (groups.py's products, exact at any
+  decay within `groups.group_bound`)."""
+  if grams not in GRAMS:
+    raise ValueError(f"grams must be one of {GRAMS}; got {grams!r}")
   T = q.shape[1]
   C = chunk_size
   T_pad = prep.padded_length(T, C, chunk_multiple)
@@ -55,11 +65,11 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
   if with_inverse and beta is None:
     raise ValueError("with_inverse is for the delta family (kda): beta must be given")
   return _prepare_kernel(q, k, v, G, refs, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
-                         interpret=interpret, with_inverse=with_inverse)
+                         interpret=interpret, with_inverse=with_inverse, grams=grams)
 
 
 def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_ids, interpret,
-                    with_inverse: bool = False):
+                    with_inverse: bool = False, grams: str = "one"):
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
   C = chunk_size
@@ -68,6 +78,7 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
   group = Hv // H
   delta = beta is not None
   bound = prep.ref_bound(dtype)
+  group_bound = groups.group_bound(dtype)
   pad = lambda x: jnp.pad(x.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
   q, k, v = pad(q), pad(k), pad(v)
   b = (jnp.swapaxes(jnp.pad(beta.astype(F32), [(0, 0), (0, T_pad - T), (0, 0)]), 1, 2) if delta
@@ -78,7 +89,7 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
   # gla reads no v (its u is v itself): 104 KB at K = 128, two programs a multiprocessor
   scratch = dict(
       q_s=smem((C, K), dtype), k_s=smem((C, K), dtype),
-      g_s=smem((C, K), F32), r_s=plgpu.SMEM((2, K), F32),
+      g_s=smem((C, K), F32), r_s=plgpu.SMEM((refs.shape[2], K), F32),
       a_s=smem((C, K), dtype), bk_s=smem((C, K), dtype), p_s=smem((C, C), dtype),
       bar=plgpu.Barrier(num_arrivals=4 + 2 * delta + SEG_ROWS * has_seg))
   if delta:
@@ -120,19 +131,37 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
     i_sq = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
     j_sq = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
 
-    # the decayed grams about the reference R (module docstring)
-    G, R = load_G(), col(0)
-    kt = load(k_s)
-    bk_s[...] = (kt * clamp(R - G)).astype(dtype)
-    up = clamp(G - R)
-    a_s[...] = (load(q_s) * up).astype(dtype)
-    if delta:
-      ak_s[...] = (kt * up).astype(dtype)
-    plgpu.commit_smem()
-    if delta:
-      P, M = matmuls((sq, [(a_s, bk_s.T)]), (sq, [(ak_s, bk_s.T)]))
-    else:
-      (P,), M = matmuls((sq, [(a_s, bk_s.T)])), None
+    if grams == "one":   # the decayed grams about the reference R (module docstring)
+      G, R = load_G(), col(0)
+      kt = load(k_s)
+      bk_s[...] = (kt * clamp(R - G)).astype(dtype)
+      up = clamp(G - R)
+      a_s[...] = (load(q_s) * up).astype(dtype)
+      if delta:
+        ak_s[...] = (kt * up).astype(dtype)
+      plgpu.commit_smem()
+      if delta:
+        P, M = matmuls((sq, [(a_s, bk_s.T)]), (sq, [(ak_s, bk_s.T)]))
+      else:
+        (P,), M = matmuls((sq, [(a_s, bk_s.T)])), None
+    else:   # the 8-token groups' products (groups.py), each kept on its own entries
+      P = M = 0.0
+      vec_end = lambda t: col(groups.FIRST_ROW + t)
+      for s in groups.products(C):
+        up, down = groups.factors(load_G(), vec_end, s, group_bound)
+        kt = load(k_s)
+        bk_s[...] = (kt * down).astype(dtype)
+        a_s[...] = (load(q_s) * up).astype(dtype)
+        if delta:
+          ak_s[...] = (kt * up).astype(dtype)
+        plgpu.commit_smem()
+        if delta:
+          Ps, Ms = matmuls((sq, [(a_s, bk_s.T)]), (sq, [(ak_s, bk_s.T)]))
+          M = M + jnp.where(groups.keep_mask(C, s), Ms, 0.0)
+        else:
+          (Ps,) = matmuls((sq, [(a_s, bk_s.T)]))
+        P = P + jnp.where(groups.keep_mask(C, s), Ps, 0.0)
+      P = groups.with_diagonal(P, load(q_s), load(k_s))
 
     same = carry = to_last = None
     if has_seg:
@@ -190,7 +219,7 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
   outs = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
-      kernel_name="chunk_prep_channel")(*args)
+      kernel_name="chunk_prep_channel" + ("_groups" if grams == "groups" else ""))(*args)
   outs = [x.reshape(B, Hv, NC, C, x.shape[-1]) for x in vary_like(outs, args)]
   qg, kd, p = outs[:3]
   decay = jnp.swapaxes(jnp.exp(refs[:, :, 1]), 1, 2)     # e^(G_C), [B, H_v, NC, K]

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from .. import common, prepared, vjp
+from .. import common, prep, prepared, vjp
 from . import plan as plans
 from . import walk
 from .interpret import check_interpreter_threads, interpreting
@@ -111,6 +111,7 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
     raise ValueError(f"out_dtype must be bfloat16 or float16 (o leaves the kernels through a 16-bit "
                      f"tile; cast it afterwards); got {jnp.dtype(out_dtype).name}")
   q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+  g = prep.floor_log_decay(g)   # -inf (forget everything) is e^-20 a token: finite differences of G
   p = call_plan(q, k, v, g, beta, segment_ids=segment_ids, chunk_size=chunk_size, qk_l2norm=qk_l2norm,
                 config=config)
   if interpret:

@@ -6,7 +6,10 @@ changes no row, since every kernel takes packed rows (`cu_seqlens` is not taken:
 "keeps" is what a differentiated call's forward keeps for its backward ("inputs": nothing more, the
 backward recomputes). Per-channel cells decide on the data, once per call, whether every chunk's decay
 fits the one-reference bound (`prep.ref_bound`: 60 nats for bfloat16 operands, 8 for float16; one
-`lax.cond` each way): the last two columns name what runs beyond it ("-": no bound). "l2" is where
+`lax.cond` each way): the two "beyond" columns name what runs beyond it ("-": no bound; "groups": the
+same kernels with the 8-token groups' products, `groups.py`, exact at any gate above
+`prep.LOG_DECAY_FLOOR` with bfloat16 operands). Float16 operands beyond the groups' bound (2.2 nats a
+token) take XLA's merge form one (batch row, value head) at a time (`Plan.per_head_beyond`). "l2" is where
 `qk_l2norm=True` normalises q and k: in the kernels on load, or in XLA before them (`Plan.l2` is "none"
 for a call without it).
 
@@ -16,16 +19,16 @@ for a call without it).
     | linear_attention, retention, simple_gla | kernel   | xla_vjp  | fused        | inputs                           | xla_vjp             | -                  | -                | xla     |
     | linear_attention, retention, simple_gla | xla_prep | kernel   | xla_prep     | inputs                           | fused               | -                  | -                | xla     |
     | linear_attention, retention, simple_gla | xla_prep | xla_vjp  | xla_prep     | inputs                           | xla_vjp             | -                  | -                | xla     |
-    | gla                                     | kernel   | kernel   | channel_prep | states, qg, decay, cumsum        | channel_grads       | xla_merge_per_head | xla_vjp_per_head | xla     |
-    | gla                                     | kernel   | xla_vjp  | channel_prep | inputs                           | xla_vjp             | xla_merge_per_head | xla_vjp          | xla     |
-    | gla                                     | xla_prep | kernel   | xla_prep     | states, qg, decay, cumsum        | channel_grads       | xla_prep           | xla_vjp_per_head | xla     |
+    | gla                                     | kernel   | kernel   | channel_prep | states, qg, decay, cumsum        | channel_grads       | groups             | groups           | xla     |
+    | gla                                     | kernel   | xla_vjp  | channel_prep | inputs                           | xla_vjp             | groups             | xla_vjp          | xla     |
+    | gla                                     | xla_prep | kernel   | xla_prep     | states, qg, decay, cumsum        | channel_grads       | xla_prep           | groups           | xla     |
     | gla                                     | xla_prep | xla_vjp  | xla_prep     | inputs                           | xla_vjp             | xla_prep           | xla_vjp          | xla     |
     | delta_rule, gated_delta_rule            | kernel   | kernel   | delta_prep   | tensors, inverse, states         | delta_grads         | -                  | -                | on_load |
     | delta_rule, gated_delta_rule            | kernel   | xla_vjp  | delta_prep   | inputs                           | xla_vjp             | -                  | -                | xla     |
     | delta_rule, gated_delta_rule            | xla_prep | kernel   | xla_prep     | inputs                           | delta_grads         | -                  | -                | xla     |
     | delta_rule, gated_delta_rule            | xla_prep | xla_vjp  | xla_prep     | inputs                           | xla_vjp             | -                  | -                | xla     |
-    | kda                                     | kernel   | kernel   | channel_prep | tensors, inverse, states, cumsum | channel_delta_grads | xla_merge_per_head | xla_vjp_per_head | xla     |
-    | kda                                     | kernel   | xla_vjp  | channel_prep | inputs                           | xla_vjp             | xla_merge_per_head | xla_vjp          | xla     |
+    | kda                                     | kernel   | kernel   | channel_prep | tensors, inverse, states, cumsum | channel_delta_grads | groups             | groups           | xla     |
+    | kda                                     | kernel   | xla_vjp  | channel_prep | inputs                           | xla_vjp             | groups             | xla_vjp          | xla     |
     | kda                                     | xla_prep | xla_vjp  | xla_prep     | inputs                           | xla_vjp             | xla_prep           | xla_vjp          | xla     |
 
 The stages, by the files that hold them (`pallas_kernels/gpu/`, XLA's in `pallas_kernels/prepared.py`):
@@ -36,12 +39,14 @@ The stages, by the files that hold them (`pallas_kernels/gpu/`, XLA's in `pallas
   family, no or scalar decay; `channel_prep.prepare`: per-channel decay, either family, the grams about
   one reference per channel), then `walk.forward` walks them.
 - xla_prep: XLA's preparation (`prep.prepare`, per-channel grams by `GpuConfig.gram_method`), then
-  `walk.forward`. xla_merge_per_head: the same with the merge form, one (batch row, value head) at a time.
+  `walk.forward`. xla_merge_per_head (float16 beyond the groups' bound): the same with the merge form, one
+  (batch row, value head) at a time.
 - delta_grads, channel_grads, channel_delta_grads: the reverse walk (`walk.backward_states`), then
   kernels that form every chunk's gradients in parallel (no XLA vjp of the preparation).
 - xla_vjp: the backend's walks around XLA's vjp of the preparation (`prepared.backward`);
-  xla_vjp_per_head: the same with the merge form, one (batch row, value head) at a time (XLA allocates
-  both branches' scratch of a `lax.cond`; one head at a time needs 1 / (B H_v) of it).
+  xla_vjp_per_head (float16 beyond the groups' bound): the same with the merge form, one (batch row,
+  value head) at a time (XLA allocates both branches' scratch of a `lax.cond`; one head at a time needs
+  1 / (B H_v) of it).
 kda's gradient kernels read the inverse `(I + L)^-1` that its preparation kernel writes, so kda with
 `forward="xla_prep"` takes `backward="xla_vjp"` (asking for its kernels raises).
 
@@ -56,7 +61,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import prep
-from . import delta_grads
+from . import delta_grads, groups
 from .interpret import interpreting
 from .tiles import BLOCK_V, SMEM_BYTES
 
@@ -125,13 +130,14 @@ class Plan:
   forward: str                 # "fused" | "delta_prep" | "channel_prep" | "xla_prep"
   keeps: str                   # the table's "keeps"
   backward: str                # "fused" | "delta_grads" | "channel_grads" | "channel_delta_grads" | "xla_vjp"
-  forward_beyond: str | None   # "xla_merge_per_head" | "xla_prep" | None
-  backward_beyond: str | None  # "xla_vjp_per_head" | "xla_vjp" | None
+  forward_beyond: str | None   # "groups" | "xla_prep" | None
+  backward_beyond: str | None  # "groups" | "xla_vjp" | None
   l2: str                      # "on_load" | "xla" | "none"
   forward_warpgroups: int      # of the fused forward's programs (1 elsewhere)
   grads_warpgroups: int        # of delta_grads' programs (1 elsewhere)
   sequence_pieces: int | None = None   # GpuConfig.sequence_pieces
   gram_method: str = "auto"            # GpuConfig.gram_method, where XLA prepares
+  per_head_beyond: bool = False        # float16 beyond the groups' bound: XLA's merge form per head
 
   def row(self) -> tuple[str, ...]:
     """The module table's columns from plan.forward on."""
@@ -182,8 +188,8 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
     raise ValueError("kda's gradient kernels read the inverse that its preparation kernel writes: "
                      "GpuConfig(forward='xla_prep') needs backward='xla_vjp'")
   per_channel = decay == "channel"
-  forward_beyond = None if not per_channel else ("xla_prep" if forward == "xla_prep" else "xla_merge_per_head")
-  backward_beyond = None if not per_channel else ("xla_vjp" if backward == "xla_vjp" else "xla_vjp_per_head")
+  forward_beyond = None if not per_channel else ("xla_prep" if forward == "xla_prep" else "groups")
+  backward_beyond = None if not per_channel else ("xla_vjp" if backward == "xla_vjp" else "groups")
   pair = (backward == "delta_grads" and config.delta_warpgroups == 2
           and delta_grads.pair_serves(V, chunk_size, v_dtype, dtype))
   return Plan(cell=c, forward=forward, keeps=_KEEPS.get((forward, backward), "inputs"), backward=backward,
@@ -192,7 +198,8 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
                   "on_load" if (forward, backward) == ("delta_prep", "delta_grads") else "xla"),
               forward_warpgroups=config.forward_warpgroups if forward == "fused" else 1,
               grads_warpgroups=2 if pair else 1, sequence_pieces=config.sequence_pieces,
-              gram_method=config.gram_method)
+              gram_method=config.gram_method,
+              per_head_beyond="groups" in (forward_beyond, backward_beyond) and not groups.always_fits(dtype))
 
 
 def hopper_reason(backend: str | None = None) -> str | None:

@@ -1,10 +1,11 @@
 """The GPU kernels' plan (`pallas_kernels/gpu/plan.py`) against its own table, cell by cell: every variant,
-decay kind, packing and configuration, differentiated or not, within and beyond the per-channel bound.
+decay kind, packing and configuration, differentiated or not, within and beyond the per-channel
+one-reference bound (beyond it: the same kernels with the 8-token groups' products).
 
 The table in plan.py's docstring is parsed and `plan.select` must give each row; then every cell's call
 is traced (no kernel runs: tracing only, on any machine) with a spy on every stage function, and the
 stages the trace reaches must be exactly those the plan names (a per-channel `lax.cond` traces both of
-its branches: the kernels' and the one beyond the bound)."""
+its branches: the one-reference grams' kernels and the groups')."""
 
 import dataclasses
 import re
@@ -92,6 +93,13 @@ BACKWARD_STAGES = {"fused": [(fused, "backward")], "delta_grads": [(delta_grads,
                    "channel_grads": [(channel_grads, "backward")],
                    "channel_delta_grads": [(channel_delta_grads, "backward")],
                    "xla_vjp": [(prepared, "backward")], "xla_vjp_per_head": [(prepared, "backward_per_head")]}
+
+
+def test_float16_beyond_the_groups_bound_plans_the_per_head_merge_form():
+  for delta in (False, True):
+    assert plan.select(delta=delta, decay="channel", config=GpuConfig(), dtype=jnp.float16).per_head_beyond
+    assert not plan.select(delta=delta, decay="channel", config=GpuConfig()).per_head_beyond
+  assert not plan.select(delta=True, decay="scalar", config=GpuConfig(), dtype=jnp.float16).per_head_beyond
 SPIED = sorted({f for stages in (FORWARD_STAGES, BACKWARD_STAGES) for fs in stages.values() for f in fs},
                key=lambda f: (f[0].__name__, f[1]))
 
@@ -111,11 +119,18 @@ CELLS = [(variant, forward, backward) for variant, forward, backward in TABLE]
 @pytest.mark.parametrize("variant,forward,backward", CELLS)
 def test_the_trace_reaches_exactly_the_planned_stages(monkeypatch, variant, forward, backward, packed,
                                                       differentiated):
-  calls = []
+  calls, grams_seen = [], {}
+
+  def spy(*a, _f, _n, **k):
+    calls.append(_n)
+    if "grams" in k:
+      grams_seen.setdefault((_n[0].rsplit(".", 1)[-1], _n[1]), set()).add(k["grams"])
+    return _f(*a, **k)
+
   for module, name in SPIED:
     original = getattr(module, name)
     monkeypatch.setattr(module, name,
-                        lambda *a, _f=original, _n=(module.__name__, name), **k: calls.append(_n) or _f(*a, **k))
+                        lambda *a, _f=original, _n=(module.__name__, name), **k: spy(*a, _f=_f, _n=_n, **k))
   x, g, beta = _inputs(variant)
   seg = jnp.asarray(np.repeat([[0, 1]], 35, axis=1)) if packed else None
   config = GpuConfig(forward=forward, backward=backward, **ONE_WARPGROUP)
@@ -128,12 +143,11 @@ def test_the_trace_reaches_exactly_the_planned_stages(monkeypatch, variant, forw
   else:
     jax.make_jaxpr(op)(*args)
   want = set(FORWARD_STAGES[p.forward])
-  if p.forward_beyond == "xla_merge_per_head":
-    want |= set(FORWARD_STAGES["xla_merge_per_head"])
+  # "groups" beyond the one-reference bound is the same stage's kernels with grams="groups" (spied below);
+  # bfloat16 operands never go beyond the groups' bound, so no per-head stage is traced
+  assert not p.per_head_beyond
   if differentiated:
     want |= set(BACKWARD_STAGES[p.backward])
-    if p.backward_beyond == "xla_vjp_per_head":
-      want |= set(BACKWARD_STAGES["xla_vjp_per_head"]) | set(BACKWARD_STAGES["xla_vjp"])
   reached = {(m.__name__, n) for m, n in SPIED if (m.__name__, n) in calls}
   want = {(m.__name__, n) for m, n in want}
   # walk.forward and prepared.prepare also serve backward stages that recompute (xla_vjp: the
@@ -145,12 +159,18 @@ def test_the_trace_reaches_exactly_the_planned_stages(monkeypatch, variant, forw
   assert extra <= helpers, (p, sorted(extra))
   if not differentiated:
     assert extra == set(), (p, sorted(extra))
-  # the kernels' branch and the merge form's are chosen by the one-reference bound on the data
+  # the one-reference grams and the groups' are chosen by the one-reference bound on the data: both
+  # branches are traced, each with its grams
   if p.forward_beyond is not None:
     G, _ = channel.chunk_cumsum(jnp.zeros((1, 70, 1, 64)), 128, 64)
     assert bool(channel.fits(G, 64, jnp.bfloat16))
     G, _ = channel.chunk_cumsum(jnp.full((1, 70, 1, 64), -20.0), 128, 64)
     assert not bool(channel.fits(G, 64, jnp.bfloat16))
+    kernel_stages = {("channel_prep", "prepare")} if p.forward == "channel_prep" else set()
+    if differentiated and p.backward in ("channel_grads", "channel_delta_grads"):
+      kernel_stages.add((p.backward, "backward"))
+    for stage in kernel_stages:
+      assert {"one", "groups"} <= set(grams_seen.get(stage, ())), (p, stage, grams_seen)
 
 
 def test_the_plan_rides_in_the_static_argument(monkeypatch):
