@@ -269,17 +269,6 @@ def _unit_lower_inverse(L, dtype):
   return X.reshape(batch + (C, C))
 
 
-# Log-decay below this (a token's decay under e^-20 ~ 2e-9) is taken as this: the chunked forms form
-# differences of a chunk's cumulative log-decay, which -inf makes NaN and very large magnitudes make
-# inexact, while e^-20 differs from forgetting everything by far less than float32 resolves.
-LOG_DECAY_FLOOR = -20.0
-
-
-def floor_log_decay(g):
-  """`max(g, LOG_DECAY_FLOOR)` (None stays None); the gradient is zero below the floor."""
-  return None if g is None else jnp.maximum(g, jnp.asarray(LOG_DECAY_FLOOR, g.dtype))
-
-
 # `decayed_gram(method="auto")`: the one-reference form serves a call when no chunk's channel decays by
 # more than twice the bound (natural log) across the chunk: every exponent it forms is then within
 # [-bound, bound]. bfloat16 and float32 operands have float32's range, so no factor (e^60 ~ 1e26) and no
