@@ -1,0 +1,117 @@
+"""The recall suite on one GPU in a wall-clock budget: zoology's MQAR sweep, then the retrieval tasks.
+
+Runs as much as fits in `--time_budget_s`, the most important first, every finished run written the
+moment it finishes (experiments/sweep.py), so running the same command again goes on where it stopped:
+
+  1. MQAR (config mqar_zoology) at widths 64 and 128, every model, the two middle learning rates
+  2. retrieval (config recall_tasks at GPU scale, RECALL_GPU below), every model, rate 3e-3
+  3. MQAR at widths 64 and 128, the two outer rates (1e-3, 3.2e-2)
+  4. MQAR at width 256, all four rates
+  5. retrieval at rate 1e-3
+
+then writes the tables and plots of everything finished (`{workdir}/mqar/mqar.{md,json,png}`,
+`{workdir}/recall/recall.{md,json,png}`), and with `--export_dir` copies them and each run's summary,
+config and metrics (not the checkpoints) there.
+
+    python3 experiments/recall_sweep.py --workdir=runs/recall_gpu --time_budget_s=540 \\
+        --export_dir=$OUT/recall_gpu
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # several runs share one GPU
+
+if __package__ in (None, ""):  # run as a file: put the repository root on the path
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags
+
+from experiments import mqar, recall, train
+
+MIDDLE_RATES, OUTER_RATES = [3.1623e-3, 1e-2], [1e-3, 3.1623e-2]
+ALL_RATES = [1e-3, 3.1623e-3, 1e-2, 3.1623e-2]
+
+# recall_tasks at GPU scale: width 128, trained at T = 256 and 512, tested up to 2048.
+RECALL_GPU = [
+    "train.steps=2000", "train.model.width=128", "train.model.impl=auto", "train.model.chunk_size=64",
+    "train.data.batch_size=64", "train.data.retrieval.vocab_size=1024",
+    "train.data.retrieval.train_lengths=[256, 512]",
+    "train.data.retrieval.test_lengths=[128, 256, 512, 1024, 2048]",
+    "train.data.retrieval.digits=5", "train.data.retrieval.num_keys=4",
+    "train.data.retrieval.num_pairs=8", "train.data.retrieval.num_queries=4",
+    "train.eval_batches=4", "train.checkpoint_every=500", "train.log_every=100",
+    "train.optimizer.warmup_steps=100", "learning_rates=[3e-3, 1e-3]",
+]
+
+
+def phases(mqar_set, recall_set, workers):
+  """`(label, subdirectory, module, config)` in the order they run, and `(subdirectory, module,
+  config)` of the full grids the tables are made of."""
+  m = lambda *extra: mqar.load_config("mqar_zoology", [f"workers={workers}", *mqar_set, *extra])
+  r = lambda *extra: recall.load_config("recall_tasks",
+                                        [*RECALL_GPU, f"workers={workers}", *recall_set, *extra])
+  return [
+      ("mqar d64,128 middle rates", "mqar", mqar,
+       m("widths=[64, 128]", f"learning_rates={MIDDLE_RATES}")),
+      ("retrieval rate 3e-3", "recall", recall, r("learning_rates=[3e-3]")),
+      ("mqar d64,128 outer rates", "mqar", mqar,
+       m("widths=[64, 128]", f"learning_rates={OUTER_RATES}")),
+      ("mqar d256", "mqar", mqar, m("widths=[256]", f"learning_rates={ALL_RATES}")),
+      ("retrieval rate 1e-3", "recall", recall, r("learning_rates=[1e-3]")),
+  ], [("mqar", mqar, m(f"learning_rates={ALL_RATES}")), ("recall", recall, r())]
+
+
+def run(workdir: str, budget_s: float, *, mqar_set=(), recall_set=(), workers: int = 4,
+        export_dir: str = "") -> dict:
+  deadline = time.monotonic() + budget_s
+  work, tables = phases(list(mqar_set), list(recall_set), workers)
+  for label, subdir, module, config in work:
+    if time.monotonic() >= deadline:
+      break
+    print(f"=== {label} ({deadline - time.monotonic():.0f} s left)", flush=True)
+    module.run_sweep(config, os.path.join(workdir, subdir), progress=False, deadline=deadline)
+  out = {}
+  for name, module, config in tables:  # every run finished so far, none started
+    out[name] = module.run_sweep(config, os.path.join(workdir, name), progress=False,
+                                 deadline=float("-inf"))
+  if export_dir:
+    export(workdir, export_dir)
+  return out
+
+
+def export(workdir: str, export_dir: str):
+  """Copies the tables, plots, JSON and each run's summary, config and metrics (no checkpoints)."""
+  keep = (".md", ".json", ".jsonl", ".png")
+  for root, dirs, files in os.walk(workdir):
+    dirs[:] = [d for d in dirs if d not in ("checkpoints", "tensorboard")]
+    for name in files:
+      if name.endswith(keep):
+        target = os.path.join(export_dir, os.path.relpath(root, workdir))
+        os.makedirs(target, exist_ok=True)
+        shutil.copy2(os.path.join(root, name), target)
+  print(f"exported the results to {export_dir}")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  f = flags.FLAGS
+  train.quiet_logs()
+  run(f.workdir, f.time_budget_s, mqar_set=f.mqar_set, recall_set=f.recall_set, workers=f.workers,
+      export_dir=f.export_dir)
+
+
+if __name__ == "__main__":
+  flags.DEFINE_string("workdir", "runs/recall_gpu", "Where every run and the tables are written.")
+  flags.DEFINE_float("time_budget_s", 540, "Start no run once the time left is shorter than the "
+                     "longest run so far; then write the tables.")
+  flags.DEFINE_integer("workers", 4, "Runs trained at once, each in its own process.")
+  flags.DEFINE_multi_string("mqar_set", [], "Override KEY=VALUE of the MQAR sweep (mqar_zoology).")
+  flags.DEFINE_multi_string("recall_set", [], "Override KEY=VALUE of the retrieval sweep.")
+  flags.DEFINE_string("export_dir", "", "Copy the results (no checkpoints) here at the end.")
+  app.run(main)
