@@ -1,17 +1,19 @@
 """MQAR: how well each mixer recalls, per (sequence length, kv pairs), against the state it keeps.
 
 Trains one two-layer model per entry of `models` (a layer pattern: "LL" linear attention, ..., "AA"
-softmax attention, "GA" a hybrid) at every learning rate of the grid, on the multi-query associative
-recall task (experiments/mqar_data.py), with train.py's loop; then reports each model at its best rate
-(the highest mean accuracy over the test settings): recall accuracy per test setting, the state one
-sequence keeps (`LM.state_size`, elements, at the longest test length) and the parameter count.
-Writes `{workdir}/mqar.md` (the table), `{workdir}/mqar.json` (every run), `{workdir}/mqar.png`, and
-each run's directory under `{workdir}/runs/` (a finished run is read back, not trained again, so an
-interrupted sweep resumes).
+softmax attention, "GA" a hybrid) at every width of `widths` and every learning rate of the grid, on
+the multi-query associative recall task (experiments/mqar_data.py), with train.py's loop; then
+reports each (model, width) at its best rate (the highest mean accuracy over the test settings):
+recall accuracy per test setting, the state one sequence keeps at the longest test length
+(`LM.state_size`, elements, and zoology's count: float32 bytes of both layers), the parameter count
+and, where zoology published one (experiments/zoology_reference.py), zoology's value beside ours.
+Writes `{workdir}/mqar.md` (the table), `{workdir}/mqar.json` (every run), `{workdir}/mqar.png`
+(accuracy per setting; accuracy against state bytes, zoology's figure) and each run's directory
+under `{workdir}/runs/` (a finished run is read back, not trained again, so an interrupted sweep
+resumes; `--time_budget_s` starts no run once the time is short: experiments/sweep.py).
 
     python experiments/mqar.py --workdir=runs/mqar                      # the CPU default, minutes
-    python experiments/mqar.py --set=train.steps=4000 --set=train.model.width=128 \\
-        --set='train.data.mqar.test_settings=[[64,4],[128,8],[256,16],[512,64]]' ...   # GPU scale
+    python experiments/mqar.py --config=mqar_zoology --workdir=runs/zoology   # zoology's setting, GPU
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def load_config(name_or_path: str, overrides=()) -> SweepConfig:
 
 
 def run_sweep(config: SweepConfig, workdir: str, *, progress: bool = True,
-              deadline: float | None = None) -> dict:
+              deadline: float | sweep.Budget | None = None) -> dict:
   """Trains (or reads back) every (model, width, learning rate) run; writes and returns the results.
 
   With a `deadline` (`time.monotonic()` seconds) no run starts once the time is short
@@ -123,7 +125,7 @@ def run_sweep(config: SweepConfig, workdir: str, *, progress: bool = True,
     if key not in best or run["mean_accuracy"] > best[key]["mean_accuracy"]:
       best[key] = run
   for run in best.values():
-    published = zoology_reference.lookup(run["model"], run["width"])
+    published = zoology_reference.lookup(run["model"], run["width"], vocab, test_settings)
     run["zoology"] = None if published is None else {
         "accuracy": published[0], "state_bytes": published[1], "source": zoology_reference.SOURCE}
   results = {"config": configs.to_dict(config), "test_settings": [list(s) for s in test_settings],

@@ -71,7 +71,7 @@ def load_config(name_or_path: str, overrides=()) -> RecallSweepConfig:
 
 
 def run_sweep(config: RecallSweepConfig, workdir: str, *, progress: bool = True,
-              deadline: float | None = None) -> dict:
+              deadline: float | sweep.Budget | None = None) -> dict:
   """Trains (or reads back) every (model, learning rate) run; writes and returns the results
   (with a `deadline`, of the runs finished by then; experiments/sweep.py)."""
   data = config.train.data.retrieval
@@ -165,7 +165,8 @@ def plot(results: dict, path: str) -> str | None:
     ax.set_title(task, fontsize=9)
     ax.set_xlabel("context length (* beyond training)", fontsize=7)
   fig.colorbar(image, ax=list(axes), fraction=0.02)
-  fig.suptitle(f"Retrieval accuracy against context length (trained at T <= {trained})", fontsize=10)
+  fig.suptitle(f"Retrieval accuracy against context length (trained at T <= {trained})", fontsize=10,
+               y=1.04)
   fig.savefig(path, dpi=110, bbox_inches="tight")
   return path
 

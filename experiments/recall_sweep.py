@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a file: put the repository root on the p
 
 from absl import app, flags
 
-from experiments import mqar, recall, train
+from experiments import mqar, recall, sweep, train
 
 MIDDLE_RATES, OUTER_RATES = [3.1623e-3, 1e-2], [1e-3, 3.1623e-2]
 ALL_RATES = [1e-3, 3.1623e-3, 1e-2, 3.1623e-2]
@@ -68,13 +68,13 @@ def phases(mqar_set, recall_set, workers):
 
 def run(workdir: str, budget_s: float, *, mqar_set=(), recall_set=(), workers: int = 4,
         export_dir: str = "") -> dict:
-  deadline = time.monotonic() + budget_s
+  budget = sweep.Budget(time.monotonic() + budget_s)  # shared: the longest run so far counts for all
   work, tables = phases(list(mqar_set), list(recall_set), workers)
   for label, subdir, module, config in work:
-    if time.monotonic() >= deadline:
+    if not budget.may_start():
       break
-    print(f"=== {label} ({deadline - time.monotonic():.0f} s left)", flush=True)
-    module.run_sweep(config, os.path.join(workdir, subdir), progress=False, deadline=deadline)
+    print(f"=== {label}{budget.left()}", flush=True)
+    module.run_sweep(config, os.path.join(workdir, subdir), progress=False, deadline=budget)
   out = {}
   for name, module, config in tables:  # every run finished so far, none started
     out[name] = module.run_sweep(config, os.path.join(workdir, name), progress=False,

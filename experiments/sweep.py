@@ -5,20 +5,35 @@ A run is a directory and a `train.TrainConfig`. It is finished when its `summary
 trained again, so an interrupted sweep resumes (a run cut off mid-way resumes from its last checkpoint).
 Each run writes its summary the moment it finishes.
 
-A deadline (`time.monotonic()` seconds) stops the sweep from starting runs: a run starts only while the
-time left exceeds the longest run finished so far in this call (0 before the first), so the last one
-started still ends near the deadline. Runs not started are left out of the returned summaries.
+A deadline (`time.monotonic()` seconds, or a `Budget` shared by several sweeps) stops the sweep from
+starting runs: a run starts only while the time left exceeds the longest run finished so far under
+that budget (0 before the first), so the last one started still ends near the deadline. Runs not
+started are left out of the returned summaries.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import multiprocessing
 import os
 import time
 
 from experiments import configs, train
+
+
+@dataclasses.dataclass
+class Budget:
+  """A deadline (`time.monotonic()` seconds; None: none) and the longest run finished under it."""
+  deadline: float | None = None
+  longest: float = 0.0
+
+  def may_start(self) -> bool:
+    return self.deadline is None or self.deadline - time.monotonic() > self.longest
+
+  def left(self) -> str:
+    return "" if self.deadline is None else f", {max(self.deadline - time.monotonic(), 0):.0f} s left"
 
 
 def train_run(run_dir: str, run_dict: dict, progress: bool) -> dict:
@@ -47,8 +62,9 @@ def finished(run_dir: str, run_config: train.TrainConfig) -> dict | None:
 
 
 def run_all(runs: list[tuple[str, train.TrainConfig]], *, workers: int = 1, progress: bool = True,
-            deadline: float | None = None) -> dict[str, dict]:
+            deadline: float | Budget | None = None) -> dict[str, dict]:
   """`{run_dir: summary}` of the runs finished before (read back) or now, in the order given."""
+  budget = deadline if isinstance(deadline, Budget) else Budget(deadline)
   summaries, todo = {}, []
   for run_dir, run_config in runs:
     done = finished(run_dir, run_config)
@@ -58,16 +74,13 @@ def run_all(runs: list[tuple[str, train.TrainConfig]], *, workers: int = 1, prog
       summaries[run_dir] = done
   if not todo:
     return summaries
-  print(f"training {len(todo)} of {len(runs)} runs ({workers} at a time"
-        + (f", {max(deadline - time.monotonic(), 0):.0f} s left)" if deadline is not None else ")"))
-  longest = [0.0]
-
-  def may_start():
-    return deadline is None or deadline - time.monotonic() > longest[0]
+  may_start = budget.may_start
+  if may_start():
+    print(f"training {len(todo)} of {len(runs)} runs ({workers} at a time{budget.left()})")
 
   def record(run_dir, summary):
     summaries[run_dir] = summary
-    longest[0] = max(longest[0], summary["seconds"])
+    budget.longest = max(budget.longest, summary["seconds"])
     print(f"done: {os.path.basename(run_dir)}: mean accuracy {summary['eval/accuracy']:.3f} "
           f"({summary['seconds']:.0f} s)", flush=True)
 
@@ -93,5 +106,5 @@ def run_all(runs: list[tuple[str, train.TrainConfig]], *, workers: int = 1, prog
           record(running.pop(future), future.result())
   left = len(todo) - sum(run_dir in summaries for run_dir, _ in todo)
   if left:
-    print(f"the time budget is spent: {left} runs not started (rerun to go on)")
+    print(f"{left} of {len(runs)} runs not trained yet: no time left (rerun to go on)")
   return {run_dir: summaries[run_dir] for run_dir, _ in runs if run_dir in summaries}

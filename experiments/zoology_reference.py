@@ -46,9 +46,16 @@ PUBLISHED = {
     ("attention", 128): (1.00, 4 * (2048 * 128 + 3 * 128)),
 }
 
+# zoology's vocabulary and test sets (original_mqar_configs.py): a comparison needs both
+VOCAB = 8192
+TEST_SETTINGS = ((64, 4), (64, 8), (64, 16), (128, 32), (256, 64), (512, 128), (1024, 256))
+
 FLAG_ABOVE = 0.03  # |ours - zoology's| above this is flagged in the table
 
 
-def lookup(model: str, width: int) -> tuple[float, int] | None:
-  """Zoology's `(accuracy, state bytes)` for our model name at this width, or None."""
+def lookup(model: str, width: int, vocab_size: int, test_settings) -> tuple[float, int] | None:
+  """Zoology's `(accuracy, state bytes)` for our model name at this width, or None (also when the
+  vocabulary or the test sets are not zoology's: the numbers would not measure the same thing)."""
+  if vocab_size != VOCAB or tuple(map(tuple, test_settings)) != TEST_SETTINGS:
+    return None
   return PUBLISHED.get((model, width))
