@@ -32,6 +32,8 @@ import dataclasses
 
 import numpy as np
 
+from experiments.mqar_data import distinct
+
 IGNORE = -1
 PAD, NEEDLE, QUERY, COPY = 0, 1, 2, 3
 DIGIT0 = 10
@@ -55,72 +57,72 @@ def min_length(task: str, *, digits: int = 5, num_keys: int = 4, num_pairs: int 
           "two_hop": 4 * num_pairs + 2 * num_queries + 1}[task]
 
 
-def _example(rng, task, T, V, digits, num_keys, num_pairs, num_queries):
-  """One example: `(tokens [T], targets [T])` (targets = next tokens where scored, else -1)."""
+def _batch(rng, task, n, T, V, digits, num_keys, num_pairs, num_queries):
+  """`n` examples at once: `(tokens [n, T], answer [n, T] bool)`, answer marking the scored tokens."""
   r = word_ranges(V)
-  filler_words = lambda n: rng.integers(*r["F"], size=n)
-  number = lambda: DIGIT0 + rng.integers(0, 10, size=digits)
+  number = lambda *shape: DIGIT0 + rng.integers(0, 10, size=(*shape, digits))
   if task == "copy":
     L = (T - 1) // 2
-    s = rng.integers(WORD0, V, size=L)
-    seq = np.concatenate([s, [COPY], s])
-    answer = np.zeros(len(seq), bool)
-    answer[L + 1:] = True  # the copied words
-    return _finish(seq, answer, T)
+    words = rng.integers(WORD0, V, size=(n, L))
+    pad = np.full((n, T - 2 * L - 1), PAD)
+    tokens = np.concatenate([pad, words, np.full((n, 1), COPY), words], axis=1)
+    answer = np.zeros((n, T), bool)
+    answer[:, T - L:] = True  # the copied words
+    return tokens, answer
   if task == "two_hop":
-    a = rng.choice(np.arange(*r["A"]), num_pairs, replace=False)
-    b = rng.choice(np.arange(*r["B"]), num_pairs, replace=False)
-    c = rng.choice(np.arange(*r["C"]), num_pairs, replace=False)
-    blocks = [np.array([x, y]) for x, y in zip(a, b)] + [np.array([y, z]) for y, z in zip(b, c)]
-    asked = rng.choice(num_pairs, num_queries, replace=num_queries > num_pairs)
-    tail = np.concatenate([[QUERY, a[i], c[i]] for i in asked])
+    a = distinct(rng, n, num_pairs, *r["A"])
+    b = distinct(rng, n, num_pairs, *r["B"])
+    c = distinct(rng, n, num_pairs, *r["C"])
+    blocks = np.concatenate([np.stack([a, b], -1), np.stack([b, c], -1)], axis=1)  # [n, 2P, 2]
+    if num_queries <= num_pairs:
+      asked = np.argsort(rng.random((n, num_pairs)), axis=1)[:, :num_queries]
+    else:
+      asked = rng.integers(0, num_pairs, size=(n, num_queries))
+    pick = lambda x: np.take_along_axis(x, asked, axis=1)
     # c follows its query in the input (teacher forcing), so it is the target at a's position
-    tail_answer = np.concatenate([[False, False, True] for _ in asked])
-    return _haystack(rng, blocks, filler_words, tail, tail_answer, T)
-  if task == "passkey":
+    tail = np.stack([np.full(asked.shape, QUERY), pick(a), pick(c)], -1).reshape(n, -1)
+    tail_answer = np.tile([False, False, True], num_queries)
+    filler = rng.integers(*r["F"], size=(n, T))
+  elif task == "passkey":
+    key = number(n)
+    blocks = np.concatenate([np.full((n, 1), NEEDLE), key], axis=1)[:, None]  # [n, 1, 1 + digits]
+    tail = np.concatenate([np.full((n, 1), QUERY), key], axis=1)
+    tail_answer = np.r_[False, np.ones(digits, bool)]
     phrase = np.arange(r["F"][0], r["F"][0] + 8)  # the same phrase in every example, as in RULER
-    key = number()
-    blocks = [np.concatenate([[NEEDLE], key])]
-    tail = np.concatenate([[QUERY], key])
-    fill = lambda n: np.resize(phrase, n)
-    return _haystack(rng, blocks, fill, tail, np.r_[False, np.ones(digits, bool)], T)
-  # number_needle, multikey_needle
-  n = 1 if task == "number_needle" else num_keys
-  keys = rng.choice(np.arange(*r["A"]), n, replace=False)
-  numbers = [number() for _ in range(n)]
-  blocks = [np.concatenate([[NEEDLE, k], d]) for k, d in zip(keys, numbers)]
-  which = rng.integers(n)
-  tail = np.concatenate([[QUERY, keys[which]], numbers[which]])
-  return _haystack(rng, blocks, filler_words, tail, np.r_[False, False, np.ones(digits, bool)], T)
+    filler = np.broadcast_to(np.resize(phrase, T), (n, T))
+  else:  # number_needle, multikey_needle
+    m = 1 if task == "number_needle" else num_keys
+    keys, numbers = distinct(rng, n, m, *r["A"]), number(n, m)
+    blocks = np.concatenate([np.full((n, m, 1), NEEDLE), keys[..., None], numbers], axis=2)
+    which = rng.integers(0, m, size=n)
+    rows = np.arange(n)
+    tail = np.concatenate([np.full((n, 1), QUERY), keys[rows, which, None], numbers[rows, which]],
+                          axis=1)
+    tail_answer = np.r_[False, False, np.ones(digits, bool)]
+    filler = rng.integers(*r["F"], size=(n, T))
+  return _haystack(rng, blocks, filler, tail, tail_answer, T)
 
 
-def _haystack(rng, blocks, fill, tail, tail_answer, T):
-  """`blocks` at uniform random places (in random order) in filler, then `tail`; T tokens in all.
-  `tail_answer` marks the tokens of `tail` that are scored."""
-  room = T - len(tail) - sum(len(b) for b in blocks)
-  cuts = np.sort(rng.integers(0, room + 1, size=len(blocks)))
-  order = rng.permutation(len(blocks))
-  filler = fill(room)
-  parts, last = [], 0
-  for cut, i in zip(cuts, order):
-    parts += [filler[last:cut], blocks[i]]
-    last = cut
-  parts += [filler[last:], tail]
-  seq = np.concatenate(parts)
-  answer = np.zeros(len(seq), bool)
-  answer[len(seq) - len(tail):] = tail_answer
-  return _finish(seq, answer, T)
-
-
-def _finish(seq, answer, T):
-  """Left-pads `seq` (and its answer mask) to T; `targets[t] = seq[t + 1]` where token t + 1 is an
-  answer, else -1: each answer token is predicted from the token before it."""
-  pad = T - len(seq)
-  seq = np.concatenate([np.full(pad, PAD), seq]).astype(np.int64)
-  answer = np.concatenate([np.zeros(pad, bool), answer])
-  targets = np.full(T, IGNORE, np.int64)
-  targets[:-1] = np.where(answer[1:], seq[1:], IGNORE)
-  return seq, targets
+def _haystack(rng, blocks, filler, tail, tail_answer, T):
+  """`blocks: [n, m, b]` at uniform random places, in random order, among filler tokens (taken in
+  order from `filler: [n, >= room]`), then `tail: [n, t]`; T tokens in all. `tail_answer: [t]` marks
+  the tail's scored tokens."""
+  n, m, width = blocks.shape
+  room = T - tail.shape[1] - m * width
+  blocks = np.take_along_axis(blocks, np.argsort(rng.random((n, m)), axis=1)[..., None], axis=1)
+  cuts = np.sort(rng.integers(0, room + 1, size=(n, m)), axis=1)  # filler tokens before each block
+  starts = cuts + width * np.arange(m)  # earlier blocks push later ones right
+  body = np.zeros((n, T - tail.shape[1]), np.int64)
+  in_block = np.zeros(body.shape, bool)
+  at = (starts[..., None] + np.arange(width)).reshape(n, -1)
+  rows = np.arange(n)[:, None]
+  body[rows, at] = blocks.reshape(n, -1)
+  in_block[rows, at] = True
+  body[~in_block] = np.asarray(filler)[:, :room].reshape(-1)  # row-major: each row's filler in order
+  tokens = np.concatenate([body, tail], axis=1)
+  answer = np.zeros((n, T), bool)
+  answer[:, T - tail.shape[1]:] = tail_answer
+  return tokens, answer
 
 
 def generate(rng: np.random.Generator, task: str, *, num_examples: int, seq_len: int, vocab_size: int,
@@ -137,10 +139,11 @@ def generate(rng: np.random.Generator, task: str, *, num_examples: int, seq_len:
   if seq_len < need:
     raise ValueError(f"{task}: seq_len={seq_len} < {need}, the shortest context it fits in")
   word_ranges(vocab_size)
-  rows = [_example(rng, task, seq_len, vocab_size, digits, num_keys, num_pairs, num_queries)
-          for _ in range(num_examples)]
-  tokens, targets = (np.stack(x).astype(np.int32) for x in zip(*rows))
-  return tokens, targets
+  tokens, answer = _batch(rng, task, num_examples, seq_len, vocab_size, digits, num_keys, num_pairs,
+                          num_queries)
+  targets = np.full(tokens.shape, IGNORE, np.int64)
+  targets[:, :-1] = np.where(answer[:, 1:], tokens[:, 1:], IGNORE)  # each answer from the token before
+  return tokens.astype(np.int32), targets.astype(np.int32)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from experiments import mqar
-from experiments.mqar_data import IGNORE, MQARConfig, MQARSource, multiquery_ar
+from experiments.mqar_data import IGNORE, MQARConfig, MQARSource, distinct, multiquery_ar
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -73,6 +73,15 @@ def test_query_gaps_follow_the_power_law_and_seeds_fix_the_examples():
   other = multiquery_ar(np.random.default_rng(2), num_examples=20_000, seq_len=2 + 2 * slots,
                         num_kv_pairs=1, vocab_size=64, power_a=a)
   assert not np.array_equal(tokens, other[0])
+
+
+def test_distinct_draws_every_ordered_choice_alike():
+  # 2 of {0, 1, 2}: the six ordered pairs equally often; 15 of 15: a permutation every row
+  x = distinct(np.random.default_rng(0), 60_000, 2, 0, 3)
+  counts = np.bincount(3 * x[:, 0] + x[:, 1], minlength=9)
+  assert counts[[0, 4, 8]].sum() == 0
+  np.testing.assert_allclose(counts[[1, 2, 3, 5, 6, 7]] / 60_000, 1 / 6, atol=0.01)
+  assert all(sorted(row) == list(range(1, 16)) for row in distinct(np.random.default_rng(1), 100, 15, 1, 16))
 
 
 def test_too_many_pairs_for_the_length_or_vocabulary():
