@@ -126,15 +126,15 @@ def test_the_zoology_config_builds_zoology_s_grid_and_runs_tiny(tmp_path):
   assert config.widths == (64, 128, 256) and len(config.learning_rates) == 4
   assert config.train.data.mqar.vocab_size == 8192 and len(config.plan("w")) == 8 * 3 * 4
   assert max(T for T, _ in config.train.data.mqar.test_settings) == 1024
-  # When a tiny copy runs (one model, the cheapest to compile, at two widths)
+  # When a tiny copy runs (one model, the cheapest to compile, at one width)
   tiny = mqar.load_config("mqar_zoology", TINY_TRAIN + [
-      'models=[["attention", "AA"]]', "widths=[16, 32]", "learning_rates=[1e-2]",
+      'models=[["attention", "AA"]]', "widths=[16]", "learning_rates=[1e-2]",
       "train.data.mqar.vocab_size=32", "train.data.mqar.train_settings=[[16, 2]]",
       "train.data.mqar.test_settings=[[16, 2], [32, 4]]"])
   results = mqar.run_sweep(tiny, str(tmp_path), progress=False)
-  # Then there is a row per width with zoology's count of state bytes, and a plot
-  assert [(r["model"], r["width"]) for r in results["best"]] == [("attention", 16),
-                                                                   ("attention", 32)]
+  # Then its row has the width, zoology's count of state bytes, and a plot
+  assert [(r["model"], r["width"]) for r in results["best"]] == [("attention", 16)]
+  assert os.path.basename(results["runs"][0]["workdir"]) == "attention_d16_lr0.01"
   assert all(r["state_bytes"] == 4 * r["state_size"] and r["zoology"] is None
              for r in results["best"])
   assert results["plot"] is None or os.path.getsize(results["plot"]) > 0
@@ -157,11 +157,11 @@ def test_the_retrieval_config_runs_tiny_and_tabulates_every_task_and_length(tmp_
   config = recall.load_config("recall_tasks")
   assert {p for _, p in config.models} >= {"GGGA", "KKKA", "AAAA", "LLLL"} and len(config.models) == 9
   tiny = recall.load_config("recall_tasks", TINY_TRAIN + [
-      'models=[["hybrid", "DA"]]', "workers=1", "train.model.width=16",
-      "train.data.retrieval.train_lengths=[24]", "train.data.retrieval.test_lengths=[24, 48]"])
+      'models=[["attention", "AA"]]', "workers=1", "train.model.width=16",
+      "train.data.retrieval.train_lengths=[24]", "train.data.retrieval.test_lengths=[48]"])
   results = recall.run_sweep(tiny, str(tmp_path), progress=False)
   (row,) = results["best"]
-  assert set(row["accuracy"]) == set(rd.TASKS) and set(row["accuracy"]["copy"]) == {"24", "48"}
+  assert set(row["accuracy"]) == set(rd.TASKS) and set(row["accuracy"]["copy"]) == {"48"}
   table = open(tmp_path / "recall.md", encoding="utf-8").read()
   assert "T=48 (beyond training)" in table and "**two_hop**" in table
   assert results["plot"] is None or os.path.getsize(results["plot"]) > 0
