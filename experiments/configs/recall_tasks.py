@@ -3,7 +3,7 @@ multi-key), exact copying and a two-hop lookup, for every mixer and two hybrids 
 layers).
 
 The default is sized for a 2-core CPU (width 64, trained at T = 32, tested at 32 to 128, 400 steps,
-one learning rate; about 2 minutes a model on a quiet machine, two at a time). The GPU sweep (experiments/recall_sweep.py) scales it.
+one learning rate; 3 to 5 minutes a model measured on a shared 2-core machine, two at a time). The GPU sweep (experiments/recall_sweep.py) scales it.
 """
 
 SCRIPT = "recall"
