@@ -10,11 +10,12 @@ moment it finishes (experiments/sweep.py), so running the same command again goe
   5. retrieval at rate 1e-3
 
 then writes the tables and plots of everything finished (`{workdir}/mqar/mqar.{md,json,png}`,
-`{workdir}/recall/recall.{md,json,png}`), and with `--export_dir` copies them and each run's summary,
-config and metrics (not the checkpoints) there.
+`{workdir}/recall/recall.{md,json,png}`), and with `--export_dir` copies them there with every run's
+config, summary and metrics (not the checkpoints) packed in one `runs.tar.gz`. A later call on a
+fresh machine goes on from that archive with `--restore_from` (experiments/RECALL.md, "Resuming").
 
     python3 experiments/recall_sweep.py --workdir=runs/recall_gpu --time_budget_s=540 \\
-        --export_dir=$OUT/recall_gpu
+        --export_dir=$OUT/recall_gpu [--restore_from=recall_gpu_runs/runs.tar.gz]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tarfile
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # several runs share one GPU
@@ -67,7 +69,9 @@ def phases(mqar_set, recall_set, workers):
 
 
 def run(workdir: str, budget_s: float, *, mqar_set=(), recall_set=(), workers: int = 4,
-        export_dir: str = "") -> dict:
+        export_dir: str = "", restore_from: str = "") -> dict:
+  if restore_from:
+    restore(restore_from, workdir)
   budget = sweep.Budget(time.monotonic() + budget_s)  # shared: the longest run so far counts for all
   work, tables = phases(list(mqar_set), list(recall_set), workers)
   for label, subdir, module, config in work:
@@ -84,17 +88,46 @@ def run(workdir: str, budget_s: float, *, mqar_set=(), recall_set=(), workers: i
   return out
 
 
-def export(workdir: str, export_dir: str):
-  """Copies the tables, plots, JSON and each run's summary, config and metrics (no checkpoints)."""
-  keep = (".md", ".json", ".jsonl", ".png")
-  for root, dirs, files in os.walk(workdir):
-    dirs[:] = [d for d in dirs if d not in ("checkpoints", "tensorboard")]
-    for name in files:
-      if name.endswith(keep):
-        target = os.path.join(export_dir, os.path.relpath(root, workdir))
-        os.makedirs(target, exist_ok=True)
-        shutil.copy2(os.path.join(root, name), target)
-  print(f"exported the results to {export_dir}")
+RUNS_ARCHIVE = "runs.tar.gz"  # every run's config, summary and metrics, for a rerun to read back
+TABLES = {"mqar": ("mqar.md", "mqar.json", "mqar.png"), "recall": ("recall.md", "recall.json", "recall.png")}
+RUN_FILES = ("config.json", "summary.json", "metrics.jsonl")
+
+
+def export(workdir: str, export_dir: str) -> list[str]:
+  """Copies the tables and plots (`{export_dir}/{mqar,recall}/...`) and packs each run's config,
+  summary and metrics (no checkpoints) into `{export_dir}/runs.tar.gz`: seven files at most two
+  folders down, so the whole export comes back from a device machine that returns a few files, none
+  deeper (a tree of one folder per run does not). `restore` puts the archive back into a workdir."""
+  written = []
+  for sub, names in TABLES.items():
+    for name in names:
+      source = os.path.join(workdir, sub, name)
+      if os.path.exists(source):
+        os.makedirs(os.path.join(export_dir, sub), exist_ok=True)
+        written.append(shutil.copy2(source, os.path.join(export_dir, sub, name)))
+  os.makedirs(export_dir, exist_ok=True)
+  archive = os.path.join(export_dir, RUNS_ARCHIVE)
+  with tarfile.open(archive, "w:gz") as tar:
+    for root, dirs, files in os.walk(workdir):
+      dirs[:] = sorted(d for d in dirs if d not in ("checkpoints", "tensorboard"))
+      for name in sorted(files):
+        if name in RUN_FILES:
+          path = os.path.join(root, name)
+          tar.add(path, arcname=os.path.relpath(path, workdir))
+  written.append(archive)
+  print(f"exported the results to {export_dir} ({len(written)} files)")
+  return written
+
+
+def restore(archive: str, workdir: str) -> int:
+  """Unpacks an export's `runs.tar.gz` into `workdir` (each run's config, summary, metrics): its
+  finished runs are then read back, not trained again. Returns how many runs it holds."""
+  with tarfile.open(archive, "r:gz") as tar:
+    members = [m for m in tar.getmembers() if m.isfile()]
+    tar.extractall(workdir, members=members, filter="data")
+  runs = sum(os.path.basename(m.name) == "summary.json" for m in members)
+  print(f"restored {runs} finished runs from {archive} into {workdir}")
+  return runs
 
 
 def main(argv):
@@ -103,7 +136,7 @@ def main(argv):
   f = flags.FLAGS
   train.quiet_logs()
   run(f.workdir, f.time_budget_s, mqar_set=f.mqar_set, recall_set=f.recall_set, workers=f.workers,
-      export_dir=f.export_dir)
+      export_dir=f.export_dir, restore_from=f.restore_from)
 
 
 if __name__ == "__main__":
@@ -113,5 +146,8 @@ if __name__ == "__main__":
   flags.DEFINE_integer("workers", 4, "Runs trained at once, each in its own process.")
   flags.DEFINE_multi_string("mqar_set", [], "Override KEY=VALUE of the MQAR sweep (mqar_zoology).")
   flags.DEFINE_multi_string("recall_set", [], "Override KEY=VALUE of the retrieval sweep.")
-  flags.DEFINE_string("export_dir", "", "Copy the results (no checkpoints) here at the end.")
+  flags.DEFINE_string("export_dir", "", "Copy the tables here at the end, and every run's config, "
+                      "summary and metrics as runs.tar.gz (no checkpoints).")
+  flags.DEFINE_string("restore_from", "", "An earlier export's runs.tar.gz: unpacked into the workdir "
+                      "first, so its finished runs are read back, not trained again.")
   app.run(main)

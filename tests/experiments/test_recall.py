@@ -181,3 +181,21 @@ def test_the_gpu_sweep_puts_mqar_at_64_and_128_first_and_writes_tables_of_what_f
   with open(tmp_path / "out" / "mqar" / "mqar.json", encoding="utf-8") as f:
     assert json.load(f)["runs"] == []
   assert os.path.exists(tmp_path / "out" / "recall" / "recall.md")
+
+
+def test_the_export_comes_back_in_few_shallow_files_and_a_fresh_workdir_resumes_from_it(tmp_path):
+  # A device machine returns at most 8 files, none more than two folders down: the runs travel as
+  # one archive, and restoring it makes a finished run read back instead of trained again.
+  tiny = mqar.load_config("mqar_sweep", [
+      'models=[["attention", "AA"]]', "learning_rates=[0.01]", "train.steps=2",
+      "train.optimizer.warmup_steps=0", "train.model.width=16", "train.eval_batches=1",
+      "train.data.batch_size=4"])
+  mqar.run_sweep(tiny, str(tmp_path / "w" / "mqar"), progress=False)
+  written = recall_sweep.export(str(tmp_path / "w"), str(tmp_path / "out"))
+  assert len(written) <= 8
+  assert all(len(os.path.relpath(p, tmp_path / "out").split(os.sep)) <= 2 for p in written)
+  fresh = tmp_path / "fresh"
+  assert recall_sweep.restore(str(tmp_path / "out" / recall_sweep.RUNS_ARCHIVE), str(fresh)) == 1
+  (run_dir, run_config), = [(d, c) for *_, c, d in tiny.plan(str(fresh / "mqar"))]
+  assert sweep.finished(run_dir, run_config) is not None
+  assert not os.path.exists(os.path.join(run_dir, "checkpoints"))
