@@ -7,6 +7,8 @@ checkpoint that records `{"split", "seed", "position"}` resumes on exactly the b
 
 Sources:
   mqar   multi-query associative recall (`experiments.mqar_data`); generated, no download.
+  retrieval  needle-in-a-haystack (passkey, number, multi-key), copying, two-hop lookup
+         (`experiments.retrieval_data`); generated, no download.
   text   bytes of a local file (`text.path`), vocabulary 256; without a path, an embedded corpus:
          source files of Python's standard library, present wherever Python is installed.
 """
@@ -21,8 +23,9 @@ from typing import Protocol
 import numpy as np
 
 from experiments.mqar_data import IGNORE, MQARConfig, MQARSource
+from experiments.retrieval_data import RetrievalConfig, RetrievalSource
 
-SOURCES = ("mqar", "text")
+SOURCES = ("mqar", "text", "retrieval")
 # The embedded corpus: these standard-library modules' sources, concatenated in this order (~0.6 MB).
 CORPUS_MODULES = ("textwrap", "string", "difflib", "argparse", "pprint", "inspect", "functools",
                   "dataclasses", "typing", "this")
@@ -44,11 +47,12 @@ class TextConfig:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   """Which source, and its settings."""
-  source: str = "mqar"  # "mqar" | "text"
+  source: str = "mqar"  # "mqar" | "text" | "retrieval"
   batch_size: int = 32  # examples per step (and per evaluation batch)
   seed: int = 0  # data seed; the evaluation sets use seed + 1
   mqar: MQARConfig = MQARConfig()
   text: TextConfig = TextConfig()
+  retrieval: RetrievalConfig = RetrievalConfig()
 
   def __post_init__(self):
     if self.source not in SOURCES:
@@ -144,8 +148,10 @@ def make_source(config: DataConfig) -> DataSource:
   """The source `config.source` names."""
   if config.source == "mqar":
     return MQARSource(config.mqar, config.batch_size)
+  if config.source == "retrieval":
+    return RetrievalSource(config.retrieval, config.batch_size)
   return ByteTextSource(config.text, config.batch_size)
 
 
 __all__ = ["IGNORE", "Batches", "ByteTextSource", "DataConfig", "DataSource", "MQARConfig",
-           "MQARSource", "TextConfig", "batches", "embedded_corpus", "make_source"]
+           "MQARSource", "RetrievalConfig", "RetrievalSource", "TextConfig", "batches", "embedded_corpus", "make_source"]

@@ -28,6 +28,27 @@ import numpy as np
 IGNORE = -1  # target of a position that is not scored
 
 
+def distinct(rng: np.random.Generator, n: int, N: int, low: int, high: int) -> np.ndarray:
+  """`[n, N]` ints from `[low, high)`, distinct within each row, every ordered choice equally likely.
+
+  Draws N per row and redraws every later repeat of a value until none is left: the procedure treats
+  all values alike (only equalities decide what is redrawn), so its result is uniform over the
+  ordered N-tuples of distinct values; it costs O(n N log N) where a permutation per row costs
+  O(n (high - low) log(high - low)) (0.4 s for a batch of zoology's vocabulary of 8192).
+  """
+  x = rng.integers(low, high, size=(n, N))
+  while True:
+    order = np.argsort(x, axis=1, kind="stable")  # equal values keep their order: the first stays
+    ranked = np.take_along_axis(x, order, axis=1)
+    repeat = np.zeros(x.shape, bool)
+    repeat[:, 1:] = ranked[:, 1:] == ranked[:, :-1]
+    if not repeat.any():
+      return x
+    again = np.zeros(x.shape, bool)
+    np.put_along_axis(again, order, repeat, axis=1)
+    x[again] = rng.integers(low, high, size=int(again.sum()))
+
+
 def multiquery_ar(rng: np.random.Generator, *, num_examples: int, seq_len: int, num_kv_pairs: int,
                   vocab_size: int, power_a: float = 0.01,
                   random_non_queries: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -47,9 +68,8 @@ def multiquery_ar(rng: np.random.Generator, *, num_examples: int, seq_len: int, 
   if half - 1 < N or V - half < N:
     raise ValueError(f"vocab_size={V} has {half - 1} keys and {V - half} values; need "
                      f"num_kv_pairs={N} of each")
-  # Sampling without replacement, vectorised: the first N of a random permutation per row.
-  keys = 1 + np.argsort(rng.random((n, half - 1)), axis=1)[:, :N]
-  values = half + np.argsort(rng.random((n, V - half)), axis=1)[:, :N]
+  keys = distinct(rng, n, N, 1, half)
+  values = distinct(rng, n, N, half, V)
   # Weighted sampling without replacement = the top N of log p + Gumbel noise (Gumbel-top-k).
   j = np.arange(1, slots + 1, dtype=np.float64)
   log_p = np.log(power_a) + (power_a - 1.0) * np.log(j)

@@ -1,6 +1,6 @@
 """Experiment configs: one Python file per experiment, read by one loader that rejects unknown keys.
 
-A config file defines `SCRIPT` (the script it configures: "train", "mqar" or "decode") and
+A config file defines `SCRIPT` (the script it configures: "train", "mqar", "decode" or "recall") and
 `get_config()`, which returns a plain dict whose every field carries a comment. The script turns the
 dict into its frozen dataclass with `build(cls, mapping)`; a key the dataclass lacks, at any depth,
 raises a `ValueError` naming it.
@@ -22,7 +22,7 @@ import typing
 from typing import Any, Iterable
 
 CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
-SCRIPTS = ("train", "mqar", "decode")
+SCRIPTS = ("train", "mqar", "decode", "recall")
 
 
 def names() -> list[str]:

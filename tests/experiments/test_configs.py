@@ -8,9 +8,10 @@ import re
 
 import pytest
 
-from experiments import configs, decode, mqar, train
+from experiments import configs, decode, mqar, recall, train
 
-SCHEMAS = {"train": train.TrainConfig, "mqar": mqar.SweepConfig, "decode": decode.DecodeConfig}
+SCHEMAS = {"train": train.TrainConfig, "mqar": mqar.SweepConfig, "decode": decode.DecodeConfig,
+           "recall": recall.RecallSweepConfig}
 
 
 @pytest.mark.parametrize("name", configs.names())

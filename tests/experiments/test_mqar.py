@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from experiments import mqar
-from experiments.mqar_data import IGNORE, MQARConfig, MQARSource, multiquery_ar
+from experiments.mqar_data import IGNORE, MQARConfig, MQARSource, distinct, multiquery_ar
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,6 +53,37 @@ def test_batches_are_fixed_by_seed_split_and_index():
     source.batch("valid", 0, 0)
 
 
+def test_query_gaps_follow_the_power_law_and_seeds_fix_the_examples():
+  # Given 20,000 examples with one pair, so that each query slot j has probability a j^(a-1) / Z
+  a, slots = 0.3, 15
+  tokens, targets = multiquery_ar(np.random.default_rng(1), num_examples=20_000, seq_len=2 + 2 * slots,
+                                  num_kv_pairs=1, vocab_size=64, power_a=a)
+  # Then the query's slot is distributed as zoology's p_j (zoology/data/multiquery_ar.py)
+  gaps = (np.nonzero(targets != IGNORE)[1] - 2) // 2
+  p = a * np.arange(1, slots + 1) ** (a - 1)
+  np.testing.assert_allclose(np.bincount(gaps, minlength=slots) / len(gaps), p / p.sum(), atol=0.01)
+  # And the value sits only right after each query: the target at a query is the next input token
+  rows, cols = np.nonzero(targets != IGNORE)
+  assert (tokens[rows, cols] == tokens[rows, 0]).all() and (targets[rows, cols] == tokens[rows, 1]).all()
+  # And the same seed gives the same examples, another seed others
+  again = multiquery_ar(np.random.default_rng(1), num_examples=20_000, seq_len=2 + 2 * slots,
+                        num_kv_pairs=1, vocab_size=64, power_a=a)
+  np.testing.assert_array_equal(tokens, again[0])
+  np.testing.assert_array_equal(targets, again[1])
+  other = multiquery_ar(np.random.default_rng(2), num_examples=20_000, seq_len=2 + 2 * slots,
+                        num_kv_pairs=1, vocab_size=64, power_a=a)
+  assert not np.array_equal(tokens, other[0])
+
+
+def test_distinct_draws_every_ordered_choice_alike():
+  # 2 of {0, 1, 2}: the six ordered pairs equally often; 15 of 15: a permutation every row
+  x = distinct(np.random.default_rng(0), 60_000, 2, 0, 3)
+  counts = np.bincount(3 * x[:, 0] + x[:, 1], minlength=9)
+  assert counts[[0, 4, 8]].sum() == 0
+  np.testing.assert_allclose(counts[[1, 2, 3, 5, 6, 7]] / 60_000, 1 / 6, atol=0.01)
+  assert all(sorted(row) == list(range(1, 16)) for row in distinct(np.random.default_rng(1), 100, 15, 1, 16))
+
+
 def test_too_many_pairs_for_the_length_or_vocabulary():
   with pytest.raises(ValueError, match="seq_len >= 4"):
     multiquery_ar(np.random.default_rng(0), num_examples=1, seq_len=16, num_kv_pairs=5, vocab_size=64)
@@ -78,7 +109,8 @@ def test_sweep_reports_accuracy_per_setting_against_state_size(tmp_path):
     assert all(0 <= a <= 1 for a in row["accuracy"].values()) and row["state_size"] > 0
   with open(tmp_path / "mqar.md", encoding="utf-8") as f:
     table = f.read()
-  assert "| attention | `AA` | 0.003 |" in table and "T16 kv4" in table
+  assert "| attention | `AA` | 32 | 0.003 (1) |" in table and "T16 kv4" in table
+  assert all(row["state_bytes"] == 4 * row["state_size"] for row in results["best"])
   with open(tmp_path / "mqar.json", encoding="utf-8") as f:
     assert len(json.load(f)["runs"]) == 2
   assert results["plot"] is None or os.path.getsize(results["plot"]) > 0

@@ -1,0 +1,110 @@
+"""Running a sweep's runs: each trained once (in worker processes when asked), read back when finished.
+
+A run is a directory and a `train.TrainConfig`. It is finished when its `summary.json` exists, its
+`config.json` is the same config and it reached the config's steps; a finished run is read back, never
+trained again, so an interrupted sweep resumes (a run cut off mid-way resumes from its last checkpoint).
+Each run writes its summary the moment it finishes.
+
+A deadline (`time.monotonic()` seconds, or a `Budget` shared by several sweeps) stops the sweep from
+starting runs: a run starts only while the time left exceeds the longest run finished so far under
+that budget (0 before the first), so the last one started still ends near the deadline. Runs not
+started are left out of the returned summaries.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import multiprocessing
+import os
+import time
+
+from experiments import configs, train
+
+
+@dataclasses.dataclass
+class Budget:
+  """A deadline (`time.monotonic()` seconds; None: none) and the longest run finished under it."""
+  deadline: float | None = None
+  longest: float = 0.0
+
+  def may_start(self) -> bool:
+    return self.deadline is None or self.deadline - time.monotonic() > self.longest
+
+  def left(self) -> str:
+    return "" if self.deadline is None else f", {max(self.deadline - time.monotonic(), 0):.0f} s left"
+
+
+def train_run(run_dir: str, run_dict: dict, progress: bool) -> dict:
+  """Trains one run (also in a worker process) and returns its summary with the seconds it took."""
+  if multiprocessing.parent_process() is not None:
+    train.quiet_logs()
+  start = time.perf_counter()
+  summary = train.train_and_evaluate(configs.build(train.TrainConfig, run_dict), run_dir,
+                                     progress=progress)
+  summary["seconds"] = time.perf_counter() - start
+  with open(os.path.join(run_dir, "summary.json"), "w", encoding="utf-8") as f:
+    json.dump(summary, f, indent=1)
+  return summary
+
+
+def finished(run_dir: str, run_config: train.TrainConfig) -> dict | None:
+  """The summary of a run that already finished with this config, else None."""
+  try:
+    with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
+      summary = json.load(f)
+    with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
+      same = json.load(f) == configs.to_dict(run_config)
+  except FileNotFoundError:
+    return None
+  return summary if same and summary.get("step") == run_config.steps else None
+
+
+def run_all(runs: list[tuple[str, train.TrainConfig]], *, workers: int = 1, progress: bool = True,
+            deadline: float | Budget | None = None) -> dict[str, dict]:
+  """`{run_dir: summary}` of the runs finished before (read back) or now, in the order given."""
+  budget = deadline if isinstance(deadline, Budget) else Budget(deadline)
+  summaries, todo = {}, []
+  for run_dir, run_config in runs:
+    done = finished(run_dir, run_config)
+    if done is None:
+      todo.append((run_dir, configs.to_dict(run_config)))
+    else:
+      summaries[run_dir] = done
+  if not todo:
+    return summaries
+  may_start = budget.may_start
+  if may_start():
+    print(f"training {len(todo)} of {len(runs)} runs ({workers} at a time{budget.left()})")
+
+  def record(run_dir, summary):
+    summaries[run_dir] = summary
+    budget.longest = max(budget.longest, summary["seconds"])
+    print(f"done: {os.path.basename(run_dir)}: mean accuracy {summary['eval/accuracy']:.3f} "
+          f"({summary['seconds']:.0f} s)", flush=True)
+
+  if workers == 1:
+    for run_dir, run_dict in todo:
+      if not may_start():
+        break
+      print(f"--- {os.path.basename(run_dir)}", flush=True)
+      record(run_dir, train_run(run_dir, run_dict, progress))
+  else:
+    context = multiprocessing.get_context("spawn")  # JAX does not survive fork
+    queue = list(todo)
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+      running = {}
+      while queue or running:
+        while queue and len(running) < workers and may_start():
+          run_dir, run_dict = queue.pop(0)
+          running[pool.submit(train_run, run_dir, run_dict, False)] = run_dir
+        if not running:
+          break
+        done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+        for future in done:
+          record(running.pop(future), future.result())
+  left = len(todo) - sum(run_dir in summaries for run_dir, _ in todo)
+  if left:
+    print(f"{left} of {len(runs)} runs not trained yet: no time left (rerun to go on)")
+  return {run_dir: summaries[run_dir] for run_dir, _ in runs if run_dir in summaries}
