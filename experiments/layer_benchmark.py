@@ -5,10 +5,14 @@ back (per call), both medians over `--iters` rounds, and the ratio to softmax at
 same run.
 
     python experiments/layer_benchmark.py --B=8 --T=4096 --width=1024 --heads=8 --impl=pallas
+    python experiments/layer_benchmark.py --T=1024,4096,16384,65536 --tokens=32768 --impl=pallas \
+        --mixers=A,F,G,K        # a sweep over T at a fixed token budget (B = tokens / T), and a plot
 
 Mixers (`--mixers`): A softmax attention; L linear attention; R retention; F GLA; D DeltaNet;
 G Gated DeltaNet (V = K); G2 Gated DeltaNet with V = 2K (the paper's); K KimiDeltaAttention; Kb KDA
-with the bounded gate (`gate_lower_bound=-5`). Writes `{workdir}/layers.json` and `layers.md`.
+with the bounded gate (`gate_lower_bound=-5`). Writes `{workdir}/layers.json` and `layers.md`; with
+several `--T`, also `layers.png`: each mixer's time per token against T next to softmax attention's,
+and the T from which each mixer is faster.
 """
 
 from __future__ import annotations
@@ -85,49 +89,109 @@ def time_it(fn, args, *, iters: int, stream: int):
   return 1e3 * float(np.median(single)), 1e3 * float(np.median(streamed))
 
 
+def run_one(mixer: str, x, f):
+  """The row of one mixer at the batch and length of `x` (an error is reported, not dropped)."""
+  t0 = time.perf_counter()
+  try:
+    fn, params = step_fn(build(mixer, width=f.width, heads=f.heads, impl=f.impl, dtype=x.dtype))
+    jax.block_until_ready(fn(params, x))
+    compile_s = time.perf_counter() - t0
+    single, streamed = time_it(fn, (params, x), iters=f.iters, stream=f.stream)
+    return dict(mixer=mixer, B=x.shape[0], T=x.shape[1], single_ms=single, stream_ms=streamed,
+                compile_s=compile_s)
+  except Exception as e:  # a mixer that cannot run here says why
+    return dict(mixer=mixer, B=x.shape[0], T=x.shape[1], error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
+def table(rows, f, dtype) -> list[str]:
+  lines = [f"Layer fwd+bwd, width {f.width}, {f.heads} heads, {dtype.name}, impl={f.impl}, "
+           f"{jax.devices()[0].device_kind}", "",
+           "| mixer | B, T | single ms | stream ms | / A (single, stream) | compile s |",
+           "| --- | --- | --- | --- | --- | --- |"]
+  for r in rows:
+    shape = f"{r['B']}, {r['T']}"
+    if "error" in r:
+      lines.append(f"| {r['mixer']} | {shape} | {r['error']} | | | |")
+      continue
+    anchor = next((a for a in rows if a["mixer"] == "A" and a["T"] == r["T"] and "error" not in a), None)
+    ratio = (f"{r['single_ms'] / anchor['single_ms']:.2f}, {r['stream_ms'] / anchor['stream_ms']:.2f}"
+             if anchor else "-")
+    lines.append(f"| {r['mixer']} | {shape} | {r['single_ms']:.3f} | {r['stream_ms']:.3f} | {ratio} | "
+                 f"{r['compile_s']:.1f} |")
+  return lines
+
+
+def crossover(rows, mixer: str):
+  """The smallest T of the sweep from which `mixer`'s stream time is at most attention's at every
+  longer T (None: never)."""
+  Ts = sorted({r["T"] for r in rows})
+  time_of = lambda m, T: next((r["stream_ms"] for r in rows if r["mixer"] == m and r["T"] == T
+                               and "error" not in r), None)
+  best = None
+  for T in reversed(Ts):
+    a, m = time_of("A", T), time_of(mixer, T)
+    if a is None or m is None or m > a:
+      break
+    best = T
+  return best
+
+
+def plot(rows, path: str):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for mixer in dict.fromkeys(r["mixer"] for r in rows):
+    pts = sorted((r["T"], 1e3 * r["stream_ms"] / (r["B"] * r["T"])) for r in rows
+                 if r["mixer"] == mixer and "error" not in r)
+    if pts:
+      ax.plot(*zip(*pts), marker="o", label=mixer, lw=2.5 if mixer == "A" else 1.5)
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log")
+  ax.set_xlabel("T (tokens per sequence; B = token budget / T)")
+  ax.set_ylabel("fwd+bwd time per token (us)")
+  ax.legend()
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   f = flags.FLAGS
   dtype = jnp.dtype(f.dtype)
-  x = jax.random.normal(jax.random.key(0), (f.B, f.T, f.width), jnp.float32).astype(dtype)
+  Ts = [int(t) for t in f.T]
   rows = []
-  for mixer in f.mixers:
-    t0 = time.perf_counter()
-    try:
-      fn, params = step_fn(build(mixer, width=f.width, heads=f.heads, impl=f.impl, dtype=dtype))
-      jax.block_until_ready(fn(params, x))
-      compile_s = time.perf_counter() - t0
-      single, streamed = time_it(fn, (params, x), iters=f.iters, stream=f.stream)
-      rows.append(dict(mixer=mixer, single_ms=single, stream_ms=streamed, compile_s=compile_s))
-    except Exception as e:  # a mixer that cannot run here is reported, not silently dropped
-      rows.append(dict(mixer=mixer, error=f"{type(e).__name__}: {str(e)[:300]}"))
-    print(json.dumps(rows[-1]), flush=True)
-  anchor = next((r for r in rows if r["mixer"] == "A" and "error" not in r), None)
-  lines = [f"Layer fwd+bwd, x [{f.B}, {f.T}, {f.width}] {dtype.name}, {f.heads} heads, impl={f.impl}, "
-           f"{jax.devices()[0].device_kind}", "",
-           "| mixer | single ms | stream ms | / A (single, stream) | compile s |", "| --- | --- | --- | --- | --- |"]
-  for r in rows:
-    if "error" in r:
-      lines.append(f"| {r['mixer']} | {r['error']} | | | |")
-      continue
-    ratio = (f"{r['single_ms'] / anchor['single_ms']:.2f}, {r['stream_ms'] / anchor['stream_ms']:.2f}"
-             if anchor else "-")
-    lines.append(f"| {r['mixer']} | {r['single_ms']:.3f} | {r['stream_ms']:.3f} | {ratio} | "
-                 f"{r['compile_s']:.1f} |")
+  for T in Ts:
+    B = f.B if len(Ts) == 1 and not f.tokens else max(1, (f.tokens or f.B * T) // T)
+    x = jax.random.normal(jax.random.key(0), (B, T, f.width), jnp.float32).astype(dtype)
+    for mixer in f.mixers:
+      rows.append(run_one(mixer, x, f))
+      print(json.dumps(rows[-1]), flush=True)
+  lines = table(rows, f, dtype)
+  if len(Ts) > 1:
+    lines += ["", "From which T each mixer is at most softmax attention's time (stream), through the "
+              "longest T timed:", ""]
+    lines += [f"- {m}: {crossover(rows, m) or 'not within the sweep'}" for m in f.mixers if m != "A"]
   os.makedirs(f.workdir, exist_ok=True)
   with open(os.path.join(f.workdir, "layers.json"), "w") as fh:
-    json.dump(dict(B=f.B, T=f.T, width=f.width, heads=f.heads, impl=f.impl, dtype=dtype.name,
+    json.dump(dict(width=f.width, heads=f.heads, impl=f.impl, dtype=dtype.name,
                    device=jax.devices()[0].device_kind, rows=rows), fh, indent=1)
   with open(os.path.join(f.workdir, "layers.md"), "w") as fh:
     fh.write("\n".join(lines) + "\n")
+  if len(Ts) > 1:
+    plot(rows, os.path.join(f.workdir, "layers.png"))
   print("\n".join(lines))
+  print(f"wrote {os.path.join(f.workdir, 'layers.json')}")
 
 
 if __name__ == "__main__":
   flags.DEFINE_list("mixers", ["A", "G", "K", "Kb"], f"Mixers to time: {MIXERS}.")
   flags.DEFINE_integer("B", 8, "Batch.")
-  flags.DEFINE_integer("T", 4096, "Sequence length.")
+  flags.DEFINE_list("T", ["4096"], "Sequence length(s); several make a sweep (with --tokens).")
+  flags.DEFINE_integer("tokens", 0, "Token budget per call of a sweep: B = tokens / T (0: B * T of --B).")
   flags.DEFINE_integer("width", 1024, "Model width.")
   flags.DEFINE_integer("heads", 8, "Heads (K = width / heads).")
   flags.DEFINE_string("impl", "auto", "impl= of the linear mixers.")

@@ -111,6 +111,15 @@ def test_gate_recipes_give_the_documented_values():
   assert (edge[..., ::2] == np.float32(-1.8)).all()           # 115 nats over a chunk on half the channels
   np.testing.assert_array_equal(edge[..., 1::2], bench[..., 1::2])
   assert strong.min() >= -20 and strong.max() <= 0 and strong.mean() < -5
+  # the layers' own gates at initialisation: KDA's -A softplus(a + dt_bias), A in [1, 16] per head
+  layer = np.asarray(common.make_inputs("kda", np.random.default_rng(0), B=1, T=4096, H=2, K=8, V=8,
+                                        gates="layer")["g"])
+  assert (layer < 0).all() and layer.min() > -16 * 40 and layer.mean() < -0.05
+  bounded = make("bounded")
+  assert (bounded <= 0).all() and bounded.min() >= common.GATE_LOWER_BOUND
+  gla = np.asarray(common.make_inputs("gla", np.random.default_rng(0), B=1, T=64, H=1, K=8, V=8,
+                                      gates="layer")["g"])
+  assert (gla < 0).all() and gla.min() > -20 / 16 and gla.mean() > -0.2   # log_sigmoid(N(0, 1)) / 16
   with pytest.raises(ValueError, match="gates"):
     make("weak")
 
@@ -120,6 +129,10 @@ def test_gate_recipes_give_the_documented_values():
      "equivalence.json"),
     ("benchmark.py", ["--variants=simple_gla", "--impls=chunk", "--modes=fwd", "--shapes=1,8,1,4",
                       "--nosoftmax", "--warmup=0", "--iters=1"], "benchmark.json"),
+    ("layer_benchmark.py", ["--B=1", "--T=16", "--width=32", "--heads=2", "--iters=1", "--stream=2",
+                            "--impl=chunk", "--mixers=A,G,K,Kb"], "layers.json"),
+    ("benchmark.py", ["--variants=kda", "--impls=chunk", "--modes=fwd", "--shapes=1,8,1,4", "--nosoftmax",
+                      "--warmup=0", "--iters=1", "--gates=layer"], "benchmark.json"),
     ("kernel_breakdown.py", ["--variants=gated_delta_rule", "--shape=1,64,1,64", "--iters=1",
                              "--interpret", "--stages=op fwd,delta prep kernel,delta grads kernel"],
      "kernel_breakdown.json"),

@@ -1,11 +1,13 @@
 """The papers' gate parameterisations: GLA's log-sigmoid / 16, Gated DeltaNet's and KDA's
--exp(A_log) * softplus(a + dt_bias), sigmoid beta, and the A_log / dt_bias initialisations."""
+-exp(A_log) * softplus(a + dt_bias), KDA's bounded gate, sigmoid beta, and the A_log / dt_bias
+initialisations."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from linear_attention_jax import layers
@@ -37,6 +39,20 @@ def test_kda_gate_is_per_channel_from_a_low_rank_projection():
   assert g.shape == (2, 5, 4, 16) and beta.shape == (2, 5, 4)
   assert layer.f_down.kernel.shape == (32, 16)  # rank V
   assert layer.A_log.shape == (4,) and layer.dt_bias.shape == (4 * 16,)
+
+
+def test_kda_bounded_gate_stays_within_its_lower_bound():
+  # Kimi Linear's successors: g = lb * sigmoid(exp(A_log) * (f + dt_bias)), in (lb, 0)
+  layer = layers.KimiDeltaAttention(32, 2, gate_lower_bound=-5.0, rngs=nnx.Rngs(0))
+  x = 4.0 * jax.random.normal(jax.random.key(1), (2, 9, 32))
+  g, _ = layer.gates(x)
+  f = layer.f_up(layer.f_down(x)).reshape(2, 9, 2, 16) + layer.dt_bias[...].reshape(2, 16)
+  A = jnp.exp(layer.A_log[...])[:, None]
+  np.testing.assert_allclose(g, -5.0 * jax.nn.sigmoid(A * f), rtol=1e-6)
+  assert bool(jnp.all((g <= 0) & (g >= -5.0)))   # (lb, 0) up to float32 saturation
+  for bad in (-6.0, 0.0, 1.0):
+    with pytest.raises(ValueError, match="gate_lower_bound"):
+      layers.KimiDeltaAttention(32, 2, gate_lower_bound=bad, rngs=nnx.Rngs(0))
 
 
 def test_gla_decay_is_log_sigmoid_over_sixteen():
