@@ -40,8 +40,12 @@ run: venv
 equivalence: venv
 	$(PY) experiments/equivalence.py --workdir=runs/equivalence
 
+# The kernel interpreters' programs are large; XLA's CPU compiler recursing over them once overflowed the
+# default 8 MB stack of a test worker (a segmentation fault): the tests run with 64 MB.
+STACK := ulimit -s 65536 2>/dev/null || true;
+
 test: venv
-	$(PY) -m pytest -n 2 -q tests
+	$(STACK) $(PY) -m pytest -n 2 -q --durations=30 tests
 
 docs: venv
 	rm -rf build/docs
@@ -57,7 +61,7 @@ test-newest-jax:
 	$(NEWEST_VENV)/bin/python -m pip install --upgrade pip
 	$(NEWEST_VENV)/bin/python -m pip install --upgrade -e '.[test]' jax jaxlib
 	$(NEWEST_VENV)/bin/python -c 'import jax; print("jax", jax.__version__)'
-	$(NEWEST_VENV)/bin/python -m pytest -n 2 -q $(NEWEST_TESTS)
+	$(STACK) $(NEWEST_VENV)/bin/python -m pytest -n 2 -q $(NEWEST_TESTS)
 
 clean:
 	rm -rf $(VENV) $(NEWEST_VENV) runs build/docs
