@@ -40,8 +40,9 @@ run: venv
 equivalence: venv
 	$(PY) experiments/equivalence.py --workdir=runs/equivalence
 
-# The kernel interpreters' programs are large; XLA's CPU compiler recursing over them once overflowed the
-# default 8 MB stack of a test worker (a segmentation fault): the tests run with 64 MB.
+# A test worker once died of a segmentation fault inside XLA's CPU compile of a kernel interpreter
+# program (large ones), on a loaded machine; the cause is not known, and in case it is the depth of the
+# compiler's recursion the tests run with a 64 MB stack where the default is 8 MB.
 STACK := ulimit -s 65536 2>/dev/null || true;
 
 test: venv
