@@ -19,12 +19,11 @@ import dataclasses
 import json
 import os
 import sys
-import time
 
 if __package__ in (None, ""):  # run as a file: put the repository root on the path
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags
+from absl import app
 from flax import nnx
 
 from experiments import common, configs, sweep, train
@@ -172,21 +171,10 @@ def plot(results: dict, path: str) -> str | None:
 
 
 def _define_flags():
-  flags.DEFINE_string("config", "recall_tasks", "Config name in experiments/configs/ or a path to one.")
-  flags.DEFINE_multi_string("set", [], "Override KEY=VALUE (dotted keys, e.g. train.steps=2000).")
-  flags.DEFINE_string("workdir", "runs/recall", "Where the tables, plot, JSON and runs are written.")
-  flags.DEFINE_bool("progress", True, "Show a progress bar per run.")
-  flags.DEFINE_float("time_budget_s", 0, "Start no run once this many seconds are spent (0: no limit); "
-                     "the tables cover the runs finished, and a rerun goes on.")
+  sweep.define_flags("recall_tasks", "runs/recall")
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  f = flags.FLAGS
-  train.quiet_logs()
-  deadline = time.monotonic() + f.time_budget_s if f.time_budget_s > 0 else None
-  run_sweep(load_config(f.config, f.set), f.workdir, progress=f.progress, deadline=deadline)
+main = sweep.main_of(load_config, run_sweep)
 
 
 if __name__ == "__main__":

@@ -108,3 +108,28 @@ def run_all(runs: list[tuple[str, train.TrainConfig]], *, workers: int = 1, prog
   if left:
     print(f"{left} of {len(runs)} runs not trained yet: no time left (rerun to go on)")
   return {run_dir: summaries[run_dir] for run_dir, _ in runs if run_dir in summaries}
+
+
+def define_flags(config: str, workdir: str):
+  """The absl flags of a sweep script (mqar.py, recall.py): its config, overrides, workdir, progress
+  bars and time budget."""
+  from absl import flags
+  flags.DEFINE_string("config", config, "Config name in experiments/configs/ or a path to one.")
+  flags.DEFINE_multi_string("set", [], "Override KEY=VALUE (dotted keys, e.g. train.steps=2000).")
+  flags.DEFINE_string("workdir", workdir, "Where the tables, plot, JSON and runs are written.")
+  flags.DEFINE_bool("progress", True, "Show a progress bar per run.")
+  flags.DEFINE_float("time_budget_s", 0, "Start no run once this many seconds are spent (0: no limit); "
+                     "the tables cover the runs finished, and a rerun goes on.")
+
+
+def main_of(load_config, run_sweep):
+  """The `main(argv)` of a sweep script: loads its config from the flags and runs it in the budget."""
+  def main(argv):
+    from absl import app, flags
+    if len(argv) > 1:
+      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    f = flags.FLAGS
+    train.quiet_logs()
+    deadline = time.monotonic() + f.time_budget_s if f.time_budget_s > 0 else None
+    run_sweep(load_config(f.config, f.set), f.workdir, progress=f.progress, deadline=deadline)
+  return main
