@@ -27,7 +27,7 @@ def kernel_backend() -> str:
 
 
 def pallas_reason(*, K: int, V: int, chunk_size: int, packing: str = "none", dtype=jnp.float32,
-                  sharded: bool = False, v_extra: int = 0):
+                  sharded: bool = False, v_extra: int = 0, delta: bool = False):
   """None if a Pallas kernel serves a call of this kind on this backend, else why not.
 
   The TPU kernels serve a TPU backend, or any backend inside the TPU interpreter
@@ -35,14 +35,15 @@ def pallas_reason(*, K: int, V: int, chunk_size: int, packing: str = "none", dty
   GPU, or any backend inside `linear_attention_jax.pallas_kernels.gpu.interpret_kernels()` (the
   interpreters, for tests). `V` counts the state's value columns and `v_extra` of them are
   appended ones (the linear-attention normaliser); the backend's `walked_columns` says how many it walks.
-  `sharded`: the operands are split over mesh axes outside `jax.shard_map`.
+  `sharded`: the operands are split over mesh axes outside `jax.shard_map`. `delta`: the call is of
+  the delta family (whose key dimension a backend may not split into blocks).
   """
   backend = kernel_backend()
   if backend not in BACKENDS:
     return f"no Pallas kernel runs on backend {backend!r} (the kernels are for TPUs and Hopper GPUs)"
   kernels = BACKENDS[backend]
   call = dict(K=K, V=kernels.walked_columns(V, v_extra), chunk_size=chunk_size, dtype=dtype,
-              packing=packing, sharded=sharded)
+              packing=packing, sharded=sharded, delta=delta)
   return kernels.supports(**call)
 
 
@@ -75,7 +76,7 @@ def select_impl(impl: str, variant: str, *, T: int | None = None, **call) -> str
   training each get the faster form. A named `impl="recurrent"` differentiates through the scan (the reference).
 
   `T`: the call's length along T (None: unknown, the chunked form). `call`: the keywords of
-  `pallas_reason` (K, V, chunk_size, packing, dtype, sharded); without them "pallas" raises.
+  `pallas_reason` (K, V, chunk_size, packing, dtype, sharded, delta); without them "pallas" raises.
   """
   if impl not in ("pallas", "auto"):
     return impl

@@ -63,7 +63,7 @@ def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_sta
   compute_dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)  # the kernel's matmul dtype
   form = select_impl(impl, variant, T=T, K=K, V=V + v_extra, chunk_size=chunk_size, packing=packing_kind,
                      dtype=compute_dtype, sharded=kernel_common.explicitly_sharded(q, k, v),
-                     v_extra=v_extra)
+                     v_extra=v_extra, delta=delta)
 
   if B == 0 or T == 0:  # nothing to run: empty outputs, and the initial state (or zeros) as final
     rows = B if N is None else N

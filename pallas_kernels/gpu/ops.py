@@ -102,7 +102,8 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
   interpret = interpreting() if interpret is None else interpret
   reason = plans.supports(K=K, V=V, chunk_size=chunk_size, dtype=dtype,
                           packing="none" if segment_ids is None else "segments", backend="hopper",
-                          sharded=common.explicitly_sharded(q, k, v, g, beta, initial_state, segment_ids))
+                          sharded=common.explicitly_sharded(q, k, v, g, beta, initial_state, segment_ids),
+                          delta=beta is not None)
   if reason is not None:
     raise ValueError(reason)
   if out_dtype is None:
@@ -110,6 +111,11 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
   if jnp.dtype(out_dtype) not in SIXTEEN_BIT:
     raise ValueError(f"out_dtype must be bfloat16 or float16 (o leaves the kernels through a 16-bit "
                      f"tile; cast it afterwards); got {jnp.dtype(out_dtype).name}")
+  if plans.head_blocks(K, V) != (K, V):
+    return _by_head_blocks(q, k, v, g, beta, scale=K ** -0.5 if scale is None else scale,
+                           initial_state=initial_state, segment_ids=segment_ids, chunk_size=chunk_size,
+                           compute_dtype=dtype, out_dtype=out_dtype, qk_l2norm=qk_l2norm, config=config,
+                           interpret=interpret)
   q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
   g = prep.floor_log_decay(g)   # -inf (forget everything) is e^-20 a token: finite differences of G
   p = call_plan(q, k, v, g, beta, segment_ids=segment_ids, chunk_size=chunk_size, qk_l2norm=qk_l2norm,
@@ -124,3 +130,35 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
                            inverse_dtype=jnp.dtype(jnp.float32), gram_method=p.gram_method)
   return vjp.chunked_op(static, q, k, v, g, beta, scale=K ** -0.5 if scale is None else scale,
                         initial_state=initial_state, segment_ids=segment_ids)
+
+
+def _by_head_blocks(q, k, v, g, beta, *, scale, initial_state, segment_ids, out_dtype, qk_l2norm, **call):
+  """`chunked_attention` of a head dim of 256 as calls on `plan.head_blocks` (128): value blocks side by
+  side (each value column walks alone), key blocks of the additive family summed (its state and read-out
+  are sums over key channels; the state's key blocks stack). Each block is differentiable, so the
+  gradients add up through the slices. q and k are l2-normalised over the whole K before any split."""
+  K, V = q.shape[-1], v.shape[-1]
+  kb, vb = plans.head_blocks(K, V)
+  if qk_l2norm and kb != K:
+    q, k = common.l2_normalize(q.astype(jnp.float32)), common.l2_normalize(k.astype(jnp.float32))
+    qk_l2norm = False
+  per_channel = g is not None and g.ndim == 4
+  rows, finals = [], []
+  for i in range(0, K, kb):
+    keys = slice(i, i + kb)
+    outs, states = [], []
+    for j in range(0, V, vb):
+      cols = slice(j, j + vb)
+      o, final = chunked_attention(
+          q[..., keys], k[..., keys], v[..., cols], g[..., keys] if per_channel else g, beta,
+          scale=scale, initial_state=None if initial_state is None else initial_state[:, :, keys, cols],
+          segment_ids=segment_ids, out_dtype=out_dtype, qk_l2norm=qk_l2norm, **call)
+      outs.append(o)
+      states.append(final)
+    rows.append(jnp.concatenate(outs, axis=-1) if len(outs) > 1 else outs[0])
+    finals.append(jnp.concatenate(states, axis=-1) if len(states) > 1 else states[0])
+  if len(rows) == 1:
+    o = rows[0]
+  else:   # the key blocks' read-outs add, in float32
+    o = sum(r.astype(jnp.float32) for r in rows).astype(rows[0].dtype)
+  return o, jnp.concatenate(finals, axis=-2) if len(finals) > 1 else finals[0]

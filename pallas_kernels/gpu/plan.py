@@ -66,7 +66,8 @@ from .interpret import interpreting
 from .tiles import BLOCK_V, SMEM_BYTES
 
 DTYPES = (jnp.bfloat16, jnp.float16)
-HEAD_DIMS = (64, 128)
+KERNEL_DIMS = (64, 128)   # the head dims one kernel program walks
+HEAD_DIMS = (64, 128, 256)  # a call's; 256 runs as blocks of 128 (`head_blocks`)
 CHUNK_SIZES = (64,)
 FORWARDS = ("kernel", "xla_prep")
 BACKWARDS = ("kernel", "xla_vjp")
@@ -238,14 +239,25 @@ def walked_columns(V: int, appended: int) -> int:
   return V - appended
 
 
+def head_blocks(K: int, V: int) -> tuple[int, int]:
+  """The (key, value) block of a call's state that one kernel call walks: the head dim itself where a
+  program walks it (`KERNEL_DIMS`), else 128. Every value column walks independently in both families,
+  so V = 256 is two calls of 128 columns each (each repeats the key side's work, as a program per value
+  block would); in the additive family the state and the read-out are sums over key channels, so K = 256
+  is two calls whose outputs add. The delta family's update `(I - beta k k^T)` mixes every key channel:
+  its K does not split."""
+  return (K if K in KERNEL_DIMS else KERNEL_DIMS[-1]), (V if V in KERNEL_DIMS else KERNEL_DIMS[-1])
+
+
 def supports(*, K: int, V: int, chunk_size: int, dtype=jnp.bfloat16, packing: str = "none",
-             backend: str | None = None, sharded: bool = False) -> str | None:
+             backend: str | None = None, sharded: bool = False, delta: bool = False) -> str | None:
   """None if the Mosaic GPU kernels serve a call of this kind, else the reason they do not.
 
   Args:
-    K, V: head dims of the state (V: the columns the kernels walk, `walked_columns`). chunk_size: C.
-      dtype: the matmul operand dtype (bfloat16 or float16; the state is float32). packing: "none",
-      "segments" or "cu_seqlens".
+    K, V: head dims of the state (V: the columns the kernels walk, `walked_columns`), each in
+      `HEAD_DIMS`; 256 runs as blocks of 128 (`head_blocks`), and K = 256 in the additive family only.
+      chunk_size: C. dtype: the matmul operand dtype (bfloat16 or float16; the state is float32).
+      packing: "none", "segments" or "cu_seqlens". delta: the call is of the delta family.
     backend: None is the running backend (a Hopper GPU, or any inside `interpret_kernels`);
       "hopper" takes a Hopper target as given.
     sharded: the operands are split over non-manual mesh axes (`common.explicitly_sharded`).
@@ -265,6 +277,10 @@ def supports(*, K: int, V: int, chunk_size: int, dtype=jnp.bfloat16, packing: st
             f"{jnp.dtype(dtype).name}; cast q, k, v or use the chunk form")
   if K not in HEAD_DIMS or V not in HEAD_DIMS:
     return f"the GPU kernel takes K and V in {HEAD_DIMS}; got K={K}, V={V}"
+  if delta and K not in KERNEL_DIMS:
+    return (f"the delta family's update (I - beta k k^T) mixes all K key channels, so its K does not "
+            f"split into kernel blocks: the GPU kernels take its K in {KERNEL_DIMS}; got K={K}")
+  K, V = head_blocks(K, V)
   if chunk_size not in CHUNK_SIZES:
     return f"the GPU kernel walks chunks of {CHUNK_SIZES} tokens; got chunk_size={chunk_size}"
   size = jnp.dtype(dtype).itemsize

@@ -37,7 +37,7 @@ def interpreting() -> pltpu.InterpretParams | None:
 
 def supports(*, K: int, V: int, chunk_size: int, dtype=jnp.float32, packing: str = "none",
              block_sizes: BlockSizes | None = None, backend: str | None = None,
-             sharded: bool = False) -> str | None:
+             sharded: bool = False, delta: bool = False) -> str | None:
   """None if the TPU kernels serve a call of this kind, else the reason they do not.
 
   Args:
@@ -46,6 +46,8 @@ def supports(*, K: int, V: int, chunk_size: int, dtype=jnp.float32, packing: str
     backend: the platform to run on; None is `jax.default_backend()`, or "tpu" inside
       `interpret_kernels`.
     sharded: the operands are split over non-manual mesh axes (`explicitly_sharded`).
+    delta: the call is of the delta family (the TPU kernels take every K and V of either family
+      that fits VMEM, so it changes nothing here).
   """
   if backend is None:
     backend = "tpu" if interpreting() is not None else jax.default_backend()

@@ -124,7 +124,7 @@ def test_rejects_what_it_cannot_serve():
                                compute_dtype=jnp.bfloat16, interpret=PARAMS)
   assert o.dtype == jnp.bfloat16
   assert "cu_seqlens" in gpu.supports(K=64, V=64, chunk_size=64, packing="cu_seqlens", backend="hopper")
-  assert "K and V in (64, 128)" in gpu.supports(K=32, V=64, chunk_size=64, backend="hopper")
+  assert "K and V in (64, 128, 256)" in gpu.supports(K=32, V=64, chunk_size=64, backend="hopper")
   assert "backend is 'cpu'" in gpu.supports(K=64, V=64, chunk_size=64)
   assert "shard_map" in gpu.supports(K=64, V=64, chunk_size=64, backend="hopper", sharded=True)
   assert gpu.supports(K=128, V=128, chunk_size=64, dtype=jnp.bfloat16, backend="hopper") is None

@@ -1,0 +1,74 @@
+"""Head dims of 256 on the GPU kernels (`plan.head_blocks`): value blocks side by side in both families,
+key blocks summed in the additive family, in the Mosaic GPU interpreter against the float64 loop (o, the
+final state and every gradient, initial state included) and through the public ops."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from linear_attention_jax.pallas_kernels import gpu
+from linear_attention_jax.pallas_kernels.gpu import plan
+from tests.ops.conftest import make_inputs, rel_rms
+from tests.pallas_kernels.gpu.util import KERNELS, XLA, check, packed_runs
+
+
+def test_head_blocks_and_what_the_kernels_take():
+  assert plan.head_blocks(128, 256) == (128, 128)
+  assert plan.head_blocks(256, 64) == (128, 64)
+  assert plan.head_blocks(64, 128) == (64, 128)
+  for K, V in [(64, 256), (128, 256), (256, 256), (256, 64)]:
+    assert gpu.supports(K=K, V=V, chunk_size=64, backend="hopper") is None, (K, V)
+  for K, V in [(64, 256), (128, 256)]:
+    assert gpu.supports(K=K, V=V, chunk_size=64, backend="hopper", delta=True) is None, (K, V)
+  reason = gpu.supports(K=256, V=128, chunk_size=64, backend="hopper", delta=True)
+  assert "does not split" in reason and "K=256" in reason
+  assert "K and V in (64, 128, 256)" in gpu.supports(K=128, V=512, chunk_size=64, backend="hopper")
+
+
+@pytest.mark.parametrize("variant", ["gated_delta_rule", "kda"])
+def test_value_blocks_of_the_delta_family(variant):
+  # V = 256 = two calls of 128 columns: each repeats the key side; packed runs, an initial state
+  inp = make_inputs(variant, B=1, T=120, H=1, Hv=2, K=64, V=256, seed=41)
+  check(variant, inp, seg=packed_runs(120))
+
+
+@pytest.mark.parametrize("variant", ["gla", "simple_gla"])
+def test_key_blocks_of_the_additive_family(variant):
+  # K = 256 = two calls whose read-outs add and whose states stack; gla's per-channel gates split with
+  # the keys, simple_gla's scalar gate goes to both
+  inp = make_inputs(variant, B=1, T=70, H=1, Hv=2, K=256, V=64, seed=42)
+  check(variant, inp, config=KERNELS if variant == "simple_gla" else XLA)
+
+
+def test_public_ops_reach_the_blocks():
+  # linear attention's normaliser rides as column 65: the kernels walk two key blocks of 128, XLA the
+  # appended column; Gated DeltaNet's paper default V = 2K (here 2 x 64) with l2-normalised q, k
+  from linear_attention_jax import ops
+  rng = np.random.default_rng(43)
+  x = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float16)
+  do = lambda s: jnp.asarray(rng.normal(size=s), jnp.float16)
+  cases = [
+      ("linear_attention", (x(1, 70, 1, 256), 0.5 * x(1, 70, 1, 256), x(1, 70, 1, 64)), {}),
+      ("gated_delta_rule", (x(1, 70, 1, 64), x(1, 70, 1, 64), x(1, 70, 2, 256),
+                            jnp.asarray(-rng.uniform(0, 1, (1, 70, 2)), jnp.float32),
+                            jnp.asarray(rng.uniform(0, 1, (1, 70, 2)), jnp.float32)),
+       dict(use_qk_l2norm=True)),
+  ]
+  for variant, args, kw in cases:
+    fn = getattr(ops, variant)
+    cot = do(args[2].shape)
+
+    def run(impl):
+      o, pull = jax.vjp(lambda *a: fn(*a, impl=impl, **kw)[0], *args)
+      return o, pull(cot)
+
+    with gpu.interpret_kernels():
+      assert ops.select_impl("auto", variant, K=args[0].shape[-1], V=args[2].shape[-1] + (
+          variant == "linear_attention"), chunk_size=64, dtype=jnp.float16, v_extra=int(
+              variant == "linear_attention"), delta=variant != "linear_attention") == "pallas"
+      o, grads = run("pallas")
+    ro, rgrads = run("recurrent")
+    assert rel_rms(o, ro) < 4e-3, (variant, rel_rms(o, ro))
+    for i, (a, b) in enumerate(zip(grads, rgrads)):
+      assert rel_rms(a, b) < 6e-3, (variant, i, rel_rms(a, b))
