@@ -5,12 +5,11 @@ final state and every gradient, initial state included) and through the public o
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from linear_attention_jax.pallas_kernels import gpu
 from linear_attention_jax.pallas_kernels.gpu import plan
 from tests.ops.conftest import make_inputs, rel_rms
-from tests.pallas_kernels.gpu.util import KERNELS, XLA, check, packed_runs
+from tests.pallas_kernels.gpu.util import KERNELS, check, packed_runs
 
 
 def test_head_blocks_and_what_the_kernels_take():
@@ -26,19 +25,18 @@ def test_head_blocks_and_what_the_kernels_take():
   assert "K and V in (64, 128, 256)" in gpu.supports(K=128, V=512, chunk_size=64, backend="hopper")
 
 
-@pytest.mark.parametrize("variant", ["gated_delta_rule", "kda"])
-def test_value_blocks_of_the_delta_family(variant):
-  # V = 256 = two calls of 128 columns: each repeats the key side; packed runs, an initial state
-  inp = make_inputs(variant, B=1, T=120, H=1, Hv=2, K=64, V=256, seed=41)
-  check(variant, inp, seg=packed_runs(120))
+def test_value_blocks_of_the_delta_family():
+  # V = 256 = two calls of 128 columns: each repeats the key side; packed runs, an initial state (the
+  # gates, scalar or per key channel, go whole to every value block)
+  inp = make_inputs("gated_delta_rule", B=1, T=120, H=1, Hv=2, K=64, V=256, seed=41)
+  check("gated_delta_rule", inp, seg=packed_runs(120), config=KERNELS)
 
 
-@pytest.mark.parametrize("variant", ["gla", "simple_gla"])
-def test_key_blocks_of_the_additive_family(variant):
+def test_key_blocks_of_the_additive_family():
   # K = 256 = two calls whose read-outs add and whose states stack; gla's per-channel gates split with
-  # the keys, simple_gla's scalar gate goes to both
-  inp = make_inputs(variant, B=1, T=70, H=1, Hv=2, K=256, V=64, seed=42)
-  check(variant, inp, config=KERNELS if variant == "simple_gla" else XLA)
+  # the keys (linear attention's key blocks, without gates, are in the test below)
+  inp = make_inputs("gla", B=1, T=70, H=1, Hv=2, K=256, V=64, seed=42)
+  check("gla", inp)
 
 
 def test_public_ops_reach_the_blocks():
