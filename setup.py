@@ -26,7 +26,8 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest", "pytest-xdist", "hypothesis", "nbclient", "nbformat", "ipykernel"],  # the last three run notebooks/
+        "test": ["pytest", "pytest-xdist", "pytest-rerunfailures", "hypothesis", "nbclient", "nbformat",
+                 "ipykernel"],  # the last three run notebooks/
         "experiments": ["matplotlib", "tqdm", "tensorboardX"],
         "docs": ["pdoc==16.0.0"],  # `make docs`: the API reference from the docstrings
     },
