@@ -69,8 +69,31 @@ def _with_decay_init(A: float, dt: float):
   return original, init_state
 
 
-def run(workdir: str, names) -> dict:
-  sweep = mqar.load_config("mqar_sweep")
+# `--base=zoology512`: mqar_zoology's model and optimiser (width 64, 2 heads, K = V = 32, rates and
+# schedule as there) at a vocabulary of 512 and its three T = 64 training settings, batch 64: the
+# smallest case in which DeltaNet starts to recall within a few hundred steps on a CPU
+# (experiments/RECALL.md), so the decay-off control runs in minutes.
+BASES = {
+    "mqar_sweep": ("mqar_sweep", []),
+    "zoology512": ("mqar_zoology", [
+        "train.data.mqar.vocab_size=512", "train.data.batch_size=64", "train.eval_batches=1",
+        "train.data.mqar.train_settings=[[64, 4], [64, 8], [64, 16]]",
+        "train.data.mqar.test_settings=[[64, 4], [64, 8], [64, 16]]", "widths=[64]",
+        "train.log_every=25"]),
+}
+
+# the zoology512 variants: DeltaNet, Gated DeltaNet as it is, and with the decay off at init
+ZOOLOGY_VARIANTS = {
+    "zoo512_deltanet_lr1e-2": ("DD", 1e-2, 400, 0, None),
+    "zoo512_no_decay_lr1e-2": ("GG", 1e-2, 400, 0, (1e-9, 1e-3)),
+    "zoo512_default_lr1e-2": ("GG", 1e-2, 400, 0, None),
+}
+VARIANTS.update(ZOOLOGY_VARIANTS)
+
+
+def run(workdir: str, names, base: str = "mqar_sweep") -> dict:
+  config_name, overrides = BASES[base]
+  sweep = mqar.load_config(config_name, overrides)
   results = {}
   path = os.path.join(workdir, "gdn_probe.json")
   if os.path.exists(path):
@@ -80,7 +103,7 @@ def run(workdir: str, names) -> dict:
     if name in results:
       continue
     pattern, lr, steps, seed, init = VARIANTS[name]
-    base = sweep.run_config(pattern, lr)
+    base = sweep.run_config(pattern, lr, sweep.widths[0] if sweep.widths else None)
     config = train.configs.build(train.TrainConfig, {
         **train.configs.to_dict(base), "steps": steps, "seed": seed,
         "optimizer": {**train.configs.to_dict(base.optimizer), "learning_rate": lr}})
@@ -108,13 +131,16 @@ def run(workdir: str, names) -> dict:
 def main(argv):
   del argv
   train.quiet_logs()
-  names = flags.FLAGS.variants or list(VARIANTS)
-  for name, r in run(flags.FLAGS.workdir, names).items():
+  default = ZOOLOGY_VARIANTS if flags.FLAGS.base == "zoology512" else [
+      n for n in VARIANTS if n not in ZOOLOGY_VARIANTS]
+  names = flags.FLAGS.variants or list(default)
+  for name, r in run(flags.FLAGS.workdir, names, flags.FLAGS.base).items():
     print(f"| {name} | {r['mean_accuracy']:.3f} | "
           + " | ".join(f"{k} {v:.3f}" for k, v in r["accuracy"].items()) + " |")
 
 
 if __name__ == "__main__":
   flags.DEFINE_string("workdir", "runs/gdn_probe", "Where the runs and gdn_probe.json are written.")
-  flags.DEFINE_list("variants", [], f"Which variants (default all): {list(VARIANTS)}")
+  flags.DEFINE_list("variants", [], f"Which variants (default: the base's): {list(VARIANTS)}")
+  flags.DEFINE_enum("base", "mqar_sweep", list(BASES), "The MQAR setting the variants train in.")
   app.run(main)

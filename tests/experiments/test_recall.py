@@ -199,3 +199,15 @@ def test_the_export_comes_back_in_few_shallow_files_and_a_fresh_workdir_resumes_
   (run_dir, run_config), = [(d, c) for *_, c, d in tiny.plan(str(fresh / "mqar"))]
   assert sweep.finished(run_dir, run_config) is not None
   assert not os.path.exists(os.path.join(run_dir, "checkpoints"))
+
+
+def test_the_gate_probe_s_zoology_base_is_zoology_s_model_at_a_small_vocabulary():
+  from experiments import gdn_gate_probe as probe
+  name, overrides = probe.BASES["zoology512"]
+  sweep_config = mqar.load_config(name, overrides)
+  run = sweep_config.run_config("GG", 1e-2, sweep_config.widths[0])
+  assert sweep_config.train.data.mqar.vocab_size == 512 and run.model["width"] == 64
+  assert run.model["num_heads"] == 2 and run.data.batch_size == 64
+  # the control trains the same model with the decay off, next to DeltaNet and the layer as it is
+  assert {probe.VARIANTS[n][0] for n in probe.ZOOLOGY_VARIANTS} == {"DD", "GG"}
+  assert probe.VARIANTS["zoo512_no_decay_lr1e-2"][4] == (1e-9, 1e-3)
