@@ -74,17 +74,21 @@ def run(workdir: str, budget_s: float, *, mqar_set=(), recall_set=(), workers: i
     restore(restore_from, workdir)
   budget = sweep.Budget(time.monotonic() + budget_s)  # shared: the longest run so far counts for all
   work, tables = phases(list(mqar_set), list(recall_set), workers)
-  for label, subdir, module, config in work:
-    if not budget.may_start():
-      break
-    print(f"=== {label}{budget.left()}", flush=True)
-    module.run_sweep(config, os.path.join(workdir, subdir), progress=False, deadline=budget)
   out = {}
-  for name, module, config in tables:  # every run finished so far, none started
-    out[name] = module.run_sweep(config, os.path.join(workdir, name), progress=False,
-                                 deadline=float("-inf"))
-  if export_dir:
-    export(workdir, export_dir)
+  try:
+    for label, subdir, module, config in work:
+      if not budget.may_start():
+        break
+      print(f"=== {label}{budget.left()}", flush=True)
+      module.run_sweep(config, os.path.join(workdir, subdir), progress=False, deadline=budget)
+  finally:  # whatever stopped the work, the runs finished so far reach the tables and the export
+    try:
+      for name, module, config in tables:  # every run finished so far, none started
+        out[name] = module.run_sweep(config, os.path.join(workdir, name), progress=False,
+                                     deadline=float("-inf"))
+    finally:
+      if export_dir:
+        export(workdir, export_dir)
   return out
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import multiprocessing
 import os
@@ -84,12 +85,22 @@ def run_all(runs: list[tuple[str, train.TrainConfig]], *, workers: int = 1, prog
     print(f"done: {os.path.basename(run_dir)}: mean accuracy {summary['eval/accuracy']:.3f} "
           f"({summary['seconds']:.0f} s)", flush=True)
 
+  failed = {}
+
+  def attempt(run_dir, result):  # one run's failure (out of memory, say) stops no other run
+    try:
+      record(run_dir, result())
+    except Exception as error:  # noqa: BLE001: reported below, and the run is left out
+      first = str(error).splitlines()[0] if str(error) else ""
+      failed[run_dir] = f"{type(error).__name__}: {first}"
+      print(f"FAILED: {os.path.basename(run_dir)}: {failed[run_dir]}", flush=True)
+
   if workers == 1:
     for run_dir, run_dict in todo:
       if not may_start():
         break
       print(f"--- {os.path.basename(run_dir)}", flush=True)
-      record(run_dir, train_run(run_dir, run_dict, progress))
+      attempt(run_dir, functools.partial(train_run, run_dir, run_dict, progress))
   else:
     context = multiprocessing.get_context("spawn")  # JAX does not survive fork
     queue = list(todo)
@@ -103,8 +114,11 @@ def run_all(runs: list[tuple[str, train.TrainConfig]], *, workers: int = 1, prog
           break
         done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
         for future in done:
-          record(running.pop(future), future.result())
-  left = len(todo) - sum(run_dir in summaries for run_dir, _ in todo)
+          attempt(running.pop(future), future.result)
+  if failed:
+    print(f"{len(failed)} of {len(runs)} runs failed (left out of the tables; a rerun tries them "
+          f"again): " + "; ".join(f"{os.path.basename(d)}: {e}" for d, e in failed.items()))
+  left = len(todo) - sum(run_dir in summaries for run_dir, _ in todo) - len(failed)
   if left:
     print(f"{left} of {len(runs)} runs not trained yet: no time left (rerun to go on)")
   return {run_dir: summaries[run_dir] for run_dir, _ in runs if run_dir in summaries}

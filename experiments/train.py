@@ -217,11 +217,39 @@ def train_step(state, batch, *, graphdef, optimizer: OptimizerConfig, steps: int
   return new, {"loss": loss, "accuracy": accuracy, "grad_norm": grad_norm, "finite": finite}
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def eval_step(params, batch, *, graphdef):
-  """Summed loss, correct predictions and scored positions of one batch."""
-  logits, _ = nnx.merge(graphdef, params)(batch["tokens"])
-  return masked_sums(logits, batch["targets"])
+EVAL_TOKENS = 1 << 15  # tokens per forward in a one-device evaluation: logits of 2**15 x vocab
+
+
+def eval_rows(batch_size: int, length: int, tokens: int = EVAL_TOKENS) -> int:
+  """Rows per forward so that one holds at most `tokens` tokens (at least one row); divides
+  `batch_size`, so the batch splits into equal pieces."""
+  rows = max(1, min(batch_size, tokens // max(length, 1)))
+  while batch_size % rows:
+    rows -= 1
+  return rows
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "rows"))
+def eval_step(params, batch, *, graphdef, rows: int | None = None):
+  """Summed loss, correct predictions and scored positions of one batch.
+
+  `rows` (one device only): run the batch `rows` rows at a time (`jax.lax.map`), so the logits
+  in memory are `rows x T x vocab`, not the whole batch's (a batch of 256 at T = 1024 and a
+  vocabulary of 8192 holds 8 GiB of float32 logits at once). None: the whole batch in one forward.
+  """
+  tokens, targets = batch["tokens"], batch["targets"]
+  batch_size = tokens.shape[0]
+  if rows is None or rows >= batch_size or batch_size % rows:
+    logits, _ = nnx.merge(graphdef, params)(tokens)
+    return masked_sums(logits, targets)
+
+  def piece(xs):
+    logits, _ = nnx.merge(graphdef, params)(xs[0])
+    return masked_sums(logits, xs[1])
+
+  split = lambda x: x.reshape(batch_size // rows, rows, *x.shape[1:])
+  sums = jax.lax.map(piece, (split(tokens), split(targets)))
+  return tuple(jnp.sum(s, axis=0) for s in sums)
 
 
 def evaluate(setup: TrainSetup, params, source, seed: int, num_batches: int) -> dict[str, float]:
@@ -310,7 +338,9 @@ def setup_training(config: TrainConfig, model_config: LMConfig, *, mesh=None,
   step = functools.partial(train_step, graphdef=graphdef, optimizer=config.optimizer, steps=config.steps)
   evaluate_step = functools.partial(eval_step, graphdef=graphdef)
   if mesh is None:
-    return TrainSetup(graphdef, state, step, evaluate_step, place=lambda batch: batch)
+    def bounded_eval(params, batch):  # the logits of at most EVAL_TOKENS tokens at once
+      return evaluate_step(params, batch, rows=eval_rows(*batch["tokens"].shape))
+    return TrainSetup(graphdef, state, step, bounded_eval, place=lambda batch: batch)
   sharding.rule_set(rules)  # an unknown rule set raises here, naming it
   sharding.check_model_config(model_config, mesh, rules)
   state = sharding.shard_train_state(state, mesh, rules)

@@ -211,3 +211,39 @@ def test_the_gate_probe_s_zoology_base_is_zoology_s_model_at_a_small_vocabulary(
   # the control trains the same model with the decay off, next to DeltaNet and the layer as it is
   assert {probe.VARIANTS[n][0] for n in probe.ZOOLOGY_VARIANTS} == {"DD", "GG"}
   assert probe.VARIANTS["zoo512_no_decay_lr1e-2"][4] == (1e-9, 1e-3)
+
+
+def test_a_run_that_fails_is_reported_and_stops_no_other_run(tmp_path, monkeypatch, capsys):
+  # A run that dies (out of GPU memory, say) is left out, named with its error, and the next runs
+  # still train and are returned; the failed one is not marked finished, so a rerun tries it again.
+  config = mqar.load_config("mqar_sweep", ["train.steps=2", "train.optimizer.warmup_steps=1"])
+  runs = [(str(tmp_path / name), config.run_config("AA", 3e-3)) for name in ("a", "b", "c")]
+  trained = []
+
+  def fake_train_run(run_dir, run_dict, progress):
+    if run_dir.endswith("b"):
+      raise RuntimeError("RESOURCE_EXHAUSTED: out of memory\nmore lines")
+    trained.append(run_dir)
+    return {"eval/accuracy": 0.5, "seconds": 1.0}
+
+  monkeypatch.setattr(sweep, "train_run", fake_train_run)
+  out = sweep.run_all(runs, workers=1, progress=False)
+  assert list(out) == [runs[0][0], runs[2][0]] and trained == [runs[0][0], runs[2][0]]
+  printed = capsys.readouterr().out
+  assert "FAILED: b: RuntimeError: RESOURCE_EXHAUSTED: out of memory" in printed
+  assert "1 of 3 runs failed" in printed and "more lines" not in printed
+  assert sweep.finished(runs[1][0], runs[1][1]) is None
+
+
+def test_the_gpu_sweep_exports_what_finished_even_when_its_work_raises(tmp_path, monkeypatch):
+  def broken(*args, **kwargs):
+    if kwargs.get("deadline") != float("-inf"):
+      raise RuntimeError("a phase broke")
+    return real(*args, **kwargs)
+
+  real = mqar.run_sweep
+  monkeypatch.setattr(mqar, "run_sweep", broken)
+  with pytest.raises(RuntimeError, match="a phase broke"):
+    recall_sweep.run(str(tmp_path / "w"), 100, export_dir=str(tmp_path / "out"))
+  assert os.path.exists(tmp_path / "out" / recall_sweep.RUNS_ARCHIVE)
+  assert os.path.exists(tmp_path / "out" / "mqar" / "mqar.json")

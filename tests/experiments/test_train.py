@@ -210,3 +210,22 @@ def test_only_process_zero_writes_metrics_plots_and_summaries(tmp_path, monkeypa
   # Then it saved checkpoints but wrote none of process 0's files
   assert summary["checkpoint_steps"] == [3, 6]
   assert sorted(os.listdir(tmp_path)) == ["checkpoints"]
+
+
+def test_evaluation_in_row_pieces_equals_the_whole_batch():
+  # One device evaluates a batch a few rows at a time so that a large batch, length and vocabulary
+  # never hold all their logits at once; the sums are those of one forward over the whole batch.
+  config = tiny_config()
+  source = data.make_source(config.data)
+  setup = train.setup_training(config, config.lm_config(source.vocab_size))
+  batch = source.batch(source.eval_splits[0], 1, 0)
+  params = setup.state["params"]
+  whole = train.eval_step(params, batch, graphdef=setup.graphdef)
+  pieces = train.eval_step(params, batch, graphdef=setup.graphdef, rows=2)
+  np.testing.assert_allclose(np.array(pieces, np.float64), np.array(whole, np.float64), rtol=1e-5)
+  assert int(whole[2]) > 0
+  assert train.eval_rows(256, 1024) == 32 and train.eval_rows(8, 16, tokens=48) == 2
+  assert train.eval_rows(6, 16, tokens=64) == 3 and train.eval_rows(4, 10**6) == 1
+  # The setup's step on one device is the bounded one, with the same sums
+  np.testing.assert_allclose(np.array(setup.eval_step(params, batch), np.float64),
+                             np.array(whole, np.float64), rtol=1e-5)
