@@ -73,3 +73,18 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if item.get_closest_marker("flaky") is None:
       item.add_marker(pytest.mark.flaky(reruns=CRASH_RERUNS, only_rerun=[NO_ERROR]))
+
+
+# Whole-file scheduling (`--dist loadfile`, what `make test` runs) cannot hand one test back to the queue,
+# so pytest-rerunfailures reports a dead worker's test as failed; but xdist itself puts the rest of that
+# file back, the crashed test first, and runs it in a fresh worker. Its first crash is then counted as
+# a rerun, as under per-test scheduling; a second crash of the same test fails the run.
+_CRASHES: dict = {}
+
+
+@pytest.hookimpl(trylast=True, optionalhook=True)  # an xdist hook: absent without -n
+def pytest_handlecrashitem(crashitem, report, sched):
+  from xdist.scheduler import LoadScopeScheduling
+  _CRASHES[crashitem] = _CRASHES.get(crashitem, 0) + 1
+  if isinstance(sched, LoadScopeScheduling) and _CRASHES[crashitem] <= CRASH_RERUNS:
+    report.outcome = "rerun"

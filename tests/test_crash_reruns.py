@@ -25,18 +25,19 @@ def test_fails_every_time():
 '''
 
 
-def test_a_dead_worker_reruns_once_and_a_failure_never(tmp_path):
+@pytest.mark.parametrize("dist", ["load", "loadfile"])   # loadfile: what `make test` runs
+def test_a_dead_worker_reruns_once_and_a_failure_never(tmp_path, dist):
   pytest.importorskip("pytest_rerunfailures")
   pytest.importorskip("xdist")
   (tmp_path / "cases").mkdir()
   (tmp_path / "cases" / "conftest.py").write_text(
-      "from tests.conftest import pytest_collection_modifyitems  # noqa: F401\n")
+      "from tests.conftest import pytest_collection_modifyitems, pytest_handlecrashitem  # noqa: F401\n")
   (tmp_path / "cases" / "test_cases.py").write_text(CASES)
   flags = tmp_path / "flags"
   flags.mkdir()
   env = dict(os.environ, FLAG_DIR=str(flags),
              PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-  done = subprocess.run([sys.executable, "-m", "pytest", "-n", "1", "-q", "-p", "no:cacheprovider",
+  done = subprocess.run([sys.executable, "-m", "pytest", "-n", "1", "--dist", dist, "-q", "-p", "no:cacheprovider",
                          "--rootdir", str(tmp_path / "cases"), str(tmp_path / "cases")],
                         capture_output=True, text=True, env=env, timeout=300)
   summary = done.stdout.strip().splitlines()[-1]
