@@ -130,7 +130,12 @@ def run_equivalence(config: Config, workdir: str) -> dict:
   """
   cells = [(variant, T) for variant in config.variants for T in config.T]
   with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # compiles overlap
-    rows = [row for rows in pool.map(lambda cell: compare(config, *cell), cells) for row in rows]
+    futures = [pool.submit(compare, config, *cell) for cell in cells]
+    for future in concurrent.futures.as_completed(futures):  # each row as it finishes: a run cut
+      for r in future.result():                              # short by a time limit still reports
+        print(f"done: {r['variant']} T={r['T']} {r['impl']}: "
+              + " ".join(f"{q}={e:.1e}" for q, e in r["errors"].items()), flush=True)
+    rows = [row for future in futures for row in future.result()]
   max_err = {q: max(r["errors"][q] for r in rows if q in r["errors"])
              for q in QUANTITIES if any(q in r["errors"] for r in rows)}
   print(f"relative RMS error against impl={config.impls[0]!r}, dtype={config.dtype}, B={config.B} "

@@ -69,6 +69,20 @@ def _with_decay_init(A: float, dt: float):
   return original, init_state
 
 
+OUTPUT_GATE = "output_gate"  # an `init` that gives DeltaNet the output gate instead of a decay init
+
+
+def _deltanet_with_output_gate():
+  """`(original, patched)` `DeltaNet.__init__`: the patched one defaults `use_output_gate=True`."""
+  from linear_attention_jax.layers import delta_net
+  original = delta_net.DeltaNet.__init__
+
+  def init(self, *args, **kwargs):
+    kwargs.setdefault("use_output_gate", True)
+    original(self, *args, **kwargs)
+  return original, init
+
+
 # `--base=zoology512`: mqar_zoology's model and optimiser (width 64, 2 heads, K = V = 32, rates and
 # schedule as there) at a vocabulary of 512 and its three T = 64 training settings, batch 64: the
 # smallest case in which DeltaNet starts to recall within a few hundred steps on a CPU
@@ -82,11 +96,14 @@ BASES = {
         "train.log_every=25"]),
 }
 
-# the zoology512 variants: DeltaNet, Gated DeltaNet as it is, and with the decay off at init
+# the zoology512 variants: DeltaNet, Gated DeltaNet as it is, and with the decay off at init; and
+# DeltaNet with Gated DeltaNet's output gate (`o_norm(o) * swish(x W_g)`), which tells whether the
+# gate alone delays the start of recall (the decay-off Gated DeltaNet still starts after DeltaNet)
 ZOOLOGY_VARIANTS = {
     "zoo512_deltanet_lr1e-2": ("DD", 1e-2, 400, 0, None),
     "zoo512_no_decay_lr1e-2": ("GG", 1e-2, 400, 0, (1e-9, 1e-3)),
     "zoo512_default_lr1e-2": ("GG", 1e-2, 400, 0, None),
+    "zoo512_deltanet_output_gate_lr1e-2": ("DD", 1e-2, 400, 0, OUTPUT_GATE),
 }
 VARIANTS.update(ZOOLOGY_VARIANTS)
 
@@ -107,14 +124,17 @@ def run(workdir: str, names, base: str = "mqar_sweep") -> dict:
     config = train.configs.build(train.TrainConfig, {
         **train.configs.to_dict(base), "steps": steps, "seed": seed,
         "optimizer": {**train.configs.to_dict(base.optimizer), "learning_rate": lr}})
-    original = train.init_state
-    if init is not None:
+    from linear_attention_jax.layers import delta_net
+    original, original_deltanet = train.init_state, delta_net.DeltaNet.__init__
+    if init == OUTPUT_GATE:
+      _, delta_net.DeltaNet.__init__ = _deltanet_with_output_gate()
+    elif init is not None:
       original, train.init_state = _with_decay_init(*init)
     try:
       start = time.perf_counter()
       summary = train.train_and_evaluate(config, os.path.join(workdir, name), progress=False)
     finally:
-      train.init_state = original
+      train.init_state, delta_net.DeltaNet.__init__ = original, original_deltanet
     results[name] = {"pattern": pattern, "learning_rate": lr, "steps": steps, "seed": seed, "init": init,
                      "mean_accuracy": summary["eval/accuracy"],
                      "accuracy": {k.split("/")[1]: v for k, v in summary.items()

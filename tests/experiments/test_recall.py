@@ -211,6 +211,18 @@ def test_the_gate_probe_s_zoology_base_is_zoology_s_model_at_a_small_vocabulary(
   # the control trains the same model with the decay off, next to DeltaNet and the layer as it is
   assert {probe.VARIANTS[n][0] for n in probe.ZOOLOGY_VARIANTS} == {"DD", "GG"}
   assert probe.VARIANTS["zoo512_no_decay_lr1e-2"][4] == (1e-9, 1e-3)
+  # and DeltaNet with Gated DeltaNet's output gate: the patched constructor gives the layer its gate
+  from flax import nnx
+  from linear_attention_jax.layers import delta_net
+  assert probe.VARIANTS["zoo512_deltanet_output_gate_lr1e-2"][::4] == ("DD", probe.OUTPUT_GATE)
+  original, patched = probe._deltanet_with_output_gate()
+  assert original is delta_net.DeltaNet.__init__
+  assert delta_net.DeltaNet(16, 2, rngs=nnx.Rngs(0)).g_proj is None
+  delta_net.DeltaNet.__init__ = patched
+  try:
+    assert delta_net.DeltaNet(16, 2, rngs=nnx.Rngs(0)).g_proj is not None
+  finally:
+    delta_net.DeltaNet.__init__ = original
 
 
 def test_a_run_that_fails_is_reported_and_stops_no_other_run(tmp_path, monkeypatch, capsys):

@@ -17,7 +17,7 @@ from linear_attention_jax import ops
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_equivalence_every_variant_agrees_in_float32(tmp_path):
+def test_equivalence_every_variant_agrees_in_float32(tmp_path, capsys):
   # Given every variant at T = 5 with chunks of 4 (a full chunk and a padded one), grouped heads
   config = equivalence.Config(T=(5,), B=1, H=1, H_v=2, K=8, V=8, chunk_size=4)
   # When the equivalence run compares chunk with recurrent
@@ -32,6 +32,9 @@ def test_equivalence_every_variant_agrees_in_float32(tmp_path):
     assert set(row["errors"]) == expected, row["variant"]
     # and every error is small in float32
     assert all(err < 1e-4 for err in row["errors"].values()), row
+  # and each row was printed as it finished, before the table (a run cut short still reports)
+  printed = capsys.readouterr().out
+  assert all(f"done: {v} T=5 chunk: o=" in printed.split("relative RMS")[0] for v in ops.VARIANTS)
 
 
 def test_benchmark_has_a_row_per_variant_impl_and_mode(tmp_path):
