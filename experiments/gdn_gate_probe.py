@@ -104,6 +104,8 @@ ZOOLOGY_VARIANTS = {
     "zoo512_no_decay_lr1e-2": ("GG", 1e-2, 400, 0, (1e-9, 1e-3)),
     "zoo512_default_lr1e-2": ("GG", 1e-2, 400, 0, None),
     "zoo512_deltanet_output_gate_lr1e-2": ("DD", 1e-2, 400, 0, OUTPUT_GATE),
+    "zoo512_deltanet_lr1e-2_seed1": ("DD", 1e-2, 400, 1, None),
+    "zoo512_deltanet_output_gate_lr1e-2_seed1": ("DD", 1e-2, 400, 1, OUTPUT_GATE),
 }
 VARIANTS.update(ZOOLOGY_VARIANTS)
 
