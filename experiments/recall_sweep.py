@@ -69,11 +69,17 @@ def phases(mqar_set, recall_set, workers):
 
 
 def run(workdir: str, budget_s: float, *, mqar_set=(), recall_set=(), workers: int = 4,
-        export_dir: str = "", restore_from: str = "") -> dict:
+        export_dir: str = "", restore_from: str = "", only=()) -> dict:
+  """`only`: the phases to run (1-5, module docstring), in their order; empty: all of them."""
   if restore_from:
     restore(restore_from, workdir)
   budget = sweep.Budget(time.monotonic() + budget_s)  # shared: the longest run so far counts for all
   work, tables = phases(list(mqar_set), list(recall_set), workers)
+  only = [int(i) for i in only]
+  if any(not 1 <= i <= len(work) for i in only):
+    raise ValueError(f"phases must be numbers from 1 to {len(work)}; got {only}")
+  if only:
+    work = [w for i, w in enumerate(work, start=1) if i in only]
   out = {}
   try:
     for label, subdir, module, config in work:
@@ -140,7 +146,7 @@ def main(argv):
   f = flags.FLAGS
   train.quiet_logs()
   run(f.workdir, f.time_budget_s, mqar_set=f.mqar_set, recall_set=f.recall_set, workers=f.workers,
-      export_dir=f.export_dir, restore_from=f.restore_from)
+      export_dir=f.export_dir, restore_from=f.restore_from, only=f.phases)
 
 
 if __name__ == "__main__":
@@ -152,6 +158,8 @@ if __name__ == "__main__":
   flags.DEFINE_multi_string("recall_set", [], "Override KEY=VALUE of the retrieval sweep.")
   flags.DEFINE_string("export_dir", "", "Copy the tables here at the end, and every run's config, "
                       "summary and metrics as runs.tar.gz (no checkpoints).")
+  flags.DEFINE_list("phases", [], "Run only these phases (1-5, module docstring), e.g. 2,3; "
+                    "default: all. The tables still show every finished run.")
   flags.DEFINE_string("restore_from", "", "An earlier export's runs.tar.gz: unpacked into the workdir "
                       "first, so its finished runs are read back, not trained again.")
   app.run(main)

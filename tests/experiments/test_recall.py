@@ -259,3 +259,25 @@ def test_the_gpu_sweep_exports_what_finished_even_when_its_work_raises(tmp_path,
     recall_sweep.run(str(tmp_path / "w"), 100, export_dir=str(tmp_path / "out"))
   assert os.path.exists(tmp_path / "out" / recall_sweep.RUNS_ARCHIVE)
   assert os.path.exists(tmp_path / "out" / "mqar" / "mqar.json")
+
+
+def test_the_gpu_sweep_runs_only_the_phases_asked_for_and_rejects_unknown_ones(tmp_path, monkeypatch):
+  started = []
+
+  def record(module):
+    real = module.run_sweep
+
+    def run_sweep(config, workdir, **kwargs):
+      if kwargs.get("deadline") != float("-inf"):  # a phase's work, not the closing tables
+        started.append((module.__name__.split(".")[-1], tuple(config.learning_rates)))
+        return {}
+      return real(config, workdir, **kwargs)
+    monkeypatch.setattr(module, "run_sweep", run_sweep)
+
+  record(mqar)
+  record(recall)
+  recall_sweep.run(str(tmp_path / "w"), 1000, only=["5", "3"])
+  # in the sweep's order, whatever order they were named in
+  assert started == [("mqar", tuple(recall_sweep.OUTER_RATES)), ("recall", (1e-3,))]
+  with pytest.raises(ValueError, match="phases must be numbers from 1 to 5"):
+    recall_sweep.run(str(tmp_path / "w2"), 1000, only=["6"])
