@@ -9,8 +9,8 @@ moment it finishes (experiments/sweep.py), so running the same command again goe
   4. MQAR at width 256, all four rates
   5. retrieval at rate 1e-3
 
-then writes the tables and plots of everything finished (`{workdir}/mqar/mqar.{md,json,png}`,
-`{workdir}/recall/recall.{md,json,png}`), and with `--export_dir` copies them there with every run's
+(`--phases=3,5` runs only those, in this order), then writes the tables and plots of everything
+finished (`{workdir}/mqar/mqar.{md,json,png}`, `{workdir}/recall/recall.{md,json,png}`), and with `--export_dir` copies them there with every run's
 config, summary and metrics (not the checkpoints) packed in one `runs.tar.gz`. A later call on a
 fresh machine goes on from that archive with `--restore_from` (experiments/RECALL.md, "Resuming").
 
@@ -75,11 +75,11 @@ def run(workdir: str, budget_s: float, *, mqar_set=(), recall_set=(), workers: i
     restore(restore_from, workdir)
   budget = sweep.Budget(time.monotonic() + budget_s)  # shared: the longest run so far counts for all
   work, tables = phases(list(mqar_set), list(recall_set), workers)
-  only = [int(i) for i in only]
-  if any(not 1 <= i <= len(work) for i in only):
-    raise ValueError(f"phases must be numbers from 1 to {len(work)}; got {only}")
+  numbers = [str(i) for i in range(1, len(work) + 1)]
+  if any(str(i).strip() not in numbers for i in only):
+    raise ValueError(f"phases must be numbers from 1 to {len(work)}; got {list(only)}")
   if only:
-    work = [w for i, w in enumerate(work, start=1) if i in only]
+    work = [w for i, w in zip(numbers, work) if i in {str(j).strip() for j in only}]
   out = {}
   try:
     for label, subdir, module, config in work:

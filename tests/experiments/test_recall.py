@@ -281,3 +281,5 @@ def test_the_gpu_sweep_runs_only_the_phases_asked_for_and_rejects_unknown_ones(t
   assert started == [("mqar", tuple(recall_sweep.OUTER_RATES)), ("recall", (1e-3,))]
   with pytest.raises(ValueError, match="phases must be numbers from 1 to 5"):
     recall_sweep.run(str(tmp_path / "w2"), 1000, only=["6"])
+  with pytest.raises(ValueError, match="phases must be numbers from 1 to 5"):
+    recall_sweep.run(str(tmp_path / "w3"), 1000, only=["retrieval"])
