@@ -12,7 +12,8 @@ moment it finishes (experiments/sweep.py), so running the same command again goe
 (`--phases=3,5` runs only those, in this order), then writes the tables and plots of everything
 finished (`{workdir}/mqar/mqar.{md,json,png}`, `{workdir}/recall/recall.{md,json,png}`), and with
 `--export_dir` copies them there with every run's config, summary and metrics (not the checkpoints)
-packed in one `runs.tar.gz`. A later call on a fresh machine goes on from that archive with `--restore_from` (experiments/RECALL.md, "Resuming").
+packed in one `runs.tar.gz`. A later call on a fresh machine goes on from that archive with
+`--restore_from` (experiments/RECALL.md, "Resuming").
 
     python3 experiments/recall_sweep.py --workdir=runs/recall_gpu --time_budget_s=540 \\
         --export_dir=$OUT/recall_gpu [--restore_from=recall_gpu_runs/runs.tar.gz]
