@@ -14,6 +14,9 @@ is the initialisation (and how fast a rate lets the decay grow), which the task 
 up to 30 tokens later) punishes.
 
     python experiments/gdn_gate_probe.py --workdir=runs/gdn_probe     # about 15 minutes on 2 cores
+
+`--base=zoology512` and `--base=zoology_d128` train their own variants (below) in zoology's setting,
+the second at its full size (one GPU run of a few minutes each).
 """
 
 from __future__ import annotations
@@ -94,6 +97,10 @@ BASES = {
         "train.data.mqar.train_settings=[[64, 4], [64, 8], [64, 16]]",
         "train.data.mqar.test_settings=[[64, 4], [64, 8], [64, 16]]", "widths=[64]",
         "train.log_every=25"]),
+    # `--base=zoology_d128`: mqar_zoology itself (vocabulary 8192, its training mix and test sets) at
+    # width 128, the GPU sweep's setting, in which Gated DeltaNet never left the loss plateau in 2,000
+    # steps (experiments/RECALL.md, "GPU results: phase 1")
+    "zoology_d128": ("mqar_zoology", ["widths=[128]"]),
 }
 
 # the zoology512 variants: DeltaNet, Gated DeltaNet as it is, and with the decay off at init; and
@@ -108,6 +115,18 @@ ZOOLOGY_VARIANTS = {
     "zoo512_deltanet_output_gate_lr1e-2_seed1": ("DD", 1e-2, 400, 1, OUTPUT_GATE),
 }
 VARIANTS.update(ZOOLOGY_VARIANTS)
+
+# the zoology_d128 variants (one GPU run each, 2,000 steps as in the sweep, at the rate where the
+# sweep's DeltaNet and KDA learned): the decay off and weak at init, DeltaNet with the output gate,
+# and the sweep's one missing phase-1 run (KDA at rate 1e-2), which is the same config as the sweep's
+GPU_VARIANTS = {
+    "d128_no_decay_lr3e-3": ("GG", 3.1623e-3, 2000, 0, (1e-9, 1e-3)),
+    "d128_weak_decay_lr3e-3": ("GG", 3.1623e-3, 2000, 0, (1.0, 1e-3)),
+    "d128_deltanet_output_gate_lr3e-3": ("DD", 3.1623e-3, 2000, 0, OUTPUT_GATE),
+    "d128_kda_lr1e-2": ("KK", 1e-2, 2000, 0, None),
+}
+VARIANTS.update(GPU_VARIANTS)
+DEFAULTS = {"zoology512": ZOOLOGY_VARIANTS, "zoology_d128": GPU_VARIANTS}
 
 
 def run(workdir: str, names, base: str = "mqar_sweep") -> dict:
@@ -153,8 +172,8 @@ def run(workdir: str, names, base: str = "mqar_sweep") -> dict:
 def main(argv):
   del argv
   train.quiet_logs()
-  default = ZOOLOGY_VARIANTS if flags.FLAGS.base == "zoology512" else [
-      n for n in VARIANTS if n not in ZOOLOGY_VARIANTS]
+  default = DEFAULTS.get(flags.FLAGS.base) or [
+      n for n in VARIANTS if not any(n in d for d in DEFAULTS.values())]
   names = flags.FLAGS.variants or list(default)
   for name, r in run(flags.FLAGS.workdir, names, flags.FLAGS.base).items():
     print(f"| {name} | {r['mean_accuracy']:.3f} | "

@@ -211,6 +211,11 @@ def test_the_gate_probe_s_zoology_base_is_zoology_s_model_at_a_small_vocabulary(
   # the control trains the same model with the decay off, next to DeltaNet and the layer as it is
   assert {probe.VARIANTS[n][0] for n in probe.ZOOLOGY_VARIANTS} == {"DD", "GG"}
   assert probe.VARIANTS["zoo512_no_decay_lr1e-2"][4] == (1e-9, 1e-3)
+  # the GPU base is the sweep's own config at width 128, and its runs are the sweep's steps
+  gpu = mqar.load_config(*probe.BASES["zoology_d128"])
+  assert gpu.widths == (128,) and gpu.train.data.mqar.vocab_size == 8192
+  assert {probe.VARIANTS[n][2] for n in probe.GPU_VARIANTS} == {gpu.train.steps}
+  assert probe.DEFAULTS["zoology_d128"] is probe.GPU_VARIANTS
   # and DeltaNet with Gated DeltaNet's output gate: the patched constructor gives the layer its gate
   from flax import nnx
   from linear_attention_jax.layers import delta_net
