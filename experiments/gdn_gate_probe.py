@@ -118,12 +118,14 @@ VARIANTS.update(ZOOLOGY_VARIANTS)
 
 # the zoology_d128 variants (one GPU run each, 2,000 steps as in the sweep, at the rate where the
 # sweep's DeltaNet and KDA learned): the decay off and weak at init, DeltaNet with the output gate,
-# and the sweep's one missing phase-1 run (KDA at rate 1e-2), which is the same config as the sweep's
+# the sweep's one missing phase-1 run (KDA at rate 1e-2), which is the same config as the sweep's, and
+# the layer as it is for 1.5x the steps
 GPU_VARIANTS = {
     "d128_no_decay_lr3e-3": ("GG", 3.1623e-3, 2000, 0, (1e-9, 1e-3)),
     "d128_weak_decay_lr3e-3": ("GG", 3.1623e-3, 2000, 0, (1.0, 1e-3)),
     "d128_deltanet_output_gate_lr3e-3": ("DD", 3.1623e-3, 2000, 0, OUTPUT_GATE),
     "d128_kda_lr1e-2": ("KK", 1e-2, 2000, 0, None),
+    "d128_default_lr3e-3_3000steps": ("GG", 3.1623e-3, 3000, 0, None),  # does it leave the plateau?
 }
 VARIANTS.update(GPU_VARIANTS)
 DEFAULTS = {"zoology512": ZOOLOGY_VARIANTS, "zoology_d128": GPU_VARIANTS}
