@@ -117,6 +117,15 @@ def run_sweep(config: SweepConfig, workdir: str, *, progress: bool = True,
         # zoology's count (zoology/model.py::_compute_state_size): both layers, float32 bytes
         "state_bytes": 4 * state_size,
         "params": count_params(model), "workdir": run_dir})
+  results = {"config": configs.to_dict(config), "test_settings": [list(s) for s in test_settings],
+             "state_size_at": longest, "runs_planned": len(plan),
+             "best": best_of(runs, vocab, test_settings), "runs": runs}
+  return write_results(results, workdir)
+
+
+def best_of(runs: list[dict], vocab: int, test_settings) -> list[dict]:
+  """Each (model, width) at the run of its best mean accuracy, with `rates_done` (how many rates it
+  had) and zoology's published value where there is one."""
   best = {}
   for run in runs:
     key = (run["model"], run["width"])
@@ -127,9 +136,11 @@ def run_sweep(config: SweepConfig, workdir: str, *, progress: bool = True,
     published = zoology_reference.lookup(run["model"], run["width"], vocab, test_settings)
     run["zoology"] = None if published is None else {
         "accuracy": published[0], "state_bytes": published[1], "source": zoology_reference.SOURCE}
-  results = {"config": configs.to_dict(config), "test_settings": [list(s) for s in test_settings],
-             "state_size_at": longest, "runs_planned": len(plan), "best": list(best.values()),
-             "runs": runs}
+  return list(best.values())
+
+
+def write_results(results: dict, workdir: str) -> dict:
+  """Writes `{workdir}/mqar.{md,png,json}` of `results` (run_sweep's dict) and returns it."""
   table = markdown_table(results)
   print(table)
   os.makedirs(workdir, exist_ok=True)

@@ -288,3 +288,28 @@ def test_the_gpu_sweep_runs_only_the_phases_asked_for_and_rejects_unknown_ones(t
     recall_sweep.run(str(tmp_path / "w2"), 1000, only=["6"])
   with pytest.raises(ValueError, match="phases must be numbers from 1 to 5"):
     recall_sweep.run(str(tmp_path / "w3"), 1000, only=["retrieval"])
+
+
+def test_gathered_runs_give_each_model_its_best_rate_and_refuse_a_best_without_accuracies(tmp_path):
+  from experiments import mqar_tables
+  settings = [[64, 4], [128, 8]]
+  acc = lambda a, b: {"T64_kv4": a, "T128_kv8": b}
+  run = lambda lr, accuracy, mean: {"model": "deltanet", "pattern": "DD", "width": 64,
+                                    "learning_rate": lr, "accuracy": accuracy, "mean_accuracy": mean,
+                                    "state_size": 10, "state_bytes": 40, "params": 5}
+  def write(runs):
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps({"vocab_size": 8192, "test_settings": settings, "state_size_at": 128,
+                                "runs": runs}))
+    return str(path)
+  # a run known by its mean alone still competes; the best one is shown with its accuracies
+  out = mqar_tables.tables(write([run(1e-3, acc(0.9, 0.5), 0.7), run(1e-2, None, 0.2)]),
+                           str(tmp_path / "t"))
+  (best,) = out["best"]
+  assert best["learning_rate"] == 1e-3 and best["rates_done"] == 2
+  assert "| 0.001 (2) | 0.900 | 0.500 | 0.700 |" in (tmp_path / "t" / "mqar.md").read_text()
+  with pytest.raises(ValueError, match="has no accuracy"):
+    mqar_tables.tables(write([run(1e-3, acc(0.9, 0.5), 0.7), run(1e-2, None, 0.8)]), str(tmp_path / "u"))
+  with pytest.raises(ValueError, match=r"runs\[0\].*lacks \['params'\]"):
+    mqar_tables.tables(write([{k: v for k, v in run(1e-3, None, 0.1).items() if k != "params"}]),
+                       str(tmp_path / "v"))
