@@ -84,10 +84,11 @@ def main(argv):
     results.append(r)
     print(f"| {unroll} | {r['lower_s']:.1f} | {r['compile_s']:.1f} | {r['step_ms']:.1f} | "
           f"{r['tokens_per_s']:,.0f} | {r['first_loss']:.4f} | {r['final_loss']:.4f} |", flush=True)
-    common.write_json(FLAGS.workdir, "compile_time.json", {
+    path = common.write_json(FLAGS.workdir, "compile_time.json", {
         "pattern": FLAGS.pattern, "impl": FLAGS.impl, "width": FLAGS.width, "depth": FLAGS.depth,
         "num_heads": FLAGS.num_heads, "batch_size": FLAGS.batch_size, "seq_len": FLAGS.seq_len,
         "dtype": FLAGS.dtype, "backend": jax.default_backend(), "results": results})
+  print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -150,6 +150,9 @@ def test_gate_recipes_give_the_documented_values():
     ("kernel_breakdown.py", ["--variants=kda", "--shape=1,64,1,64", "--iters=1", "--interpret",
                              "--stages=channel prep kernel,op fwd channel kernel,channel check"],
      "kernel_breakdown.json"),
+    ("compile_time.py", ["--pattern=G", "--impl=chunk", "--width=32", "--depth=1", "--num_heads=2",
+                         "--batch_size=1", "--seq_len=64", "--chunk_size=16", "--steps=1",
+                         "--unrolls=1,4"], "compile_time.json"),
 ])
 def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
   cmd = [sys.executable, os.path.join(ROOT, "experiments", script), f"--workdir={tmp_path}", *flags]
@@ -170,6 +173,11 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
       assert 0 <= ms["check pair rel rms"] < 1e-2, ms
     if "forward streamed check" in stages:   # other roundings (fused_streamed.streamed_walk)
       assert 0 <= ms["check forward streamed rel rms"] < 1e-2, ms
+  if script == "compile_time.py":  # the unroll changes the program, not what it computes
+    with open(tmp_path / output, encoding="utf-8") as f:
+      runs = json.load(f)["results"]
+    assert [r["unroll"] for r in runs] == [1, 4] and all(r["compile_s"] > 0 for r in runs)
+    assert runs[0]["final_loss"] == pytest.approx(runs[1]["final_loss"], rel=1e-5)
 
 
 def test_kernel_breakdown_times_jla_alongside_when_asked(tmp_path):
