@@ -9,6 +9,9 @@ A deadline (`time.monotonic()` seconds, or a `Budget` shared by several sweeps) 
 starting runs: a run starts only while the time left exceeds the longest run finished so far under
 that budget (0 before the first), so the last one started still ends near the deadline. Runs not
 started are left out of the returned summaries.
+
+A run that fails is reported and left out; the others go on. With several workers, one that ran out of
+accelerator memory beside the others is tried once more at the end, by itself in a fresh process.
 """
 
 from __future__ import annotations
@@ -48,6 +51,16 @@ def train_run(run_dir: str, run_dict: dict, progress: bool) -> dict:
   with open(os.path.join(run_dir, "summary.json"), "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=1)
   return summary
+
+
+def _pool(workers: int) -> concurrent.futures.Executor:
+  """The processes that train a sweep's runs (spawned: JAX does not survive fork)."""
+  return concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+
+
+def out_of_memory(error: str) -> bool:
+  """Whether a run's error (its type and first line) says the accelerator ran out of memory."""
+  return "RESOURCE_EXHAUSTED" in error or "out of memory" in error.lower()
 
 
 def finished(run_dir: str, run_config: train.TrainConfig) -> dict | None:
@@ -102,19 +115,31 @@ def run_all(runs: list[tuple[str, train.TrainConfig]], *, workers: int = 1, prog
       print(f"--- {os.path.basename(run_dir)}", flush=True)
       attempt(run_dir, functools.partial(train_run, run_dir, run_dict, progress))
   else:
-    context = multiprocessing.get_context("spawn")  # JAX does not survive fork
-    queue = list(todo)
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+    queue, alone = list(todo), []
+    with _pool(workers) as pool:
       running = {}
       while queue or running:
         while queue and len(running) < workers and may_start():
           run_dir, run_dict = queue.pop(0)
-          running[pool.submit(train_run, run_dir, run_dict, False)] = run_dir
+          running[pool.submit(train_run, run_dir, run_dict, False)] = (run_dir, run_dict)
         if not running:
           break
         done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
         for future in done:
-          attempt(running.pop(future), future.result)
+          run_dir, run_dict = running.pop(future)
+          attempt(run_dir, future.result)
+          if run_dir in failed and out_of_memory(failed[run_dir]):
+            alone.append((run_dir, run_dict))
+    # A run that ran out of accelerator memory beside the others is tried once more, by itself, in a
+    # fresh process: the pool's processes, idle or not, keep what their runs allocated until they exit.
+    for run_dir, run_dict in alone:
+      if not may_start():
+        break
+      print(f"--- {os.path.basename(run_dir)}: again, alone (out of memory beside other runs)",
+            flush=True)
+      del failed[run_dir]
+      with _pool(1) as pool:
+        attempt(run_dir, pool.submit(train_run, run_dir, run_dict, False).result)
   if failed:
     print(f"{len(failed)} of {len(runs)} runs failed (left out of the tables; a rerun tries them "
           f"again): " + "; ".join(f"{os.path.basename(d)}: {e}" for d, e in failed.items()))

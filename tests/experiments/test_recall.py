@@ -313,3 +313,35 @@ def test_gathered_runs_give_each_model_its_best_rate_and_refuse_a_best_without_a
   with pytest.raises(ValueError, match=r"runs\[0\].*lacks \['params'\]"):
     mqar_tables.tables(write([{k: v for k, v in run(1e-3, None, 0.1).items() if k != "params"}]),
                        str(tmp_path / "v"))
+
+
+def test_a_run_out_of_memory_beside_others_is_tried_again_alone_at_the_end(tmp_path, monkeypatch, capsys):
+  # Threads stand in for the worker processes; b fails for memory in the shared pool, c for a bug.
+  import concurrent.futures
+  import threading
+  config = mqar.load_config("mqar_sweep", ["train.steps=2", "train.optimizer.warmup_steps=1"])
+  runs = [(str(tmp_path / name), config.run_config("AA", 3e-3)) for name in ("a", "b", "c", "d")]
+  pools, calls, lock = [], [], threading.Lock()
+
+  def fake_pool(workers):
+    pools.append(workers)
+    return concurrent.futures.ThreadPoolExecutor(workers)
+
+  def fake_train_run(run_dir, run_dict, progress):
+    with lock:
+      calls.append((os.path.basename(run_dir), len(pools)))
+    time.sleep(0.05)
+    if run_dir.endswith("b") and len(pools) == 1:  # beside "a" in the first pool
+      raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.50GiB")
+    if run_dir.endswith("c"):
+      raise ValueError("a bug, not memory")  # never tried again
+    return {"eval/accuracy": 0.5, "seconds": 0.05}
+
+  monkeypatch.setattr(sweep, "_pool", fake_pool)
+  monkeypatch.setattr(sweep, "train_run", fake_train_run)
+  out = sweep.run_all(runs, workers=2, progress=False)
+  assert sorted(os.path.basename(d) for d in out) == ["a", "b", "d"]
+  # b ran twice: in the first pool, then alone in a pool of its own after every other run
+  assert pools == [2, 1] and calls[-1] == ("b", 2) and [c for c, _ in calls].count("c") == 1
+  printed = capsys.readouterr().out
+  assert "b: again, alone" in printed and "1 of 4 runs failed" in printed and "FAILED: c" in printed
