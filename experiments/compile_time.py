@@ -1,22 +1,21 @@
 """Compile time and step time of an LM's training step, at several unrolls of the chunked form's walk.
 
 The XLA chunked form (`impl="chunk"`: what GPUs without the Pallas kernels, and TPUs, run) walks the
-chunks with a `lax.scan` unrolled `ops.chunk.SCAN_UNROLL` chunks a trip on accelerators (128 by
-default): fewer loop trips, a larger program to compile, in the forward pass and again in its
-transpose. For each `--unrolls` value this times, in one process, tracing + lowering, XLA's compile,
+chunks with a `lax.scan` unrolled `ops.chunk.ACCELERATOR_UNROLL` chunks a trip on accelerators (8;
+`ops.chunk.SCAN_UNROLL` overrides it): fewer loop trips, a larger program to compile, in the forward
+pass and again in its transpose. For each `--unrolls` value this times, in one process, tracing + lowering, XLA's compile,
 and `--steps` training steps (train.py's own step: AdamW, bfloat16 or float32 activations) of the
 LM of `--pattern`:
 
     python experiments/compile_time.py --pattern=G --impl=chunk --width=1024 --depth=4 --num_heads=8 \\
         --batch_size=8 --seq_len=4096 --dtype=bfloat16 --unrolls=1,8,32,128
 
-Results: `{workdir}/compile_time.json` and the printed table. A run over `--limit_s` seconds of
-compile is reported as such by the caller's timeout only: run the slowest unroll last.
+Results: `{workdir}/compile_time.json` (rewritten after each unroll) and the printed table. A compile
+that never ends is stopped only by the caller's timeout: put the slowest unroll last.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time

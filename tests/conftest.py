@@ -69,8 +69,8 @@ NO_ERROR = r"(?!)"  # an `only_rerun` pattern that matches no error: failures ar
 
 # Whole-file scheduling hands each worker the next file when it is done, and xdist by default sorts the
 # files by their number of tests. The slowest files are not the ones with the most tests (the notebooks'
-# file holds 10 tests and 2.4 minutes, pallas_kernels/gpu/test_plan.py 114 tests and seconds), so a heavy file could
-# start last and run alone at the end. The files are ordered instead by their worker-seconds (the
+# file holds 10 tests and 2.4 minutes, pallas_kernels/gpu/test_plan.py 114 tests and seconds), so a
+# heavy file could start last and run alone at the end. The files are ordered instead by their worker-seconds (the
 # heaviest first, so the last ones to start are short), measured on 2 cores (`--durations=0`, summed
 # per file); a file not listed keeps its place after them. Only the order changes: every test runs.
 FILE_SECONDS = {  # 2,603 worker-seconds in all, 1,216 tests, 22.0 min on 2 cores
