@@ -157,6 +157,24 @@ def plot(rows, path: str):
   plt.close(fig)
 
 
+def write(rows, f, dtype, Ts) -> list[str]:
+  """Writes layers.json, layers.md (and, for a sweep, layers.png) from the rows so far."""
+  lines = table(rows, f, dtype)
+  if len(Ts) > 1:
+    lines += ["", "From which T each mixer is at most softmax attention's time (stream), through the "
+              "longest T timed:", ""]
+    lines += [f"- {m}: {crossover(rows, m) or 'not within the sweep'}" for m in f.mixers if m != "A"]
+  os.makedirs(f.workdir, exist_ok=True)
+  with open(os.path.join(f.workdir, "layers.json"), "w") as fh:
+    json.dump(dict(width=f.width, heads=f.heads, impl=f.impl, dtype=dtype.name,
+                   device=jax.devices()[0].device_kind, rows=rows), fh, indent=1)
+  with open(os.path.join(f.workdir, "layers.md"), "w") as fh:
+    fh.write("\n".join(lines) + "\n")
+  if len(Ts) > 1 and len({r["T"] for r in rows}) > 1:
+    plot(rows, os.path.join(f.workdir, "layers.png"))
+  return lines
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -170,20 +188,9 @@ def main(argv):
     for mixer in f.mixers:
       rows.append(run_one(mixer, x, f))
       print(json.dumps(rows[-1]), flush=True)
-  lines = table(rows, f, dtype)
-  if len(Ts) > 1:
-    lines += ["", "From which T each mixer is at most softmax attention's time (stream), through the "
-              "longest T timed:", ""]
-    lines += [f"- {m}: {crossover(rows, m) or 'not within the sweep'}" for m in f.mixers if m != "A"]
-  os.makedirs(f.workdir, exist_ok=True)
-  with open(os.path.join(f.workdir, "layers.json"), "w") as fh:
-    json.dump(dict(width=f.width, heads=f.heads, impl=f.impl, dtype=dtype.name,
-                   device=jax.devices()[0].device_kind, rows=rows), fh, indent=1)
-  with open(os.path.join(f.workdir, "layers.md"), "w") as fh:
-    fh.write("\n".join(lines) + "\n")
-  if len(Ts) > 1:
-    plot(rows, os.path.join(f.workdir, "layers.png"))
-  print("\n".join(lines))
+      write(rows, f, dtype, Ts)  # after every row: a run cut short keeps what it measured
+    del x
+  print("\n".join(write(rows, f, dtype, Ts)))
   print(f"wrote {os.path.join(f.workdir, 'layers.json')}")
 
 
