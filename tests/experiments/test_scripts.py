@@ -150,6 +150,9 @@ def test_gate_recipes_give_the_documented_values():
     ("kernel_breakdown.py", ["--variants=kda", "--shape=1,64,1,64", "--iters=1", "--interpret",
                              "--stages=channel prep kernel,op fwd channel kernel,channel check"],
      "kernel_breakdown.json"),
+    ("lm_benchmark.py", ["--patterns=G,A", "--seq_lens=32,64", "--tokens=64", "--width=32", "--depth=1",
+                         "--num_heads=2", "--impl=chunk", "--chunk_size=16", "--steps=1", "--breakdown=G,A",
+                         "--rounds=1"], "lm.json"),
     ("compile_time.py", ["--pattern=G", "--impl=chunk", "--width=32", "--depth=1", "--num_heads=2",
                          "--batch_size=1", "--seq_len=64", "--chunk_size=16", "--steps=1",
                          "--unrolls=1,4"], "compile_time.json"),
@@ -161,6 +164,12 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
   assert done.returncode == 0, done.stderr[-2000:]
   assert os.path.exists(tmp_path / output)
   assert f"wrote {tmp_path / output}" in done.stdout
+  if script == "lm_benchmark.py":  # the anchor first at each T, and every part of each step timed
+    with open(tmp_path / output, encoding="utf-8") as f:
+      rows = json.load(f)["rows"]
+    assert [(r["pattern"], r["T"], r["batch"]) for r in rows] == [("A", 32, 2), ("G", 32, 2), ("A", 64, 1),
+                                                                  ("G", 64, 1)]
+    assert all(r["tokens_per_s"] > 0 and len(r["parts"]) == 4 and r["parts_sum_ms"] > 0 for r in rows)
   if script == "kernel_breakdown.py":  # a stage that fails is reported as NaN: none may here
     stages = next(f for f in flags if f.startswith("--stages="))[len("--stages="):].split(",")
     variant = next(f for f in flags if f.startswith("--variants="))[len("--variants="):]
@@ -215,3 +224,15 @@ def test_fla_benchmark_says_why_nothing_is_timed_without_fla(tmp_path):
   bad = subprocess.run(cmd + ["--kinds=retnet"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert bad.returncode != 0 and "--kinds must be from" in bad.stderr
+
+
+def test_lm_benchmark_counts_model_flops_by_hand():
+  from experiments import lm_benchmark
+  from flax import nnx
+  from linear_attention_jax.models import LM, LMConfig
+  for pattern in ("A", "G"):
+    config = LMConfig(vocab_size=256, width=32, depth=2, num_heads=2, pattern=pattern, chunk_size=16)
+    params = nnx.state(LM(config, rngs=nnx.Rngs(0)), nnx.Param)
+    n = sum(x.size for x in jax.tree.leaves(params)) - 256 * 32 + 32 * 256  # the tied head's product
+    mixer = (6 * 2 * 16 * 128 if pattern == "A" else 3 * 2 * (2 * 16 * (16 + 16) + 4 * 16 * 16))
+    assert lm_benchmark.model_flops_per_token(config, params, 128) == 6 * n + 2 * mixer
