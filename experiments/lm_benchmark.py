@@ -17,9 +17,8 @@ linear mixers' four chunk products q k^T, A v, q S and k^T v, so the delta rules
 not counted and their MFU is a lower bound) over the step time and `--peak_tflops`.
 
 `--breakdown=PATTERNS` times, each alone and jitted as fwd+bwd on the step's shapes: the embedding,
-final norm,
-tied head and loss; each distinct block's mixer (with its norm) and MLP (with its norm); the optimizer
-update. Their sum (the blocks counted `depth` times) next to the step says what the step adds beyond
+final norm, tied head and loss; each distinct block's mixer (with its norm) and MLP (with its norm);
+the optimizer update. Their sum (the blocks counted `depth` times) next to the step says what the step adds beyond
 its parts. Writes `{workdir}/lm.json`, `lm.md` and, over several T, `lm.png`.
 """
 
