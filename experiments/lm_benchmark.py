@@ -45,7 +45,8 @@ from experiments import data, sharded_throughput, train
 flags.DEFINE_list("patterns", ["A", "G", "GGGA", "K"], "LM patterns; A (the anchor) runs first at each T.")
 flags.DEFINE_list("seq_lens", ["4096", "16384"], "Sequence lengths T.")
 flags.DEFINE_integer("tokens", 32768, "Tokens per step: batch = tokens / T (at least 1).")
-flags.DEFINE_list("breakdown", [], "Patterns whose steps are also timed part by part (at every T).")
+flags.DEFINE_list("breakdown", [], "Patterns whose steps are also timed part by part.")
+flags.DEFINE_list("breakdown_seq_lens", [], "The T at which --breakdown runs (default: every T).")
 flags.DEFINE_float("peak_tflops", 989.4, "The device's dense peak in the step's dtype (H200 bf16).")
 flags.DEFINE_integer("rounds", 3, "Rounds of the breakdown's timings (medians).")
 FLAGS = flags.FLAGS
@@ -155,7 +156,8 @@ def run(pattern: str, T: int, batch: int) -> dict:
              compile_s=r["compile_and_first_step_s"], first_loss=r["first_loss"],
              final_loss=r["final_loss"], step_mib=(r["step_bytes_per_device"] or 0) / 2**20,
              flops_per_token=flops, mfu=flops * r["tokens_per_s"] / (FLAGS.peak_tflops * 1e12))
-  if pattern in FLAGS.breakdown:
+  at_T = not FLAGS.breakdown_seq_lens or str(T) in FLAGS.breakdown_seq_lens
+  if pattern in FLAGS.breakdown and at_T:
     parts = breakdown(config, model_config, batches[0], FLAGS.rounds)
     row["parts"] = parts
     row["parts_sum_ms"] = sum(p["count"] * p["stream_ms"] for p in parts)
