@@ -7,6 +7,7 @@ same run.
     python experiments/layer_benchmark.py --B=8 --T=4096 --width=1024 --heads=8 --impl=pallas
     python experiments/layer_benchmark.py --T=1024,4096,16384,65536 --tokens=32768 --impl=pallas \
         --mixers=A,F,G,K        # a sweep over T at a fixed token budget (B = tokens / T), and a plot
+    python experiments/layer_benchmark.py --rows_from=a/layers.json,b/layers.json   # one sweep's table
 
 Mixers (`--mixers`): A softmax attention; L linear attention; R retention; F GLA; D DeltaNet;
 G Gated DeltaNet (V = K); G2 Gated DeltaNet with V = 2K (the paper's); K KimiDeltaAttention; Kb KDA
@@ -103,9 +104,8 @@ def run_one(mixer: str, x, f):
     return dict(mixer=mixer, B=x.shape[0], T=x.shape[1], error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
-def table(rows, f, dtype) -> list[str]:
-  lines = [f"Layer fwd+bwd, width {f.width}, {f.heads} heads, {dtype.name}, impl={f.impl}, "
-           f"{jax.devices()[0].device_kind}", "",
+def table(rows, f, dtype, device) -> list[str]:
+  lines = [f"Layer fwd+bwd, width {f.width}, {f.heads} heads, {dtype.name}, impl={f.impl}, {device}", "",
            "| mixer | B, T | single ms | stream ms | / A (single, stream) | compile s |",
            "| --- | --- | --- | --- | --- | --- |"]
   for r in rows:
@@ -145,21 +145,24 @@ def plot(rows, path: str):
     pts = sorted((r["T"], 1e3 * r["stream_ms"] / (r["B"] * r["T"])) for r in rows
                  if r["mixer"] == mixer and "error" not in r)
     if pts:
-      ax.plot(*zip(*pts), marker="o", label=mixer, lw=2.5 if mixer == "A" else 1.5)
+      since = None if mixer == "A" else crossover(rows, mixer)
+      label = mixer if mixer == "A" else f"{mixer}: " + (f"<= A from T = {since}" if since else "> A")
+      ax.plot(*zip(*pts), marker="o", label=label, lw=2.5 if mixer == "A" else 1.5)
   ax.set_xscale("log", base=2)
   ax.set_yscale("log")
   ax.set_xlabel("T (tokens per sequence; B = token budget / T)")
   ax.set_ylabel("fwd+bwd time per token (us)")
-  ax.legend()
+  ax.legend(fontsize=8)
   ax.grid(alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
 
 
-def write(rows, f, dtype, Ts) -> list[str]:
+def write(rows, f, dtype, Ts, device=None) -> list[str]:
   """Writes layers.json, layers.md (and, for a sweep, layers.png) from the rows so far."""
-  lines = table(rows, f, dtype)
+  device = device or jax.devices()[0].device_kind
+  lines = table(rows, f, dtype, device)
   if len(Ts) > 1:
     lines += ["", "From which T each mixer is at most softmax attention's time (stream), through the "
               "longest T timed:", ""]
@@ -167,7 +170,7 @@ def write(rows, f, dtype, Ts) -> list[str]:
   os.makedirs(f.workdir, exist_ok=True)
   with open(os.path.join(f.workdir, "layers.json"), "w") as fh:
     json.dump(dict(width=f.width, heads=f.heads, impl=f.impl, dtype=dtype.name,
-                   device=jax.devices()[0].device_kind, rows=rows), fh, indent=1)
+                   device=device, rows=rows), fh, indent=1)
   with open(os.path.join(f.workdir, "layers.md"), "w") as fh:
     fh.write("\n".join(lines) + "\n")
   if len(Ts) > 1 and len({r["T"] for r in rows}) > 1:
@@ -180,6 +183,21 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   f = flags.FLAGS
   dtype = jnp.dtype(f.dtype)
+  if f.rows_from:  # a sweep measured over several processes: one table and plot of their rows
+    rows, devices = [], set()
+    for path in f.rows_from:
+      with open(path) as fh:
+        run = json.load(fh)
+      for key in ("width", "heads", "impl", "dtype"):
+        if str(run[key]) != str(getattr(f, key)):
+          raise ValueError(f"rows_from: {path} has {key}={run[key]!r}, not --{key}={getattr(f, key)!r}")
+      rows += run["rows"]
+      devices.add(run["device"])
+    Ts = sorted({r["T"] for r in rows})
+    f.mixers = list(dict.fromkeys(r["mixer"] for r in rows))
+    print("\n".join(write(rows, f, dtype, Ts, device=" + ".join(sorted(devices)))))
+    print(f"wrote {os.path.join(f.workdir, 'layers.json')}")
+    return
   Ts = [int(t) for t in f.T]
   rows = []
   for T in Ts:
@@ -205,5 +223,7 @@ if __name__ == "__main__":
   flags.DEFINE_string("dtype", "bfloat16", "Compute dtype (parameters float32).")
   flags.DEFINE_integer("iters", 5, "Timed rounds; medians reported.")
   flags.DEFINE_integer("stream", 10, "Calls issued back to back in each round's second timing.")
+  flags.DEFINE_list("rows_from", [], "layers.json files of earlier runs (each T's anchor in its own "
+                    "process): write their rows' table and plot, timing nothing.")
   flags.DEFINE_string("workdir", "runs/layer_benchmark", "Where layers.json and layers.md go.")
   app.run(main)

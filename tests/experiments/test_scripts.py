@@ -236,3 +236,25 @@ def test_lm_benchmark_counts_model_flops_by_hand():
     n = sum(x.size for x in jax.tree.leaves(params)) - 256 * 32 + 32 * 256  # the tied head's product
     mixer = (6 * 2 * 16 * 128 if pattern == "A" else 3 * 2 * (2 * 16 * (16 + 16) + 4 * 16 * 16))
     assert lm_benchmark.model_flops_per_token(config, params, 128) == 6 * n + 2 * mixer
+
+
+def test_layer_benchmark_merges_the_rows_of_several_processes(tmp_path):
+  def run(T, a_ms, g_ms):  # one process's layers.json: its own anchor at its T
+    path = tmp_path / f"T{T}.json"
+    rows = [dict(mixer=m, B=1, T=T, single_ms=ms, stream_ms=ms, compile_s=1.0) for m, ms in (("A", a_ms),
+                                                                                        ("G", g_ms))]
+    path.write_text(json.dumps(dict(width=1024, heads=8, impl="pallas", dtype="bfloat16", device="H200",
+                                    rows=rows)))
+    return str(path)
+  files = [run(1024, 1.0, 2.0), run(4096, 3.0, 2.5), run(16384, 9.0, 3.0)]
+  cmd = [sys.executable, os.path.join(ROOT, "experiments", "layer_benchmark.py"), f"--workdir={tmp_path}",
+         "--impl=pallas", f"--rows_from={','.join(files)}"]
+  done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert "- G: 4096" in done.stdout and "H200" in done.stdout
+  assert len(json.loads((tmp_path / "layers.json").read_text())["rows"]) == 6
+  assert (tmp_path / "layers.png").exists()
+  bad = subprocess.run(cmd[:-2] + ["--impl=chunk", cmd[-1]], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert bad.returncode != 0 and "impl" in bad.stderr
