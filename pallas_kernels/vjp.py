@@ -69,7 +69,13 @@ def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=Non
   # results say so of all of them; the types of a lax.cond's branches must match)
   axes = common.varying_axes([x for x in (q, k, v, g, beta, segment_ids) if x is not None])
   varying = lambda branch: lambda: jax.tree.map(lambda x: common.vary_over(x, axes), branch())
-  return _by_bound(cumsum[0], C, dtype, varying(kernel("one")), varying(kernel("groups")), varying(per_head))
+  return _by_bound(cumsum[0], C, dtype, varying(kernel("one")), varying(kernel(BEYOND)), varying(per_head))
+
+
+# What the per-channel kernels take for a call where some chunk's decay does not fit one reference:
+# "chunk" chooses per chunk inside the kernels (the groups' products only where a chunk needs them);
+# "groups" gives every chunk of the call the groups' products. gla's gradient kernel has only "groups".
+BEYOND = "chunk"
 
 
 def _by_bound(G, C: int, dtype, one, grouped, per_head):
@@ -153,7 +159,8 @@ def _backward(static: Static, q, k, v, g, beta, h0, segment_ids, saved, do, dfin
       raise ValueError(f"no backward stage {other!r}")
   # the kernels sum their gradients over the mesh axes their primals do not vary over, as the per-head
   # branch's already are (the types of a lax.cond's branches must match under shard_map)
-  return _by_bound(saved.G, static.chunk_size, static.compute_dtype, kernels("one"), kernels("groups"),
+  beyond = BEYOND if plan.backward == "channel_delta_grads" else "groups"
+  return _by_bound(saved.G, static.chunk_size, static.compute_dtype, kernels("one"), kernels(beyond),
                    per_head)
 
 

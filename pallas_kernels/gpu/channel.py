@@ -32,6 +32,32 @@ def ref_count(C: int) -> int:
   return groups.FIRST_ROW + groups.groups(C)
 
 
+def fit_row(C: int) -> int:
+  """The refs row of `with_fit_row`: after `chunk_cumsum`'s rows."""
+  return ref_count(C)
+
+
+def chunk_fits(refs, dtype):
+  """`[B, NC, H_v]` bool: every channel of the chunk spans at most twice the one-reference bound
+  (`prep.ref_bound(dtype)`). G is non-increasing down a chunk, so `R - G_C` (refs rows 0 and 1 of
+  `chunk_cumsum`) is half its span."""
+  return lax.stop_gradient(jnp.all(refs[:, :, 0] - refs[:, :, 1] <= prep.ref_bound(dtype), axis=-1))
+
+
+def with_fit_row(refs, dtype):
+  """`refs [B, NC, 2 + NG, H_v, K]` with one more row (`fit_row`): 1.0 across K where the chunk fits
+  one reference (`chunk_fits`), else 0.0; the preparation kernel's `grams="chunk"` reads it."""
+  row = jnp.broadcast_to(chunk_fits(refs, dtype).astype(F32)[:, :, None, :, None], refs[:, :, :1].shape)
+  return jnp.concatenate([refs, row], axis=2)
+
+
+def fit_tokens(refs, C: int, dtype):
+  """`[B, H_v, T_pad]` float32: `chunk_fits` on each of the chunk's tokens (1.0 or 0.0), the layout of
+  the gradient kernels' per-token vectors (their `grams="chunk"` reads it)."""
+  fit = jnp.swapaxes(chunk_fits(refs, dtype), 1, 2).astype(F32)     # [B, H_v, NC]
+  return jnp.repeat(fit, C, axis=2)
+
+
 def fits(G, C: int, dtype):
   """`prep.one_reference_fits` for `G [B, T_pad, H_v, K]` in token layout and operands of `dtype`."""
   B, T_pad, Hv, K = G.shape

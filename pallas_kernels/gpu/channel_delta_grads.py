@@ -44,7 +44,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from .. import common, prep
-from . import groups, walk
+from . import channel, groups, walk
 from .channel import HALF, fits, key_grads
 from .masks import SEG_ROWS, segment_masks, segment_vectors
 from .tiles import COLS, F32, ROWS, WGMMA, flat, matmul, matmuls, smem, vary_like
@@ -169,12 +169,13 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
     states, dstates `[B, H_v, NC, V, K]` (transposed); masks None or `segment_vectors(...)`.
   Returns: dq, dk `[B, T_pad, H_v, K]` (per value head) in `dtype`; dG `[B, T_pad, H_v, K]` float32
     with the last token's terms added; `rowsum(dB_k k E) + rowsum(dL M)` `[B, H_v, T_pad]` float32.
-  grams: "one" (the module docstring's one reference) or "groups" (groups.py's products, for chunks
+  grams: "one" (the module docstring's one reference), "groups" (groups.py's products, for chunks
     beyond the one-reference bound: every gram term is their sum, each product's factors about its own
-    references, dP and dM kept on each product's entries in turn).
+    references, dP and dM kept on each product's entries in turn) or "chunk" (each chunk the first
+    where it fits, else the second: a `lax.cond` in the kernel on `channel.fit_tokens`).
   """
-  if grams not in ("one", "groups"):
-    raise ValueError(f"grams must be 'one' or 'groups'; got {grams!r}")
+  if grams not in ("one", "groups", "chunk"):
+    raise ValueError(f"grams must be 'one', 'groups' or 'chunk'; got {grams!r}")
   B, T_pad, H, K = q.shape
   Hv, NC = states.shape[1], states.shape[2]
   V = states.shape[3]
@@ -183,7 +184,8 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
   if K % HALF:
     raise ValueError(f"K must be a multiple of {HALF}; got {K}")
   KH = K // HALF
-  if grams == "groups" and C != HALF:
+  chunkwise = grams == "chunk"
+  if grams != "one" and C != HALF:
     raise ValueError(f"the group form stages dP and dM in a [C, {HALF}] tile: C must be {HALF}; got {C}")
   has_seg = masks is not None
   halves = lambda rows: smem((KH, rows, HALF), dtype)
@@ -193,7 +195,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
       dp_s=smem((C, C), dtype), dl_s=smem((C, C), dtype), qr_s=smem((C, HALF), dtype),
       kr_s=smem((C, HALF), dtype), ar_s=smem((C, HALF), dtype), r_s=plgpu.SMEM((refs.shape[2], K), F32),
       b_s=plgpu.SMEM((C,), F32), vec_s=plgpu.SMEM((C,), F32),
-      bar=plgpu.Barrier(num_arrivals=5 * KH + 7 + SEG_ROWS * has_seg))
+      bar=plgpu.Barrier(num_arrivals=5 * KH + 7 + SEG_ROWS * has_seg + chunkwise))
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
 
@@ -201,7 +203,8 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
            vec_s, bar, m_s=None):
     q_r, k_r, g_r, ref_r, b_r, do_r, u_r, dr_r, dp_r, dl_r, st_r, dst_r = refs_[:12]
     m_r = refs_[12] if has_seg else None
-    dq_r, dk_r, dg_r, db_r = refs_[12 + has_seg:]
+    fit_r = refs_[12 + has_seg] if chunkwise else None
+    dq_r, dk_r, dg_r, db_r = refs_[12 + has_seg + chunkwise:]
     bi, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
     hk = lax.div(h, group)
     rows_t = pl.ds(n * C, C)
@@ -214,6 +217,8 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
                  (g_r.at[bi, rows_t, h, cols(i)], g_s.at[i]), (st_r.at[bi, h, n, :, cols(i)], st_s.at[i]),
                  (dst_r.at[bi, h, n, :, cols(i)], dst_s.at[i])]
     copies += [(m_r.at[bi, j, rows_t], m_s.at[j]) for j in range(SEG_ROWS if has_seg else 0)]
+    if chunkwise:   # the chunk's form (`channel.fit_tokens`), in dbeta's tile until dbeta is written
+      copies.append((fit_r.at[bi, h, rows_t], vec_s))
     for src, dst in copies:   # one arrival each
       plgpu.copy_gmem_to_smem(src, dst, bar)
     plgpu.barrier_wait(bar)
@@ -234,7 +239,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
     # M = strict(Ar Kr^T) over both halves, for dbeta's rowsum(dL M); then dM = Diag(beta) dL in dL's tile
     gb = groups.group_bound(dtype)
     vec_end = lambda i: lambda t: colv(groups.FIRST_ROW + t, i)
-    if grams == "one":
+    def one_m():
       M = None
       for i in range(KH):
         Gt, R, kt = load(g_s.at[i]), colv(0, i), load(k_s.at[i])
@@ -242,7 +247,9 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
         kr_s[...] = (kt * clamp(R - Gt)).astype(dtype)
         plgpu.commit_smem()
         M = matmul(ar_s, kr_s.T, sq, init=M)
-    else:   # each product of the groups over both halves, kept on its own entries
+      return M
+
+    def group_m():   # each product of the groups over both halves, kept on its own entries
       M = 0.0
       for s in groups.products(C):
         Ms = None
@@ -254,46 +261,57 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
           plgpu.commit_smem()
           Ms = matmul(ar_s, kr_s.T, sq, init=Ms)
         M = M + jnp.where(groups.keep_mask(C, s), Ms, 0.0)
+      return M
+
+    # "chunk": this chunk's own form, by `channel.fit_tokens`
+    fit = (vec_s[0] > 0.5) if chunkwise else None
+    by_form = lambda one, grouped: (one() if grams == "one" else grouped() if grams == "groups"
+                                    else lax.cond(fit, one, grouped))
+    M = by_form(one_m, group_m)
     dL = load(dl_s)
     # above the diagonal the factors do not cancel (they may overflow): the where drops them
     dbeta = jnp.sum(jnp.where(strict, M, 0.0) * dL, axis=1)
     dl_s[...] = (dL * rows(beta_rows(), sq)).astype(dtype)
     plgpu.commit_smem()
 
-    for i in range(KH):
-      if grams == "one":
-        Gt, R = fresh(load(g_s.at[i])), colv(0, i)
+    def one_terms(i):
+      Gt, R = fresh(load(g_s.at[i])), colv(0, i)
+      qt, kt = load(q_s.at[i]), load(k_s.at[i])
+      up = clamp(Gt - R)
+      qr_s[...] = (qt * up).astype(dtype)
+      ar_s[...] = (kt * up).astype(dtype)
+      kr_s[...] = (kt * clamp(R - Gt)).astype(dtype)
+      plgpu.commit_smem()
+      # dq = E (do S^T) + e^(G - R) (dP Kr)
+      dqg, dPK = matmuls((ck, [(do_s, st_s.at[i])]), (ck, [(dp_s, kr_s)]))
+      # k's terms: dkd = u dS^T, dB_k = -dr S^T, and the grams' (issued together)
+      dkd, dBk, minus, plus = matmuls((ck, [(u_s, dst_s.at[i])]), (ck, [(dr_s, st_s.at[i])]),
+                                      (ck, [(dp_s.T, qr_s), (dl_s.T, ar_s)]), (ck, [(dl_s, kr_s)]))
+      return dqg, dkd, dBk, clamp(Gt - R) * dPK, clamp(R - Gt) * minus, clamp(Gt - R) * plus
+
+    def group_terms(i):   # the grams' terms product by product: dP, then dM, kept on the product's entries
+      dqg, dkd, dBk = matmuls((ck, [(do_s, st_s.at[i])]), (ck, [(u_s, dst_s.at[i])]),
+                              (ck, [(dr_s, st_s.at[i])]))
+      # dP's own diagonal in float32 (groups.py); dM has none
+      d = rows(groups.diagonal_of(load(dp_s)))
+      dq_p, minus, plus = d * load(k_s.at[i]), d * load(q_s.at[i]), 0.0
+      for s in groups.products(C):
+        up, down = groups.factors(fresh(load(g_s.at[i])), vec_end(i), s, gb)
         qt, kt = load(q_s.at[i]), load(k_s.at[i])
-        up = clamp(Gt - R)
+        kr_s[...] = (kt * down).astype(dtype)
         qr_s[...] = (qt * up).astype(dtype)
-        ar_s[...] = (kt * up).astype(dtype)
-        kr_s[...] = (kt * clamp(R - Gt)).astype(dtype)
+        ar_s[...] = jnp.where(groups.keep_mask(C, s), load(dp_s), 0.0).astype(dtype)
         plgpu.commit_smem()
-        # dq = E (do S^T) + e^(G - R) (dP Kr)
-        dqg, dPK = matmuls((ck, [(do_s, st_s.at[i])]), (ck, [(dp_s, kr_s)]))
-        # k's terms: dkd = u dS^T, dB_k = -dr S^T, and the grams' (issued together)
-        dkd, dBk, minus, plus = matmuls((ck, [(u_s, dst_s.at[i])]), (ck, [(dr_s, st_s.at[i])]),
-                                        (ck, [(dp_s.T, qr_s), (dl_s.T, ar_s)]), (ck, [(dl_s, kr_s)]))
-        dq_p, minus, plus = clamp(Gt - R) * dPK, clamp(R - Gt) * minus, clamp(Gt - R) * plus
-      else:   # the grams' terms product by product: dP, then dM, kept on the product's entries in ar's tile
-        dqg, dkd, dBk = matmuls((ck, [(do_s, st_s.at[i])]), (ck, [(u_s, dst_s.at[i])]),
-                                (ck, [(dr_s, st_s.at[i])]))
-        # dP's own diagonal in float32 (groups.py); dM has none
-        d = rows(groups.diagonal_of(load(dp_s)))
-        dq_p, minus, plus = d * load(k_s.at[i]), d * load(q_s.at[i]), 0.0
-        for s in groups.products(C):
-          up, down = groups.factors(fresh(load(g_s.at[i])), vec_end(i), s, gb)
-          qt, kt = load(q_s.at[i]), load(k_s.at[i])
-          kr_s[...] = (kt * down).astype(dtype)
-          qr_s[...] = (qt * up).astype(dtype)
-          ar_s[...] = jnp.where(groups.keep_mask(C, s), load(dp_s), 0.0).astype(dtype)
-          plgpu.commit_smem()
-          dPK, dPQ = matmuls((ck, [(ar_s, kr_s)]), (ck, [(ar_s.T, qr_s)]))
-          qr_s[...] = (kt * up).astype(dtype)                 # Ar
-          ar_s[...] = jnp.where(groups.keep_mask(C, s), load(dl_s), 0.0).astype(dtype)
-          plgpu.commit_smem()
-          dMK, dMA = matmuls((ck, [(ar_s, kr_s)]), (ck, [(ar_s.T, qr_s)]))
-          dq_p, minus, plus = dq_p + up * dPK, minus + down * (dPQ + dMA), plus + up * dMK
+        dPK, dPQ = matmuls((ck, [(ar_s, kr_s)]), (ck, [(ar_s.T, qr_s)]))
+        qr_s[...] = (kt * up).astype(dtype)                 # Ar
+        ar_s[...] = jnp.where(groups.keep_mask(C, s), load(dl_s), 0.0).astype(dtype)
+        plgpu.commit_smem()
+        dMK, dMA = matmuls((ck, [(ar_s, kr_s)]), (ck, [(ar_s.T, qr_s)]))
+        dq_p, minus, plus = dq_p + up * dPK, minus + down * (dPQ + dMA), plus + up * dMK
+      return dqg, dkd, dBk, dq_p, minus, plus
+
+    for i in range(KH):
+      dqg, dkd, dBk, dq_p, minus, plus = by_form(lambda: one_terms(i), lambda: group_terms(i))
       Gt = fresh(load(g_s.at[i]))
       qt = load(q_s.at[i])
       e_q = jnp.exp(Gt)
@@ -330,12 +348,14 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
 
   args = [q.astype(dtype), k.astype(dtype), G, refs, b, do.astype(dtype), u, dr, dP, dL,
           states.astype(dtype), dstates.astype(dtype)] + ([masks] if has_seg else [])
+  if chunkwise:
+    args.append(channel.fit_tokens(refs, C, dtype))
   out_type = (jax.ShapeDtypeStruct((B, T_pad, Hv, K), dtype), jax.ShapeDtypeStruct((B, T_pad, Hv, K), dtype),
               jax.ShapeDtypeStruct((B, T_pad, Hv, K), F32), jax.ShapeDtypeStruct((B, Hv, T_pad), F32))
   outs = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
-      kernel_name="chunk_grads_channel_delta_k" + ("_groups" if grams == "groups" else ""))(*args)
+      kernel_name="chunk_grads_channel_delta_k" + ("" if grams == "one" else "_" + grams))(*args)
   return vary_like(outs, args)
 
 

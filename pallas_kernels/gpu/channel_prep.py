@@ -17,7 +17,9 @@ whose factors all lie within e^(+-bound) when the chunk's decay spans at most tw
 (`prep.ref_bound`: 60 nats for bfloat16 operands, 8 for float16). A call where some chunk does not fit
 takes the 8-token groups' products instead (`grams="groups"`, groups.py: exact at any decay above
 `prep.LOG_DECAY_FLOOR` for bfloat16 operands; float16 operands beyond its bound take prep.py's XLA
-preparation with the merge form): the caller's `lax.cond` (`vjp.py`).
+preparation with the merge form): the caller's `lax.cond` (`vjp.py`). With `grams="chunk"` each
+program chooses for its own chunk (a `lax.cond` in the kernel on the chunk's `channel.fit_row`), so
+only the chunks beyond the bound pay for the groups' products.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from .. import common, prep
 from . import groups
+from . import channel
 from .channel import chunk_cumsum
 from .masks import SEG_ROWS, segment_masks, segment_vectors
 from .tiles import (COLS, F32, ROWS, WGMMA, matmul, matmuls, smem, unit_lower_inverse,
                                       vary_like)
 
 
-GRAMS = ("one", "groups")
+GRAMS = ("one", "groups", "chunk")
 
 
 def serves(g, beta, segment_ids) -> bool:
@@ -54,14 +57,17 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
   padded to whole groups of this many chunks (as in prep.py). cumsum: `chunk_cumsum(g, T_pad, C)` if the
   caller has it. with_inverse (kda): return `(tensors, X)` with `X = (I + L)^-1` `[B, H_v, NC, C, C]` in
   `dtype`, which kda's gradient kernels read (`channel_delta_grads.py`). grams: "one" (one product about
-  the reference R, for chunks within `prep.ref_bound`) or "groups" (groups.py's products, exact at any
-  decay within `groups.group_bound`)."""
+  the reference R, for chunks within `prep.ref_bound`), "groups" (groups.py's products, exact at any
+  decay within `groups.group_bound`) or "chunk" (each chunk the first where it fits, else the second:
+  a call with a few strong chunks pays the groups' products only there)."""
   if grams not in GRAMS:
     raise ValueError(f"grams must be one of {GRAMS}; got {grams!r}")
   T = q.shape[1]
   C = chunk_size
   T_pad = prep.padded_length(T, C, chunk_multiple)
   G, refs = chunk_cumsum(g, T_pad, C) if cumsum is None else cumsum
+  if grams == "chunk":
+    refs = channel.with_fit_row(refs, dtype)
   if with_inverse and beta is None:
     raise ValueError("with_inverse is for the delta family (kda): beta must be given")
   return _prepare_kernel(q, k, v, G, refs, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
@@ -131,7 +137,7 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
     i_sq = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
     j_sq = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
 
-    if grams == "one":   # the decayed grams about the reference R (module docstring)
+    def one_grams():   # the decayed grams about the reference R (module docstring)
       G, R = load_G(), col(0)
       kt = load(k_s)
       bk_s[...] = (kt * clamp(R - G)).astype(dtype)
@@ -142,9 +148,10 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
       plgpu.commit_smem()
       if delta:
         P, M = matmuls((sq, [(a_s, bk_s.T)]), (sq, [(ak_s, bk_s.T)]))
-      else:
-        (P,), M = matmuls((sq, [(a_s, bk_s.T)])), None
-    else:   # the 8-token groups' products (groups.py), each kept on its own entries
+        return P, M
+      return matmuls((sq, [(a_s, bk_s.T)]))[0], None
+
+    def group_grams():   # the 8-token groups' products (groups.py), each kept on its own entries
       P = M = 0.0
       vec_end = lambda t: col(groups.FIRST_ROW + t)
       for s in groups.products(C):
@@ -161,7 +168,14 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
         else:
           (Ps,) = matmuls((sq, [(a_s, bk_s.T)]))
         P = P + jnp.where(groups.keep_mask(C, s), Ps, 0.0)
-      P = groups.with_diagonal(P, load(q_s), load(k_s))
+      return groups.with_diagonal(P, load(q_s), load(k_s)), (M if delta else None)
+
+    if grams == "one":
+      P, M = one_grams()
+    elif grams == "groups":
+      P, M = group_grams()
+    else:   # "chunk": this chunk's own form, by its refs row `channel.FIT_ROW`
+      P, M = lax.cond(r_s[channel.fit_row(C), 0] > 0.5, one_grams, group_grams)
 
     same = carry = to_last = None
     if has_seg:
@@ -219,7 +233,7 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
   outs = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
-      kernel_name="chunk_prep_channel" + ("_groups" if grams == "groups" else ""))(*args)
+      kernel_name="chunk_prep_channel" + ("" if grams == "one" else "_" + grams))(*args)
   outs = [x.reshape(B, Hv, NC, C, x.shape[-1]) for x in vary_like(outs, args)]
   qg, kd, p = outs[:3]
   decay = jnp.swapaxes(jnp.exp(refs[:, :, 1]), 1, 2)     # e^(G_C), [B, H_v, NC, K]

@@ -4,13 +4,15 @@ grams in the Mosaic GPU interpreter, bfloat16 operands.
 - The preparation kernel's grams (`grams="groups"`) against float64 sums at g = -20 on every channel,
   uniform in [-20, 0], and -inf on some tokens (floored at prep.LOG_DECAY_FLOOR: finite).
 - gla and kda end to end (the preparation kernel, the walks, the gradient kernels) against the float64
-  loop: o, the final state and every gradient, at strong gates, at the KDA layer's own gates and with
-  -inf tokens, grouped heads and packed rows; a spy checks that the groups' kernels ran, forward and
-  backward.
+  loop: o, the final state and every gradient, at strong gates, at the KDA layer's own gates (chunks of
+  both forms in one call) and with -inf tokens, grouped heads and packed rows; a spy checks which
+  kernels ran, forward and backward (`grams="chunk"`, gla's gradients "groups").
+- `grams="chunk"`: each chunk gets exactly the one-reference or the groups' tensors, by its own fit.
 - The bound: bfloat16 operands always fit the groups (no per-head XLA branch is built); float16 ones
   fit 2.2 nats a token.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -105,11 +107,42 @@ def test_per_channel_kernels_at_any_gate_strength_match_the_float64_loop(monkeyp
     g[0, 3, :, :20] = -np.inf
     g[0, 100] = -np.inf
     inp["g"] = g
-  G, _ = channel.chunk_cumsum(jnp.asarray(inp["g"]), 192, 64)
+  G, refs = channel.chunk_cumsum(jnp.asarray(inp["g"]), 192, 64)
   assert not bool(channel.fits(G, 64, jnp.bfloat16))
+  if gates == "layer":   # chunks of both forms in one call: each kernel program takes its own
+    fit = np.asarray(channel.chunk_fits(refs, jnp.bfloat16))
+    assert fit.any() and not fit.all(), fit
   check(variant, inp, seg=packed_runs(T) if packed else None, dtype=jnp.bfloat16, tol=1e-2, config=KERNELS)
-  ran = {name for name, grams in seen if grams == "groups"}
-  assert ran == {"prepare", "key_side" if variant == "kda" else "chunk_grads"}, seen
+  ran = {(name, grams) for name, grams in seen if grams != "one"}
+  assert ran == ({("prepare", "chunk"), ("key_side", "chunk")} if variant == "kda" else
+                 {("prepare", "chunk"), ("chunk_grads", "groups")}), seen
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["gla", "kda"])
+def test_each_chunk_takes_its_own_form(delta):
+  # grams="chunk": a chunk within one reference's bound gets exactly the one-reference kernel's tensors,
+  # a chunk beyond it exactly the groups' kernel's (two chunks of each in one call, two value heads)
+  B, T, H, K = 1, 256, 1, 64
+  r = np.random.default_rng(7)
+  q, k, v = (jnp.asarray(r.normal(size=(B, T, H, K)), jnp.bfloat16) for _ in range(3))
+  v = jnp.concatenate([v, v[..., ::-1]], axis=2)
+  g = r.uniform(-0.5, 0.0, (B, T, 2, K)).astype(np.float32)
+  g[:, 64:128, 0] *= 30.0      # chunk 1 of head 0 and chunk 3 of head 1 decay past the bound
+  g[:, 192:, 1] *= 30.0
+  beta = jnp.asarray(r.uniform(0.1, 1.0, (B, T, 2)), jnp.float32) if delta else None
+  fit = np.asarray(channel.chunk_fits(channel.chunk_cumsum(jnp.asarray(g), T, 64)[1], jnp.bfloat16))
+  np.testing.assert_array_equal(fit[0], [[True, True], [False, True], [True, True], [True, False]])
+  run = lambda grams: channel_prep.prepare(q, k, v, jnp.asarray(g), beta, chunk_size=64, dtype=jnp.bfloat16,
+                                           interpret=PARAMS, with_inverse=delta, grams=grams)
+  by = {grams: run(grams) for grams in ("one", "groups", "chunk")}
+  flat = lambda out: jax.tree.leaves(out)
+  for got, one, grouped in zip(flat(by["chunk"]), flat(by["one"]), flat(by["groups"])):
+    if got.ndim < 4:   # the chunks' decay vector (no form) and the like
+      continue
+    for h in range(2):
+      for n in range(4):
+        want = one if fit[0, n, h] else grouped
+        np.testing.assert_array_equal(np.asarray(got[0, h, n]), np.asarray(want[0, h, n]))
 
 
 def test_bfloat16_always_fits_the_groups_and_float16_does_not():

@@ -158,7 +158,8 @@ def test_float32_inputs_fit_shared_memory(delta):
 @pytest.mark.parametrize("kind,D,packed", [("gla", 128, False), ("kda", 128, True), ("kda", 64, False)])
 def test_per_channel_preparation_kernel_exports_for_hopper(kind, D, packed):
   # the default: the forward's chunk tensors from chunk_prep_channel (one-reference grams, in a
-  # lax.cond with the same kernel on the 8-token groups' products: chunk_prep_channel_groups), then the walk
+  # lax.cond with the same kernel choosing per chunk between those and the 8-token groups' products:
+  # chunk_prep_channel_chunk), then the walk
   delta = kind == "kda"
   args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D, dtype=jnp.float32),
           _spec(B, T, H, dtype=jnp.float32) if delta else None)
@@ -167,7 +168,7 @@ def test_per_channel_preparation_kernel_exports_for_hopper(kind, D, packed):
   with jax.sharding.use_abstract_mesh(H200):
     fwd = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
   assert fwd.count("custom_call @mosaic_gpu") == 3
-  assert "chunk_prep_channel" in fwd and "chunk_prep_channel_groups" in fwd and "chunk_walk_fwd" in fwd
+  assert "chunk_prep_channel" in fwd and "chunk_prep_channel_chunk" in fwd and "chunk_walk_fwd" in fwd
 
 
 @pytest.mark.parametrize("kind,D,group,packed,pieces", [("gla", 128, 1, True, 2), ("gla", 64, 2, False, 1),
@@ -176,7 +177,8 @@ def test_per_channel_gradient_kernels_export_for_hopper(kind, D, group, packed, 
   # the backward: the reverse walk over the saved tensors, then gla's chunk_grads_channel (halves of 64
   # key channels, ~209 KB of shared memory at K = V = 128) or kda's value-side and key-side kernels
   # (~192 / ~218 KB), inside the lax.cond whose other branch is the same kernels on the 8-token groups'
-  # products (chunk_grads_channel_groups, chunk_grads_channel_delta_k_groups)
+  # products (chunk_grads_channel_groups) or, for kda, choosing per chunk between the two forms
+  # (chunk_grads_channel_delta_k_chunk)
   Hv = group * H
   delta = kind == "kda"
   args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, Hv, D), _spec(B, T, Hv, D, dtype=jnp.float32),
@@ -192,7 +194,7 @@ def test_per_channel_gradient_kernels_export_for_hopper(kind, D, group, packed, 
   with jax.sharding.use_abstract_mesh(H200):
     bwd = jax.export.export(jax.jit(jax.grad(loss, argnums=argnums)), platforms=["cuda"])(*args).mlir_module()
   names = ["chunk_grads_channel_delta_v", "chunk_grads_channel_delta_k"] if delta else ["chunk_grads_channel"]
-  names += [n + "_groups" for n in names if n != "chunk_grads_channel_delta_v"]
+  names += ["chunk_grads_channel_delta_k_chunk"] if delta else ["chunk_grads_channel_groups"]
   assert all(name in bwd for name in names)
   assert "chunk_walk_bwd" in bwd
 
