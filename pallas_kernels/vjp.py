@@ -8,8 +8,9 @@ argument, so the backward never repeats the choice.
 "xla_prep" / "xla_vjp" are the prepared path (`prepared.py`: XLA's preparation and the backend's walk),
 which every backend has (the TPU's plan is `PREPARED`); the other stages are Mosaic GPU kernels. A
 per-channel stage chooses on the data, in one `lax.cond` here, between its kernels' one-reference grams
-and their 8-token groups' products (the plan's `forward_beyond`, `backward_beyond`); float16 operands
-beyond the groups' bound take XLA's merge form one head at a time (`Plan.per_head_beyond`).
+and the plan's `forward_beyond`, `backward_beyond`: the same kernels choosing per chunk ("chunk") or
+with the 8-token groups' products on every chunk ("groups"); float16 operands beyond the groups' bound
+take XLA's merge form one head at a time (`Plan.per_head_beyond`).
 """
 
 from __future__ import annotations
@@ -46,13 +47,14 @@ def _pieces(static: Static) -> int:
 
 
 def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
-                    chunk_multiple: int = 1, cumsum=None, with_inverse: bool = False):
+                    chunk_multiple: int = 1, cumsum=None, with_inverse: bool = False, beyond: str = "chunk"):
   """The per-channel forward's chunk tensors (the plan's "channel_prep" stage and its `forward_beyond`),
   arguments as `channel_prep.prepare`'s: the preparation kernel with one reference per chunk and channel
   where every chunk's decay fits that bound, else with the 8-token groups' products (groups.py; one
   `lax.cond`). Float16 operands beyond the groups' bound take XLA's merge form one (batch row, value
-  head) at a time (a second `lax.cond`; bfloat16 operands always fit). `with_inverse` returns
-  `(tensors, X)`, X zeros in the merge-form branch (whose backward recomputes)."""
+  head) at a time (a second `lax.cond`; bfloat16 operands always fit). `beyond`: the kernel's grams
+  beyond the bound (the plan's `forward_beyond`: "chunk", each chunk its own form, or "groups").
+  `with_inverse` returns `(tensors, X)`, X zeros in the merge-form branch (whose backward recomputes)."""
   C = chunk_size
   if cumsum is None:
     cumsum = channel.chunk_cumsum(g, prep.padded_length(q.shape[1], C, chunk_multiple), C)
@@ -69,13 +71,7 @@ def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=Non
   # results say so of all of them; the types of a lax.cond's branches must match)
   axes = common.varying_axes([x for x in (q, k, v, g, beta, segment_ids) if x is not None])
   varying = lambda branch: lambda: jax.tree.map(lambda x: common.vary_over(x, axes), branch())
-  return _by_bound(cumsum[0], C, dtype, varying(kernel("one")), varying(kernel(BEYOND)), varying(per_head))
-
-
-# What the per-channel kernels take for a call where some chunk's decay does not fit one reference:
-# "chunk" chooses per chunk inside the kernels (the groups' products only where a chunk needs them);
-# "groups" gives every chunk of the call the groups' products. gla's gradient kernel has only "groups".
-BEYOND = "chunk"
+  return _by_bound(cumsum[0], C, dtype, varying(kernel("one")), varying(kernel(beyond)), varying(per_head))
 
 
 def _by_bound(G, C: int, dtype, one, grouped, per_head):
@@ -117,7 +113,7 @@ def _forward(static: Static, q, k, v, g, beta, h0, segment_ids, *, keep: bool):
       inverse = saves and plan.backward == "channel_delta_grads"
       out = channel_tensors(q, k, v, g, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
                             interpret=interpret, chunk_multiple=_pieces(static), cumsum=cumsum,
-                            with_inverse=inverse)
+                            with_inverse=inverse, beyond=plan.forward_beyond)
       t, X = out if inverse else (out, None)
       o, states, final = _walk(static, t, h0, with_states=saves)
       if not saves:
@@ -159,9 +155,8 @@ def _backward(static: Static, q, k, v, g, beta, h0, segment_ids, saved, do, dfin
       raise ValueError(f"no backward stage {other!r}")
   # the kernels sum their gradients over the mesh axes their primals do not vary over, as the per-head
   # branch's already are (the types of a lax.cond's branches must match under shard_map)
-  beyond = BEYOND if plan.backward == "channel_delta_grads" else "groups"
-  return _by_bound(saved.G, static.chunk_size, static.compute_dtype, kernels("one"), kernels(beyond),
-                   per_head)
+  return _by_bound(saved.G, static.chunk_size, static.compute_dtype, kernels("one"),
+                   kernels(plan.backward_beyond), per_head)
 
 
 def _sequence_pieces(static: Static):

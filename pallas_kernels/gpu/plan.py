@@ -8,8 +8,10 @@ backward recomputes). Per-channel cells decide on the data, once per call, wheth
 fits the one-reference bound (`prep.ref_bound`: 60 nats for bfloat16 operands, 8 for float16; one
 `lax.cond` each way): the two "beyond" columns name what runs beyond it ("-": no bound; "groups": the
 same kernels with the 8-token groups' products, `groups.py`, exact at any gate above
-`prep.LOG_DECAY_FLOOR` with bfloat16 operands). Float16 operands beyond the groups' bound (2.2 nats a
-token) take XLA's merge form one (batch row, value head) at a time (`Plan.per_head_beyond`). "l2" is where
+`prep.LOG_DECAY_FLOOR` with bfloat16 operands, on every chunk; "chunk": the same kernels choosing per
+chunk, one reference where the chunk fits and the groups' products where it does not). Float16
+operands beyond the groups' bound (2.2 nats a token) take XLA's merge form one (batch row, value head)
+at a time (`Plan.per_head_beyond`). "l2" is where
 `qk_l2norm=True` normalises q and k: in the kernels on load, or in XLA before them (`Plan.l2` is "none"
 for a call without it).
 
@@ -19,16 +21,16 @@ for a call without it).
     | linear_attention, retention, simple_gla | kernel   | xla_vjp  | fused        | inputs                           | xla_vjp             | -                  | -                | xla     |
     | linear_attention, retention, simple_gla | xla_prep | kernel   | xla_prep     | inputs                           | fused               | -                  | -                | xla     |
     | linear_attention, retention, simple_gla | xla_prep | xla_vjp  | xla_prep     | inputs                           | xla_vjp             | -                  | -                | xla     |
-    | gla                                     | kernel   | kernel   | channel_prep | states, qg, decay, cumsum        | channel_grads       | groups             | groups           | xla     |
-    | gla                                     | kernel   | xla_vjp  | channel_prep | inputs                           | xla_vjp             | groups             | xla_vjp          | xla     |
+    | gla                                     | kernel   | kernel   | channel_prep | states, qg, decay, cumsum        | channel_grads       | chunk              | groups           | xla     |
+    | gla                                     | kernel   | xla_vjp  | channel_prep | inputs                           | xla_vjp             | chunk              | xla_vjp          | xla     |
     | gla                                     | xla_prep | kernel   | xla_prep     | states, qg, decay, cumsum        | channel_grads       | xla_prep           | groups           | xla     |
     | gla                                     | xla_prep | xla_vjp  | xla_prep     | inputs                           | xla_vjp             | xla_prep           | xla_vjp          | xla     |
     | delta_rule, gated_delta_rule            | kernel   | kernel   | delta_prep   | tensors, inverse, states         | delta_grads         | -                  | -                | on_load |
     | delta_rule, gated_delta_rule            | kernel   | xla_vjp  | delta_prep   | inputs                           | xla_vjp             | -                  | -                | xla     |
     | delta_rule, gated_delta_rule            | xla_prep | kernel   | xla_prep     | inputs                           | delta_grads         | -                  | -                | xla     |
     | delta_rule, gated_delta_rule            | xla_prep | xla_vjp  | xla_prep     | inputs                           | xla_vjp             | -                  | -                | xla     |
-    | kda                                     | kernel   | kernel   | channel_prep | tensors, inverse, states, cumsum | channel_delta_grads | groups             | groups           | xla     |
-    | kda                                     | kernel   | xla_vjp  | channel_prep | inputs                           | xla_vjp             | groups             | xla_vjp          | xla     |
+    | kda                                     | kernel   | kernel   | channel_prep | tensors, inverse, states, cumsum | channel_delta_grads | chunk              | chunk            | xla     |
+    | kda                                     | kernel   | xla_vjp  | channel_prep | inputs                           | xla_vjp             | chunk              | xla_vjp          | xla     |
     | kda                                     | xla_prep | xla_vjp  | xla_prep     | inputs                           | xla_vjp             | xla_prep           | xla_vjp          | xla     |
 
 The stages, by the files that hold them (`pallas_kernels/gpu/`, XLA's in `pallas_kernels/prepared.py`):
@@ -131,8 +133,8 @@ class Plan:
   forward: str                 # "fused" | "delta_prep" | "channel_prep" | "xla_prep"
   keeps: str                   # the table's "keeps"
   backward: str                # "fused" | "delta_grads" | "channel_grads" | "channel_delta_grads" | "xla_vjp"
-  forward_beyond: str | None   # "groups" | "xla_prep" | None
-  backward_beyond: str | None  # "groups" | "xla_vjp" | None
+  forward_beyond: str | None   # "chunk" | "xla_prep" | None
+  backward_beyond: str | None  # "chunk" | "groups" | "xla_vjp" | None
   l2: str                      # "on_load" | "xla" | "none"
   forward_warpgroups: int      # of the fused forward's programs (1 elsewhere)
   grads_warpgroups: int        # of delta_grads' programs (1 elsewhere)
@@ -189,8 +191,9 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
     raise ValueError("kda's gradient kernels read the inverse that its preparation kernel writes: "
                      "GpuConfig(forward='xla_prep') needs backward='xla_vjp'")
   per_channel = decay == "channel"
-  forward_beyond = None if not per_channel else ("xla_prep" if forward == "xla_prep" else "groups")
-  backward_beyond = None if not per_channel else ("xla_vjp" if backward == "xla_vjp" else "groups")
+  forward_beyond = None if not per_channel else ("xla_prep" if forward == "xla_prep" else "chunk")
+  backward_beyond = None if not per_channel else {"xla_vjp": "xla_vjp", "channel_grads": "groups"}.get(
+      backward, "chunk")
   pair = (backward == "delta_grads" and config.delta_warpgroups == 2
           and delta_grads.pair_serves(V, chunk_size, v_dtype, dtype))
   return Plan(cell=c, forward=forward, keeps=_KEEPS.get((forward, backward), "inputs"), backward=backward,
@@ -200,7 +203,8 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
               forward_warpgroups=config.forward_warpgroups if forward == "fused" else 1,
               grads_warpgroups=2 if pair else 1, sequence_pieces=config.sequence_pieces,
               gram_method=config.gram_method,
-              per_head_beyond="groups" in (forward_beyond, backward_beyond) and not groups.always_fits(dtype))
+              per_head_beyond=bool({"chunk", "groups"} & {forward_beyond, backward_beyond})
+              and not groups.always_fits(dtype))
 
 
 def hopper_reason(backend: str | None = None) -> str | None:

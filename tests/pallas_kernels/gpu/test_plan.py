@@ -1,6 +1,7 @@
 """The GPU kernels' plan (`pallas_kernels/gpu/plan.py`) against its own table, cell by cell: every variant,
 decay kind, packing and configuration, differentiated or not, within and beyond the per-channel
-one-reference bound (beyond it: the same kernels with the 8-token groups' products).
+one-reference bound (beyond it: the same kernels choosing each chunk's form, or with the 8-token
+groups' products on every chunk).
 
 The table in plan.py's docstring is parsed and `plan.select` must give each row; then every cell's call
 is traced (no kernel runs: tracing only, on any machine) with a spy on every stage function, and the
@@ -143,7 +144,7 @@ def test_the_trace_reaches_exactly_the_planned_stages(monkeypatch, variant, forw
   else:
     jax.make_jaxpr(op)(*args)
   want = set(FORWARD_STAGES[p.forward])
-  # "groups" beyond the one-reference bound is the same stage's kernels with grams="groups" (spied below);
+  # beyond the one-reference bound the same stage's kernels run with the plan's grams (spied below);
   # bfloat16 operands never go beyond the groups' bound, so no per-head stage is traced
   assert not p.per_head_beyond
   if differentiated:
@@ -169,8 +170,10 @@ def test_the_trace_reaches_exactly_the_planned_stages(monkeypatch, variant, forw
     kernel_stages = {("channel_prep", "prepare")} if p.forward == "channel_prep" else set()
     if differentiated and p.backward in ("channel_grads", "channel_delta_grads"):
       kernel_stages.add((p.backward, "backward"))
+    beyond = {("channel_prep", "prepare"): p.forward_beyond}
+    beyond[(p.backward, "backward")] = p.backward_beyond
     for stage in kernel_stages:
-      assert {"one", "groups"} <= set(grams_seen.get(stage, ())), (p, stage, grams_seen)
+      assert {"one", beyond[stage]} <= set(grams_seen.get(stage, ())), (p, stage, grams_seen)
 
 
 def test_the_plan_rides_in_the_static_argument(monkeypatch):
