@@ -11,7 +11,8 @@ Mixers:  LinearAttention, MultiScaleRetention, GatedLinearAttention, DeltaNet, G
          KimiDeltaAttention (caches: LinearCache), Attention, GatedAttention (cache: KVCache),
          MultiHeadLatentAttention (cache: LatentCache).
 MLPs:    SwiGLU, MoE (top-k routed experts and shared experts).
-Parts:   ShortConvolution, RMSNorm (optionally zero-centred), GatedRMSNorm, HeadGroupNorm, apply_rope.
+Parts:   ShortConvolution, RMSNorm (optionally zero-centred), GatedRMSNorm, HeadGroupNorm, apply_rope,
+         Embed (nnx.Embed whose gradient is no contended scatter).
 Linen:   init_cache(cls, *args, batch=B) gives the cache of a layer wrapped by `nnx.bridge.to_linen`.
 """
 
@@ -20,6 +21,7 @@ from linear_attention_jax.layers.bridge import init_cache
 from linear_attention_jax.layers.cache import KVCache, LatentCache, LinearCache, nbytes
 from linear_attention_jax.layers.conv import ShortConvolution
 from linear_attention_jax.layers.delta_net import DeltaNet
+from linear_attention_jax.layers.embed import Embed
 from linear_attention_jax.layers.gated_attention import GatedAttention
 from linear_attention_jax.layers.gated_delta_net import GatedDeltaNet
 from linear_attention_jax.layers.gla import GatedLinearAttention
@@ -33,7 +35,7 @@ from linear_attention_jax.layers.retention import MultiScaleRetention
 from linear_attention_jax.layers.rope import apply_rope
 
 __all__ = [
-    "Attention", "DeltaNet", "GatedAttention", "GatedDeltaNet", "GatedLinearAttention", "GatedRMSNorm",
+    "Attention", "DeltaNet", "Embed", "GatedAttention", "GatedDeltaNet", "GatedLinearAttention", "GatedRMSNorm",
     "HeadGroupNorm", "KVCache", "KimiDeltaAttention", "LatentCache", "LinearAttention", "LinearCache",
     "MoE", "MultiHeadLatentAttention", "MultiScaleRetention", "RMSNorm", "ShortConvolution", "SwiGLU",
     "apply_rope", "init_cache", "nbytes",

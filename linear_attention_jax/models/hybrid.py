@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linear_attention_jax import layers, ops
+from linear_attention_jax.layers.embed import Embed
 from linear_attention_jax.models.lm import LMCache
 from linear_attention_jax.sharding.rules import axes
 
@@ -189,7 +190,7 @@ class HybridLM(nnx.Module):
   def __init__(self, config: HybridConfig, *, rngs: nnx.Rngs):
     self.config = config
     kw = dict(dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
-    self.embed = nnx.Embed(config.vocab_size, config.width,
+    self.embed = Embed(config.vocab_size, config.width,
                            embedding_init=nnx.initializers.normal(0.02),
                            embedding_metadata=axes("vocab", "embed"), **kw)
     self.blocks = nnx.List([HybridBlock(config, m, f, rngs=rngs)

@@ -22,6 +22,7 @@ from flax import nnx
 
 from linear_attention_jax import debug, layers
 from linear_attention_jax.layers.cache import KVCache, LinearCache
+from linear_attention_jax.layers.embed import Embed
 from linear_attention_jax.layers.mlp import SwiGLU
 from linear_attention_jax.models.config import CONV_LETTERS, LMConfig
 from linear_attention_jax.sharding.rules import axes, constrain
@@ -97,7 +98,7 @@ class LM(nnx.Module):
   def __init__(self, config: LMConfig, *, rngs: nnx.Rngs):
     self.config = config
     kw = dict(dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
-    self.embed = nnx.Embed(config.vocab_size, config.width,
+    self.embed = Embed(config.vocab_size, config.width,
                            embedding_init=nnx.initializers.normal(0.02),
                            embedding_metadata=axes("vocab", "embed"), **kw)
     self.blocks = nnx.List([Block(config, letter, rngs=rngs) for letter in config.layer_kinds])

@@ -153,6 +153,8 @@ def test_gate_recipes_give_the_documented_values():
     ("lm_benchmark.py", ["--patterns=G,A", "--seq_lens=32,64", "--tokens=64", "--width=32", "--depth=1",
                          "--num_heads=2", "--impl=chunk", "--chunk_size=16", "--steps=1", "--breakdown=G,A",
                          "--rounds=1"], "lm.json"),
+    ("embedding_grad.py", ["--vocabs=64", "--tokens=2,32", "--width=16", "--iters=1", "--stream=2"],
+     "embedding_grad.json"),
     ("compile_time.py", ["--pattern=G", "--impl=chunk", "--width=32", "--depth=1", "--num_heads=2",
                          "--batch_size=1", "--seq_len=64", "--chunk_size=16", "--steps=1",
                          "--unrolls=1,4"], "compile_time.json"),
