@@ -41,6 +41,7 @@ from absl import app, flags
 from flax import nnx
 
 from experiments import data, sharded_throughput, train
+from linear_attention_jax.pallas_kernels.gpu import shared_compiles
 
 flags.DEFINE_list("patterns", ["A", "G", "GGGA", "K"], "LM patterns; A (the anchor) runs first at each T.")
 flags.DEFINE_list("seq_lens", ["4096", "16384"], "Sequence lengths T.")
@@ -49,6 +50,8 @@ flags.DEFINE_list("breakdown", [], "Patterns whose steps are also timed part by 
 flags.DEFINE_list("breakdown_seq_lens", [], "The T at which --breakdown runs (default: every T).")
 flags.DEFINE_float("peak_tflops", 989.4, "The device's dense peak in the step's dtype (H200 bf16).")
 flags.DEFINE_integer("rounds", 3, "Rounds of the breakdown's timings (medians).")
+flags.DEFINE_bool("share_kernel_compiles", False, "Compile a Mosaic GPU kernel that several layers share "
+                  "once (pallas_kernels.gpu.shared_compiles); compile_s says what it saves.")
 FLAGS = flags.FLAGS
 
 
@@ -210,12 +213,15 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   train.quiet_logs()
+  if FLAGS.share_kernel_compiles and not shared_compiles.enable():
+    raise ValueError("--share_kernel_compiles: this jax has no Mosaic GPU lowering rule to wrap")
   Ts = [int(t) for t in FLAGS.seq_lens]
   patterns = sorted(FLAGS.patterns, key=lambda p: p != "A")  # the anchor first
   rows = []
   os.makedirs(FLAGS.workdir, exist_ok=True)
   title = (f"LM width {FLAGS.width} depth {FLAGS.depth} heads {FLAGS.num_heads} impl {FLAGS.impl} "
            f"{FLAGS.dtype}, {FLAGS.tokens} tokens a step, {FLAGS.steps} timed steps, "
+           f"{'shared' if FLAGS.share_kernel_compiles else 'per-layer'} kernel compiles, "
            f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
   for T in Ts:
     for pattern in patterns:

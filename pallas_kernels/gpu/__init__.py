@@ -5,6 +5,7 @@ docstring's table (`plan.select`), `call_plan` for given arguments, and `GpuConf
 `supports` says whether the kernels serve a call (and why not); `interpret_kernels` runs the kernels in
 the Mosaic GPU interpreter (whose multi-warpgroup kernels need `interpreter_threads()` above their
 warpgroups); under `jax.shard_map` it runs per shard (`linear_attention_jax.sharding.shard_op`).
+`shared_compiles.enable()` (opt-in) compiles a kernel that several layers share once, not once a layer.
 NOTES.md holds the cost model and each measured version.
 
 The kernels, by stage (each file's `kernel_name`s are `chunk_{prep,walk,grads}_<cell>`):
@@ -21,10 +22,11 @@ inverse), `masks` (packed rows), `decay` (scalar decay's G and its tiles), `pipe
 TMA chunk pipeline and sequence pieces) and `channel` (per-channel decay's G, bound and key gradients).
 """
 
+from . import shared_compiles
 from .interpret import interpret_kernels, interpreter_threads, interpreting
 from .ops import call_plan, chunked_attention
 from . import plan
 from .plan import GpuConfig, Plan, hopper_reason, supports, walked_columns
 
 __all__ = ["GpuConfig", "Plan", "call_plan", "chunked_attention", "hopper_reason", "interpret_kernels",
-           "interpreter_threads", "interpreting", "plan", "supports", "walked_columns"]
+           "interpreter_threads", "interpreting", "plan", "shared_compiles", "supports", "walked_columns"]

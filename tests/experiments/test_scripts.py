@@ -152,6 +152,7 @@ def test_gate_recipes_give_the_documented_values():
      "kernel_breakdown.json"),
     ("lm_benchmark.py", ["--patterns=G,A", "--seq_lens=32,64", "--tokens=64", "--width=32", "--depth=1",
                          "--num_heads=2", "--impl=chunk", "--chunk_size=16", "--steps=1", "--breakdown=G,A",
+                         "--share_kernel_compiles",
                          "--rounds=1"], "lm.json"),
     ("embedding_grad.py", ["--vocabs=64", "--tokens=2,32", "--width=16", "--iters=1", "--stream=2"],
      "embedding_grad.json"),
