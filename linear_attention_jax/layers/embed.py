@@ -27,7 +27,8 @@ ONE_HOT_MAX_VOCAB = 4096
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def lookup(table, tokens, one_hot: bool):
-  """`table[tokens]` (`jnp.take` along axis 0); differentiable in `table` (module docstring)."""
+  """`table [V, D][tokens [...]] -> [..., D]` (`jnp.take` along axis 0); differentiable in `table`
+  (module docstring)."""
   return jnp.take(table, tokens, axis=0)
 
 
@@ -52,8 +53,9 @@ lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
 class Embed(nnx.Embed):
-  """`nnx.Embed` (same parameters, call and `attend`) with the table's gradient of the module docstring.
-  `one_hot`: None (`num_embeddings <= ONE_HOT_MAX_VOCAB`), True or False."""
+  """`nnx.Embed` (same parameters, call and `attend`) with the table's gradient of the module docstring:
+  token ids `[...]` int -> `[..., features]` rows of the `[num_embeddings, features]` table. `one_hot`:
+  None (`num_embeddings <= ONE_HOT_MAX_VOCAB`), True or False."""
 
   def __init__(self, *args, one_hot: bool | None = None, **kwargs):
     super().__init__(*args, **kwargs)
