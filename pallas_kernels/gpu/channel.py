@@ -32,30 +32,38 @@ def ref_count(C: int) -> int:
   return groups.FIRST_ROW + groups.groups(C)
 
 
-def fit_row(C: int) -> int:
-  """The refs row of `with_fit_row`: after `chunk_cumsum`'s rows."""
+def form_row(C: int) -> int:
+  """The refs row of `with_form_row`: after `chunk_cumsum`'s rows."""
   return ref_count(C)
 
 
-def chunk_fits(refs, dtype):
-  """`[B, NC, H_v]` bool: every channel of the chunk spans at most twice the one-reference bound
-  (`prep.ref_bound(dtype)`). G is non-increasing down a chunk, so `R - G_C` (refs rows 0 and 1 of
-  `chunk_cumsum`) is half its span."""
-  return lax.stop_gradient(jnp.all(refs[:, :, 0] - refs[:, :, 1] <= prep.ref_bound(dtype), axis=-1))
+ONE, HALVES, GROUPS = 0, 1, 2   # each chunk's form (`chunk_forms`)
 
 
-def with_fit_row(refs, dtype):
-  """`refs [B, NC, 2 + NG, H_v, K]` with one more row (`fit_row`): 1.0 across K where the chunk fits
-  one reference (`chunk_fits`), else 0.0; the preparation kernel's `grams="chunk"` reads it."""
-  row = jnp.broadcast_to(chunk_fits(refs, dtype).astype(F32)[:, :, None, :, None], refs[:, :, :1].shape)
-  return jnp.concatenate([refs, row], axis=2)
+def chunk_forms(refs, C: int, dtype):
+  """`[B, NC, H_v]` int32, each chunk's form: ONE where every channel spans at most twice the
+  one-reference bound (`prep.ref_bound(dtype)`; G is non-increasing down a chunk, so `R - G_C`, refs
+  rows 0 and 1, is half its span), else HALVES where each block of `groups.HALVES` tokens spans at most
+  twice the diagonal bound (`groups.group_bound(dtype)`), else GROUPS."""
+  one = jnp.all(refs[:, :, 0] - refs[:, :, 1] <= prep.ref_bound(dtype), axis=-1)
+  per = groups.HALVES // groups.GROUP
+  ends = [refs[:, :, groups.FIRST_ROW + (b + 1) * per - 1] for b in range(C // groups.HALVES)]
+  spans = [-ends[0]] + [ends[b - 1] - ends[b] for b in range(1, len(ends))]
+  halves = jnp.all(jnp.stack(spans) <= 2.0 * groups.group_bound(dtype), axis=(0, -1))
+  return lax.stop_gradient(jnp.where(one, ONE, jnp.where(halves, HALVES, GROUPS)).astype(jnp.int32))
 
 
-def fit_tokens(refs, C: int, dtype):
-  """`[B, H_v, T_pad]` float32: `chunk_fits` on each of the chunk's tokens (1.0 or 0.0), the layout of
-  the gradient kernels' per-token vectors (their `grams="chunk"` reads it)."""
-  fit = jnp.swapaxes(chunk_fits(refs, dtype), 1, 2).astype(F32)     # [B, H_v, NC]
-  return jnp.repeat(fit, C, axis=2)
+def with_form_row(refs, C: int, dtype):
+  """`refs [B, NC, 2 + NG, H_v, K]` with one more row (`form_row`): the chunk's form (`chunk_forms`)
+  as a float across K; the preparation kernel's `grams="chunk"` reads it."""
+  form = chunk_forms(refs, C, dtype).astype(F32)
+  return jnp.concatenate([refs, jnp.broadcast_to(form[:, :, None, :, None], refs[:, :, :1].shape)], axis=2)
+
+
+def form_tokens(refs, C: int, dtype):
+  """`[B, H_v, T_pad]` float32: `chunk_forms` on each of the chunk's tokens, the layout of the gradient
+  kernels' per-token vectors (their `grams="chunk"` reads it)."""
+  return jnp.repeat(jnp.swapaxes(chunk_forms(refs, C, dtype), 1, 2).astype(F32), C, axis=2)
 
 
 def fits(G, C: int, dtype):

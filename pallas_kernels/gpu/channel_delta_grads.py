@@ -171,11 +171,12 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
     with the last token's terms added; `rowsum(dB_k k E) + rowsum(dL M)` `[B, H_v, T_pad]` float32.
   grams: "one" (the module docstring's one reference), "groups" (groups.py's products, for chunks
     beyond the one-reference bound: every gram term is their sum, each product's factors about its own
-    references, dP and dM kept on each product's entries in turn) or "chunk" (each chunk the first
-    where it fits, else the second: a `lax.cond` in the kernel on `channel.fit_tokens`).
+    references, dP and dM kept on each product's entries in turn), "halves" (the same with 32-token
+    diagonal blocks) or "chunk" (each chunk the first of one, halves, groups that fits it,
+    `channel.chunk_forms`: a `lax.cond` in the kernel on `channel.form_tokens`).
   """
-  if grams not in ("one", "groups", "chunk"):
-    raise ValueError(f"grams must be 'one', 'groups' or 'chunk'; got {grams!r}")
+  if grams not in ("one", "halves", "groups", "chunk"):
+    raise ValueError(f"grams must be 'one', 'halves', 'groups' or 'chunk'; got {grams!r}")
   B, T_pad, H, K = q.shape
   Hv, NC = states.shape[1], states.shape[2]
   V = states.shape[3]
@@ -217,7 +218,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
                  (g_r.at[bi, rows_t, h, cols(i)], g_s.at[i]), (st_r.at[bi, h, n, :, cols(i)], st_s.at[i]),
                  (dst_r.at[bi, h, n, :, cols(i)], dst_s.at[i])]
     copies += [(m_r.at[bi, j, rows_t], m_s.at[j]) for j in range(SEG_ROWS if has_seg else 0)]
-    if chunkwise:   # the chunk's form (`channel.fit_tokens`), in dbeta's tile until dbeta is written
+    if chunkwise:   # the chunk's form (`channel.form_tokens`), in dbeta's tile until dbeta is written
       copies.append((fit_r.at[bi, h, rows_t], vec_s))
     for src, dst in copies:   # one arrival each
       plgpu.copy_gmem_to_smem(src, dst, bar)
@@ -249,24 +250,32 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
         M = matmul(ar_s, kr_s.T, sq, init=M)
       return M
 
-    def group_m():   # each product of the groups over both halves, kept on its own entries
+    def group_m(block):   # each product of groups.py's form over both halves, kept on its own entries
       M = 0.0
-      for s in groups.products(C):
+      for s in groups.products(C, block):
         Ms = None
         for i in range(KH):
-          up, down = groups.factors(load(g_s.at[i]), vec_end(i), s, gb)
+          up, down = groups.factors(load(g_s.at[i]), vec_end(i), s, gb, block)
           kt = load(k_s.at[i])
           ar_s[...] = (kt * up).astype(dtype)
           kr_s[...] = (kt * down).astype(dtype)
           plgpu.commit_smem()
           Ms = matmul(ar_s, kr_s.T, sq, init=Ms)
-        M = M + jnp.where(groups.keep_mask(C, s), Ms, 0.0)
+        M = M + jnp.where(groups.keep_mask(C, s, block), Ms, 0.0)
       return M
 
-    # "chunk": this chunk's own form, by `channel.fit_tokens`
-    fit = (vec_s[0] > 0.5) if chunkwise else None
-    by_form = lambda one, grouped: (one() if grams == "one" else grouped() if grams == "groups"
-                                    else lax.cond(fit, one, grouped))
+    # "chunk": this chunk's own form (`channel.chunk_forms`), by `channel.form_tokens`
+    form = vec_s[0] if chunkwise else None
+    blocks = {"halves": groups.HALVES, "groups": groups.GROUP}
+
+    def by_form(one, grouped):
+      if grams == "one":
+        return one()
+      if grams in blocks:
+        return grouped(blocks[grams])
+      return lax.cond(form < 0.5, one, lambda: lax.cond(form < 1.5, lambda: grouped(groups.HALVES),
+                                                         lambda: grouped(groups.GROUP)))
+
     M = by_form(one_m, group_m)
     dL = load(dl_s)
     # above the diagonal the factors do not cancel (they may overflow): the where drops them
@@ -289,29 +298,29 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
                                       (ck, [(dp_s.T, qr_s), (dl_s.T, ar_s)]), (ck, [(dl_s, kr_s)]))
       return dqg, dkd, dBk, clamp(Gt - R) * dPK, clamp(R - Gt) * minus, clamp(Gt - R) * plus
 
-    def group_terms(i):   # the grams' terms product by product: dP, then dM, kept on the product's entries
+    def group_terms(i, block):   # the grams' terms product by product: dP, then dM, on each product's entries
       dqg, dkd, dBk = matmuls((ck, [(do_s, st_s.at[i])]), (ck, [(u_s, dst_s.at[i])]),
                               (ck, [(dr_s, st_s.at[i])]))
       # dP's own diagonal in float32 (groups.py); dM has none
       d = rows(groups.diagonal_of(load(dp_s)))
       dq_p, minus, plus = d * load(k_s.at[i]), d * load(q_s.at[i]), 0.0
-      for s in groups.products(C):
-        up, down = groups.factors(fresh(load(g_s.at[i])), vec_end(i), s, gb)
+      for s in groups.products(C, block):
+        up, down = groups.factors(fresh(load(g_s.at[i])), vec_end(i), s, gb, block)
         qt, kt = load(q_s.at[i]), load(k_s.at[i])
         kr_s[...] = (kt * down).astype(dtype)
         qr_s[...] = (qt * up).astype(dtype)
-        ar_s[...] = jnp.where(groups.keep_mask(C, s), load(dp_s), 0.0).astype(dtype)
+        ar_s[...] = jnp.where(groups.keep_mask(C, s, block), load(dp_s), 0.0).astype(dtype)
         plgpu.commit_smem()
         dPK, dPQ = matmuls((ck, [(ar_s, kr_s)]), (ck, [(ar_s.T, qr_s)]))
         qr_s[...] = (kt * up).astype(dtype)                 # Ar
-        ar_s[...] = jnp.where(groups.keep_mask(C, s), load(dl_s), 0.0).astype(dtype)
+        ar_s[...] = jnp.where(groups.keep_mask(C, s, block), load(dl_s), 0.0).astype(dtype)
         plgpu.commit_smem()
         dMK, dMA = matmuls((ck, [(ar_s, kr_s)]), (ck, [(ar_s.T, qr_s)]))
         dq_p, minus, plus = dq_p + up * dPK, minus + down * (dPQ + dMA), plus + up * dMK
       return dqg, dkd, dBk, dq_p, minus, plus
 
     for i in range(KH):
-      dqg, dkd, dBk, dq_p, minus, plus = by_form(lambda: one_terms(i), lambda: group_terms(i))
+      dqg, dkd, dBk, dq_p, minus, plus = by_form(lambda: one_terms(i), lambda b: group_terms(i, b))
       Gt = fresh(load(g_s.at[i]))
       qt = load(q_s.at[i])
       e_q = jnp.exp(Gt)
@@ -349,7 +358,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
   args = [q.astype(dtype), k.astype(dtype), G, refs, b, do.astype(dtype), u, dr, dP, dL,
           states.astype(dtype), dstates.astype(dtype)] + ([masks] if has_seg else [])
   if chunkwise:
-    args.append(channel.fit_tokens(refs, C, dtype))
+    args.append(channel.form_tokens(refs, C, dtype))
   out_type = (jax.ShapeDtypeStruct((B, T_pad, Hv, K), dtype), jax.ShapeDtypeStruct((B, T_pad, Hv, K), dtype),
               jax.ShapeDtypeStruct((B, T_pad, Hv, K), F32), jax.ShapeDtypeStruct((B, Hv, T_pad), F32))
   outs = plgpu.kernel(

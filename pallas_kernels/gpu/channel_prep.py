@@ -18,8 +18,8 @@ whose factors all lie within e^(+-bound) when the chunk's decay spans at most tw
 takes the 8-token groups' products instead (`grams="groups"`, groups.py: exact at any decay above
 `prep.LOG_DECAY_FLOOR` for bfloat16 operands; float16 operands beyond its bound take prep.py's XLA
 preparation with the merge form): the caller's `lax.cond` (`vjp.py`). With `grams="chunk"` each
-program chooses for its own chunk (a `lax.cond` in the kernel on the chunk's `channel.fit_row`), so
-only the chunks beyond the bound pay for the groups' products.
+program chooses for its own chunk (a `lax.cond` in the kernel on the chunk's `channel.form_row`): one
+reference, the halves' products (32-token diagonal blocks) or the groups', the first that fits.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from .tiles import (COLS, F32, ROWS, WGMMA, matmul, matmuls, smem, unit_lower_in
                                       vary_like)
 
 
-GRAMS = ("one", "groups", "chunk")
+GRAMS = ("one", "halves", "groups", "chunk")
 
 
 def serves(g, beta, segment_ids) -> bool:
@@ -58,8 +58,10 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
   caller has it. with_inverse (kda): return `(tensors, X)` with `X = (I + L)^-1` `[B, H_v, NC, C, C]` in
   `dtype`, which kda's gradient kernels read (`channel_delta_grads.py`). grams: "one" (one product about
   the reference R, for chunks within `prep.ref_bound`), "groups" (groups.py's products, exact at any
-  decay within `groups.group_bound`) or "chunk" (each chunk the first where it fits, else the second:
-  a call with a few strong chunks pays the groups' products only there)."""
+  decay within `groups.group_bound`), "halves" (the same with diagonal blocks of 32 tokens: one level
+  and two diagonal products, for chunks whose halves each fit that bound) or "chunk" (each chunk the
+  first of one, halves, groups that fits it, `channel.chunk_forms`: a call with a few strong chunks
+  pays the extra products only there)."""
   if grams not in GRAMS:
     raise ValueError(f"grams must be one of {GRAMS}; got {grams!r}")
   T = q.shape[1]
@@ -67,7 +69,7 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
   T_pad = prep.padded_length(T, C, chunk_multiple)
   G, refs = chunk_cumsum(g, T_pad, C) if cumsum is None else cumsum
   if grams == "chunk":
-    refs = channel.with_fit_row(refs, dtype)
+    refs = channel.with_form_row(refs, C, dtype)
   if with_inverse and beta is None:
     raise ValueError("with_inverse is for the delta family (kda): beta must be given")
   return _prepare_kernel(q, k, v, G, refs, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
@@ -151,11 +153,11 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
         return P, M
       return matmuls((sq, [(a_s, bk_s.T)]))[0], None
 
-    def group_grams():   # the 8-token groups' products (groups.py), each kept on its own entries
+    def group_grams(block):   # groups.py's products with diagonal blocks of `block` tokens
       P = M = 0.0
       vec_end = lambda t: col(groups.FIRST_ROW + t)
-      for s in groups.products(C):
-        up, down = groups.factors(load_G(), vec_end, s, group_bound)
+      for s in groups.products(C, block):
+        up, down = groups.factors(load_G(), vec_end, s, group_bound, block)
         kt = load(k_s)
         bk_s[...] = (kt * down).astype(dtype)
         a_s[...] = (load(q_s) * up).astype(dtype)
@@ -164,18 +166,20 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
         plgpu.commit_smem()
         if delta:
           Ps, Ms = matmuls((sq, [(a_s, bk_s.T)]), (sq, [(ak_s, bk_s.T)]))
-          M = M + jnp.where(groups.keep_mask(C, s), Ms, 0.0)
+          M = M + jnp.where(groups.keep_mask(C, s, block), Ms, 0.0)
         else:
           (Ps,) = matmuls((sq, [(a_s, bk_s.T)]))
-        P = P + jnp.where(groups.keep_mask(C, s), Ps, 0.0)
+        P = P + jnp.where(groups.keep_mask(C, s, block), Ps, 0.0)
       return groups.with_diagonal(P, load(q_s), load(k_s)), (M if delta else None)
 
-    if grams == "one":
-      P, M = one_grams()
-    elif grams == "groups":
-      P, M = group_grams()
-    else:   # "chunk": this chunk's own form, by its refs row `channel.FIT_ROW`
-      P, M = lax.cond(r_s[channel.fit_row(C), 0] > 0.5, one_grams, group_grams)
+    forms = {"one": one_grams, "halves": lambda: group_grams(groups.HALVES),
+             "groups": lambda: group_grams(groups.GROUP)}
+    if grams in forms:
+      P, M = forms[grams]()
+    else:   # "chunk": this chunk's own form (`channel.chunk_forms`), by its refs row `channel.form_row`
+      form = r_s[channel.form_row(C), 0]
+      P, M = lax.cond(form < 0.5, forms["one"],
+                      lambda: lax.cond(form < 1.5, forms["halves"], forms["groups"]))
 
     same = carry = to_last = None
     if has_seg:

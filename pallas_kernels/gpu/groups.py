@@ -19,7 +19,11 @@ g = -20 a token, about six tokens). Here the `[C, C]` tile splits into
   in dk) are float32 too, so they cancel exactly in `dG = q dq - k dk` (rounded apart in two products,
   they leave an error comparable to the whole of dg where the decay is strong).
 
-log2(C / 8) + 1 products (4 at C = 64) cover the tile exactly once. The entries a product does not keep
+log2(C / 8) + 1 products (4 at C = 64) cover the tile exactly once. The same construction with
+diagonal blocks of `HALVES` = 32 tokens ("halves": one level and one diagonal product, 2 at C = 64)
+serves a chunk whose two halves each span at most twice the diagonal bound (168 nats for bfloat16
+operands, 5.25 nats a token), where one reference (120 nats over the whole chunk) does not: every
+function below takes the diagonal blocks' size as `block`. The entries a product does not keep
 are dropped by a select (the accumulator's entries are independent), so their factors need only be
 finite: the levels clamp exponents to <= 0, the diagonal to the bound. `prep.LOG_DECAY_FLOOR` (-20 a
 token) makes every chunk of bfloat16 operands fit; float16 operands (largest ~e^11) fit 2.2 nats a
@@ -41,6 +45,7 @@ from .. import prep
 from .tiles import WGMMA
 
 GROUP = 8             # tokens of a diagonal block
+HALVES = 32           # tokens of a diagonal block in the halves' form (one level and the two halves)
 GROUP_BOUND = 84.0    # |G - m| on the diagonal blocks, bfloat16 and float32 operands (e^84 ~ 3e36)
 GROUP_BOUND_F16 = 8.0   # float16 operands (largest 65504 ~ e^11)
 FIRST_ROW = 2         # refs rows: R, G_C, then the groups' last rows, then their middles
@@ -57,10 +62,10 @@ def groups(C: int) -> int:
   return C // GROUP
 
 
-def levels(C: int) -> tuple[int, ...]:
-  """The block sizes of the levels, largest first: C/2, ..., GROUP."""
+def levels(C: int, block: int = GROUP) -> tuple[int, ...]:
+  """The block sizes of the levels, largest first: C/2, ..., `block` (the diagonal blocks' tokens)."""
   out, s = [], C // 2
-  while s >= GROUP:
+  while s >= block:
     out.append(s)
     s //= 2
   return tuple(out)
@@ -104,12 +109,14 @@ def level_reference(vec, shape, s: int):
   return _pick(shape, [vec((2 * p + 1) * s // GROUP - 1) for p in range(C // (2 * s))], 2 * s)
 
 
-def middle_reference(vec, shape):
-  """The diagonal blocks' reference tile: row i holds the middle `(e_prev + e) / 2` of i's group
-  (`vec(t)`: the broadcast tile of group t's last row, refs row `FIRST_ROW + t`)."""
-  NG = shape[0] // GROUP
-  mids = [vec(0) * 0.5] + [(vec(t - 1) + vec(t)) * 0.5 for t in range(1, NG)]
-  return _pick(shape, mids, GROUP)
+def middle_reference(vec, shape, block: int = GROUP):
+  """The diagonal blocks' reference tile: row i holds the middle `(e_prev + e) / 2` of i's block of
+  `block` tokens, e its last row and e_prev the previous block's (`vec(t)`: the broadcast tile of
+  8-token group t's last row, refs row `FIRST_ROW + t`)."""
+  per = block // GROUP   # groups a block
+  ends = [vec((b + 1) * per - 1) for b in range(shape[0] // block)]
+  mids = [ends[0] * 0.5] + [(ends[b - 1] + ends[b]) * 0.5 for b in range(1, len(ends))]
+  return _pick(shape, mids, block)
 
 
 def level_mask(C: int, s: int):
@@ -120,35 +127,36 @@ def level_mask(C: int, s: int):
       (lax.rem(lax.div(j, s), 2) == 0)
 
 
-def diagonal_mask(C: int, inclusive: bool):
-  """`[C, C]` bool: the causal entries of the 8 x 8 diagonal blocks."""
+def diagonal_mask(C: int, inclusive: bool, block: int = GROUP):
+  """`[C, C]` bool: the causal entries of the `block` x `block` diagonal blocks."""
   i = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
   j = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
   causal = (i >= j) if inclusive else (i > j)
-  return causal & (lax.div(i, GROUP) == lax.div(j, GROUP))
+  return causal & (lax.div(i, block) == lax.div(j, block))
 
 
-def products(C: int):
-  """The products of the group form, in order: `(s or None for the diagonal, ...)`."""
-  return levels(C) + (None,)
+def products(C: int, block: int = GROUP):
+  """The products of the group form with diagonal blocks of `block` tokens, in order: `(s or None for
+  the diagonal, ...)`."""
+  return levels(C, block) + (None,)
 
 
-def factors(G, vec_end, s, bound: float):
+def factors(G, vec_end, s, bound: float, block: int = GROUP):
   """`(up, down)` float32 `[C, W]` for product `s` (a level's block size, or None: the diagonal):
   `a` takes `up = e^(G - ref)` and `b` takes `down = e^(ref - G)`, exponents clamped (the levels' to
   <= 0, exact on the entries they keep; the diagonal's to the bound)."""
   shape = G.shape
   if s is None:
-    ref = middle_reference(vec_end, shape)
+    ref = middle_reference(vec_end, shape, block)
     return jnp.exp(jnp.minimum(G - ref, bound)), jnp.exp(jnp.minimum(ref - G, bound))
   ref = level_reference(vec_end, shape, s)
   return jnp.exp(jnp.minimum(G - ref, 0.0)), jnp.exp(jnp.minimum(ref - G, 0.0))
 
 
-def keep_mask(C: int, s):
+def keep_mask(C: int, s, block: int = GROUP):
   """The entries product `s` keeps (`level_mask`, or the strict `diagonal_mask` for None: the tile's
   own diagonal, undecayed, is `with_diagonal`'s)."""
-  return diagonal_mask(C, inclusive=False) if s is None else level_mask(C, s)
+  return diagonal_mask(C, inclusive=False, block=block) if s is None else level_mask(C, s)
 
 
 def diagonal(C: int):

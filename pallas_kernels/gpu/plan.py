@@ -9,7 +9,7 @@ fits the one-reference bound (`prep.ref_bound`: 60 nats for bfloat16 operands, 8
 `lax.cond` each way): the two "beyond" columns name what runs beyond it ("-": no bound; "groups": the
 same kernels with the 8-token groups' products, `groups.py`, exact at any gate above
 `prep.LOG_DECAY_FLOOR` with bfloat16 operands, on every chunk; "chunk": the same kernels choosing per
-chunk, one reference where the chunk fits and the groups' products where it does not). Float16
+chunk the first form that fits it: one reference, the halves' products, the groups'). Float16
 operands beyond the groups' bound (2.2 nats a token) take XLA's merge form one (batch row, value head)
 at a time (`Plan.per_head_beyond`). "l2" is where
 `qk_l2norm=True` normalises q and k: in the kernels on load, or in XLA before them (`Plan.l2` is "none"

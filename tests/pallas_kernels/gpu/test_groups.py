@@ -2,12 +2,14 @@
 grams in the Mosaic GPU interpreter, bfloat16 operands.
 
 - The preparation kernel's grams (`grams="groups"`) against float64 sums at g = -20 on every channel,
-  uniform in [-20, 0], and -inf on some tokens (floored at prep.LOG_DECAY_FLOOR: finite).
+  uniform in [-20, 0], and -inf on some tokens (floored at prep.LOG_DECAY_FLOOR: finite); the halves'
+  form (`grams="halves"`) at g = -4.
 - gla and kda end to end (the preparation kernel, the walks, the gradient kernels) against the float64
   loop: o, the final state and every gradient, at strong gates, at the KDA layer's own gates (chunks of
   both forms in one call) and with -inf tokens, grouped heads and packed rows; a spy checks which
   kernels ran, forward and backward (`grams="chunk"`, gla's gradients "groups").
-- `grams="chunk"`: each chunk gets exactly the one-reference or the groups' tensors, by its own fit.
+- `grams="chunk"`: each chunk gets exactly the one-reference, the halves' or the groups' tensors, by its
+  own form.
 - The bound: bfloat16 operands always fit the groups (no per-head XLA branch is built); float16 ones
   fit 2.2 nats a token.
 """
@@ -38,14 +40,15 @@ def _float64_grams(q, k, g):
   return P, M
 
 
-@pytest.mark.parametrize("gates", ["minus20", "uniform", "minus_inf"])
-def test_group_grams_equal_float64_sums_at_any_gate_strength(gates):
+@pytest.mark.parametrize("gates,grams", [("minus20", "groups"), ("uniform", "groups"), ("minus_inf", "groups"),
+                                         ("minus4", "halves")])
+def test_group_grams_equal_float64_sums_at_any_gate_strength(gates, grams):
   B, T, H, K = 1, 128, 1, 64
   r = np.random.default_rng(5)
   q, k, v = (r.normal(size=(B, T, H, K)).astype(np.float32) for _ in range(3))
   k /= np.linalg.norm(k, axis=-1, keepdims=True)
-  g = {"minus20": np.full((B, T, H, K), -20.0), "uniform": r.uniform(-20, 0, (B, T, H, K))}.get(
-      gates, r.uniform(-3, 0, (B, T, H, K))).astype(np.float32)
+  g = {"minus20": np.full((B, T, H, K), -20.0), "uniform": r.uniform(-20, 0, (B, T, H, K)),
+       "minus4": np.full((B, T, H, K), -4.0)}.get(gates, r.uniform(-3, 0, (B, T, H, K))).astype(np.float32)
   if gates == "minus_inf":
     g[0, 5, 0, :16] = -np.inf
     g[0, 70] = -np.inf
@@ -53,9 +56,11 @@ def test_group_grams_equal_float64_sums_at_any_gate_strength(gates):
   cumsum = channel.chunk_cumsum(jnp.asarray(g), T, 64)
   assert not bool(channel.fits(cumsum[0], 64, jnp.bfloat16))   # beyond one reference
   assert bool(groups.fits(cumsum[0], 64, jnp.bfloat16))
+  if grams == "halves":   # -4 a token: 256 nats over a chunk, 128 over each half
+    assert (np.asarray(channel.chunk_forms(cumsum[1], 64, jnp.bfloat16)) == channel.HALVES).all()
   cast = lambda x: jnp.asarray(x, jnp.bfloat16)
   t, _ = channel_prep.prepare(cast(q), cast(k), cast(v), jnp.asarray(g), jnp.asarray(beta), chunk_size=64,
-                              dtype=jnp.bfloat16, interpret=PARAMS, with_inverse=True, grams="groups")
+                              dtype=jnp.bfloat16, interpret=PARAMS, with_inverse=True, grams=grams)
   qb, kb = (np.asarray(cast(x).astype(jnp.float32))[0, :, 0] for x in (q, k))
   P, _ = _float64_grams(qb, kb, g[0, :, 0])
   for c in range(2):
@@ -109,9 +114,9 @@ def test_per_channel_kernels_at_any_gate_strength_match_the_float64_loop(monkeyp
     inp["g"] = g
   G, refs = channel.chunk_cumsum(jnp.asarray(inp["g"]), 192, 64)
   assert not bool(channel.fits(G, 64, jnp.bfloat16))
-  if gates == "layer":   # chunks of both forms in one call: each kernel program takes its own
-    fit = np.asarray(channel.chunk_fits(refs, jnp.bfloat16))
-    assert fit.any() and not fit.all(), fit
+  if gates == "layer":   # chunks of several forms in one call: each kernel program takes its own
+    forms = np.asarray(channel.chunk_forms(refs, 64, jnp.bfloat16))
+    assert (forms == channel.ONE).any() and (forms == channel.HALVES).any(), forms
   check(variant, inp, seg=packed_runs(T) if packed else None, dtype=jnp.bfloat16, tol=1e-2, config=KERNELS)
   ran = {(name, grams) for name, grams in seen if grams != "one"}
   assert ran == ({("prepare", "chunk"), ("key_side", "chunk")} if variant == "kda" else
@@ -120,28 +125,32 @@ def test_per_channel_kernels_at_any_gate_strength_match_the_float64_loop(monkeyp
 
 @pytest.mark.parametrize("delta", [False, True], ids=["gla", "kda"])
 def test_each_chunk_takes_its_own_form(delta):
-  # grams="chunk": a chunk within one reference's bound gets exactly the one-reference kernel's tensors,
-  # a chunk beyond it exactly the groups' kernel's (two chunks of each in one call, two value heads)
+  # grams="chunk": each chunk gets exactly the tensors of the first form that fits it: one reference
+  # (mild gates), the halves' products (2.5 nats a token: 160 over the chunk, 80 over each half) or the
+  # groups' (up to 20 nats a token), in one call over two value heads
   B, T, H, K = 1, 256, 1, 64
   r = np.random.default_rng(7)
   q, k, v = (jnp.asarray(r.normal(size=(B, T, H, K)), jnp.bfloat16) for _ in range(3))
   v = jnp.concatenate([v, v[..., ::-1]], axis=2)
   g = r.uniform(-0.5, 0.0, (B, T, 2, K)).astype(np.float32)
-  g[:, 64:128, 0] *= 30.0      # chunk 1 of head 0 and chunk 3 of head 1 decay past the bound
-  g[:, 192:, 1] *= 30.0
+  g[:, 64:128, 0] = -2.5
+  g[:, 192:, 0] = r.uniform(-20.0, 0.0, (B, 64, K))
+  g[:, 128:192, 1] = -2.5
+  g[:, :64, 1] = r.uniform(-20.0, 0.0, (B, 64, K))
   beta = jnp.asarray(r.uniform(0.1, 1.0, (B, T, 2)), jnp.float32) if delta else None
-  fit = np.asarray(channel.chunk_fits(channel.chunk_cumsum(jnp.asarray(g), T, 64)[1], jnp.bfloat16))
-  np.testing.assert_array_equal(fit[0], [[True, True], [False, True], [True, True], [True, False]])
+  forms = np.asarray(channel.chunk_forms(channel.chunk_cumsum(jnp.asarray(g), T, 64)[1], 64, jnp.bfloat16))
+  one, halves, grouped = channel.ONE, channel.HALVES, channel.GROUPS
+  np.testing.assert_array_equal(forms[0], [[one, grouped], [halves, one], [one, halves], [grouped, one]])
   run = lambda grams: channel_prep.prepare(q, k, v, jnp.asarray(g), beta, chunk_size=64, dtype=jnp.bfloat16,
                                            interpret=PARAMS, with_inverse=delta, grams=grams)
-  by = {grams: run(grams) for grams in ("one", "groups", "chunk")}
-  flat = lambda out: jax.tree.leaves(out)
-  for got, one, grouped in zip(flat(by["chunk"]), flat(by["one"]), flat(by["groups"])):
-    if got.ndim < 4:   # the chunks' decay vector (no form) and the like
+  by = {grams: jax.tree.leaves(run(grams)) for grams in ("one", "halves", "groups", "chunk")}
+  name = {one: "one", halves: "halves", grouped: "groups"}
+  for i, got in enumerate(by["chunk"]):
+    if got.ndim < 4:   # the chunks' decay vector (no form)
       continue
     for h in range(2):
       for n in range(4):
-        want = one if fit[0, n, h] else grouped
+        want = by[name[forms[0, n, h]]][i]
         np.testing.assert_array_equal(np.asarray(got[0, h, n]), np.asarray(want[0, h, n]))
 
 
