@@ -18,8 +18,8 @@ not counted and their MFU is a lower bound) over the step time and `--peak_tflop
 
 `--breakdown=PATTERNS` times, each alone and jitted as fwd+bwd on the step's shapes: the embedding,
 final norm, tied head and loss; each distinct block's mixer (with its norm) and MLP (with its norm);
-the optimizer update. Their sum (the blocks counted `depth` times) next to the step says what the step adds beyond
-its parts. Writes `{workdir}/lm.json`, `lm.md` and, over several T, `lm.png`.
+the optimizer update. Their sum (the blocks counted `depth` times) next to the step says what the
+step adds beyond its parts. Writes `{workdir}/lm.json`, `lm.md` and, over several T, `lm.png`.
 """
 
 from __future__ import annotations
@@ -184,7 +184,8 @@ def table(rows) -> list[str]:
       continue
     lines += ["", f"Step of {r['pattern']} at T = {r['T']}, batch {r['batch']}: {r['step_ms']:.1f} ms; "
               f"its parts alone (stream ms, times their count) sum to {r['parts_sum_ms']:.1f} ms", "",
-              "| part | count | single ms | stream ms | count x stream ms |", "| --- | --- | --- | --- | --- |"]
+              "| part | count | single ms | stream ms | count x stream ms |",
+              "| --- | --- | --- | --- | --- |"]
     lines += [f"| {p['part']} | {p['count']} | {p['single_ms']:.2f} | {p['stream_ms']:.2f} | "
               f"{p['count'] * p['stream_ms']:.2f} |" for p in r["parts"]]
   return lines

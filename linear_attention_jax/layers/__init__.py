@@ -35,7 +35,8 @@ from linear_attention_jax.layers.retention import MultiScaleRetention
 from linear_attention_jax.layers.rope import apply_rope
 
 __all__ = [
-    "Attention", "DeltaNet", "Embed", "GatedAttention", "GatedDeltaNet", "GatedLinearAttention", "GatedRMSNorm",
+    "Attention", "DeltaNet", "Embed", "GatedAttention", "GatedDeltaNet", "GatedLinearAttention",
+    "GatedRMSNorm",
     "HeadGroupNorm", "KVCache", "KimiDeltaAttention", "LatentCache", "LinearAttention", "LinearCache",
     "MoE", "MultiHeadLatentAttention", "MultiScaleRetention", "RMSNorm", "ShortConvolution", "SwiGLU",
     "apply_rope", "init_cache", "nbytes",

@@ -240,6 +240,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
     # M = strict(Ar Kr^T) over both halves, for dbeta's rowsum(dL M); then dM = Diag(beta) dL in dL's tile
     gb = groups.group_bound(dtype)
     vec_end = lambda i: lambda t: colv(groups.FIRST_ROW + t, i)
+
     def one_m():
       M = None
       for i in range(KH):
@@ -298,7 +299,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
                                       (ck, [(dp_s.T, qr_s), (dl_s.T, ar_s)]), (ck, [(dl_s, kr_s)]))
       return dqg, dkd, dBk, clamp(Gt - R) * dPK, clamp(R - Gt) * minus, clamp(Gt - R) * plus
 
-    def group_terms(i, block):   # the grams' terms product by product: dP, then dM, on each product's entries
+    def group_terms(i, block):   # the grams' terms product by product: dP, then dM, on its entries
       dqg, dkd, dBk = matmuls((ck, [(do_s, st_s.at[i])]), (ck, [(u_s, dst_s.at[i])]),
                               (ck, [(dr_s, st_s.at[i])]))
       # dP's own diagonal in float32 (groups.py); dM has none

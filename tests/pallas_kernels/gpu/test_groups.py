@@ -40,8 +40,8 @@ def _float64_grams(q, k, g):
   return P, M
 
 
-@pytest.mark.parametrize("gates,grams", [("minus20", "groups"), ("uniform", "groups"), ("minus_inf", "groups"),
-                                         ("minus4", "halves")])
+@pytest.mark.parametrize("gates,grams", [("minus20", "groups"), ("uniform", "groups"),
+                                         ("minus_inf", "groups"), ("minus4", "halves")])
 def test_group_grams_equal_float64_sums_at_any_gate_strength(gates, grams):
   B, T, H, K = 1, 128, 1, 64
   r = np.random.default_rng(5)
