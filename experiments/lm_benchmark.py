@@ -28,19 +28,18 @@ import functools
 import json
 import os
 import sys
-import time
 
 if __package__ in (None, ""):  # run as a file: put the repository root on the path
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from absl import app, flags
 from flax import nnx
 
 from experiments import data, sharded_throughput, train
+from experiments.layer_benchmark import time_it
 from linear_attention_jax.pallas_kernels.gpu import shared_compiles
 
 flags.DEFINE_list("patterns", ["A", "G", "GGGA", "K"], "LM patterns; A (the anchor) runs first at each T.")
@@ -75,20 +74,6 @@ def model_flops_per_token(model_config, params, T: int) -> float:
   return 6 * dense + mixer
 
 
-def time_calls(fn, args, rounds: int, stream: int = 10) -> tuple[float, float]:
-  """(single ms, per call of `stream` back to back): medians over `rounds`."""
-  jax.block_until_ready(fn(*args))
-  single, streamed = [], []
-  for _ in range(rounds):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    single.append(time.perf_counter() - t)
-    t = time.perf_counter()
-    jax.block_until_ready([fn(*args) for _ in range(stream)])
-    streamed.append((time.perf_counter() - t) / stream)
-  return 1e3 * float(np.median(single)), 1e3 * float(np.median(streamed))
-
-
 def breakdown(config, model_config, batch, rounds: int) -> list[dict]:
   """Each part of the train step alone, fwd+bwd on the step's shapes (module docstring)."""
   setup = train.setup_training(config, model_config)
@@ -115,7 +100,8 @@ def breakdown(config, model_config, batch, rounds: int) -> list[dict]:
     return jnp.mean(jnp.square(y.astype(jnp.float32)))
 
   rows = []
-  single, stream = time_calls(grad(ends), (params, jnp.zeros((), model_config.dtype)), rounds)
+  timed = lambda fn, args: time_it(fn, args, iters=rounds, stream=10)
+  single, stream = timed(grad(ends), (params, jnp.zeros((), model_config.dtype)))
   rows.append(dict(part="embedding + final norm + head + loss", count=1, single_ms=single,
                    stream_ms=stream))
   firsts = {}
@@ -124,7 +110,7 @@ def breakdown(config, model_config, batch, rounds: int) -> list[dict]:
   for letter, i in firsts.items():
     n = model_config.layer_kinds.count(letter)
     for which in ("mixer", "mlp"):
-      single, stream = time_calls(grad(functools.partial(part, i, which)), (params, h), rounds)
+      single, stream = timed(grad(functools.partial(part, i, which)), (params, h))
       rows.append(dict(part=f"{which} of a {letter} block (norm included)", count=n, single_ms=single,
                        stream_ms=stream))
   tx = train.make_optimizer(config.optimizer, config.steps)
@@ -135,7 +121,7 @@ def breakdown(config, model_config, batch, rounds: int) -> list[dict]:
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  single, stream = time_calls(update, (f32, setup.state["opt_state"], f32), rounds)
+  single, stream = timed(update, (f32, setup.state["opt_state"], f32))
   rows.append(dict(part="optimizer (clip + AdamW, float32)", count=1, single_ms=single, stream_ms=stream))
   return rows
 
