@@ -1,0 +1,286 @@
+"""Where each millisecond of a layer's or an LM's training step goes: a device trace
+(`jax.profiler`), its kernels summed per call and attributed to the source line of the compiled HLO
+instruction that launched them.
+
+    python experiments/profile_step.py --mixers=A,G --seq_len=4096 --tokens=32768 --impl=pallas
+    python experiments/profile_step.py --mixers= --patterns=A,G --seq_len=4096 --tokens=32768 \
+        --width=1024 --depth=4 --num_heads=8 --impl=pallas
+
+Layers and LMs share the shape flags (sharded_throughput.py's model flags): the layers see
+`x [tokens / seq_len, seq_len, width]` with `num_heads` heads; the LMs train at batch `tokens / seq_len`.
+
+For each target: one compiling call, `--warmup` calls, then `--calls` traced calls back to back. Every
+device kernel of the trace is matched to its HLO instruction (the trace's `hlo_op`, or the kernel's own
+name when XLA names the kernel after its fusion) and so to the `source_file:source_line` and the
+`op_name` that the compiled module's metadata gives that instruction. Reported per target:
+
+- kernel time per call (the sum of the kernels' durations; gaps between kernels are not in it) next to
+  the wall time per call of the same calls;
+- the time of each source line (the innermost frame in this project's code), forward and backward apart (an `op_name` holding `transpose(` is the
+  backward), largest first;
+- the largest kernels by name.
+
+Writes `{workdir}/profile.md`, `profile.json` (the rows) and, with `--keep_traces`, each target's trace
+and HLO text as `trace_{target}.json.gz` / `hlo_{target}.txt`.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+
+if __package__ in (None, ""):  # run as a file: put the repository root on the path
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+from experiments import data, layer_benchmark, sharded_throughput, train
+from linear_attention_jax.pallas_kernels.gpu import shared_compiles
+
+flags.DEFINE_list("mixers", ["A", "G"], f"Layers to profile: {layer_benchmark.MIXERS}.")
+flags.DEFINE_list("patterns", [], "LM patterns to profile (train.py's step, as lm_benchmark.py runs it).")
+flags.DEFINE_integer("tokens", 32768, "Tokens per call: batch = tokens / seq_len.")
+flags.DEFINE_bool("share_kernel_compiles", True, "Compile a Mosaic GPU kernel that several layers share "
+                  "once (pallas_kernels.gpu.shared_compiles), as lm_benchmark.py can.")
+flags.DEFINE_integer("warmup", 2, "Calls after the compiling one, before the trace.")
+flags.DEFINE_integer("calls", 3, "Traced calls.")
+flags.DEFINE_integer("top", 25, "Rows of each table.")
+flags.DEFINE_bool("keep_traces", False, "Also write each target's trace and HLO text.")
+FLAGS = flags.FLAGS
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{([^}]*)\}")
+_FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
+_TABLE_ROW = re.compile(r'^(\d+) (?:"(.*)"|\{(.*)\})$')
+_PROJECT = ("linear_attention_jax/", "pallas_kernels/", "experiments/")
+
+
+def _tables(hlo_text: str) -> dict[str, dict[int, object]]:
+  """The module's `FileNames`, `FunctionNames`, `FileLocations` and `StackFrames` tables."""
+  tables, current = {}, None
+  for line in hlo_text.splitlines():
+    if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+      current = tables.setdefault(line, {})
+      continue
+    m = _TABLE_ROW.match(line) if current is not None else None
+    if not m:
+      current = None
+      continue
+    current[int(m.group(1))] = (m.group(2) if m.group(2) is not None else
+                                {k: int(v) for k, v in _FIELD.findall(m.group(3)) if v.lstrip("-").isdigit()})
+  return tables
+
+
+def _short(path: str) -> str:
+  for marker in _PROJECT + ("site-packages/",):
+    if marker in path:
+      return marker + path.split(marker, 1)[1]
+  return path
+
+
+def hlo_sources(hlo_text: str) -> dict[str, dict]:
+  """HLO instruction name -> `op_name` and `where`: the innermost frame of this project's code, `file:line
+  (function)`, else the innermost frame (a flax `Linear.__call__`: a projection). The compiled text's
+  stack frames carry no parents that can be followed, so one frame is all a kernel gets."""
+  t = _tables(hlo_text)
+  files, funcs = t.get("FileNames", {}), t.get("FunctionNames", {})
+  locs, frames = t.get("FileLocations", {}), t.get("StackFrames", {})
+
+  def stack(frame_id):  # innermost first
+    out, seen = [], set()
+    while frame_id in frames and frame_id not in seen:
+      seen.add(frame_id)
+      loc = locs.get(frames[frame_id].get("file_location_id"), {})
+      out.append((_short(files.get(loc.get("file_name_id"), "?")), loc.get("line", 0),
+                  funcs.get(loc.get("function_name_id"), "?")))
+      frame_id = frames[frame_id].get("parent_frame_id")
+    return out
+
+  out = {}
+  for line in hlo_text.splitlines():
+    m = _INSTR.match(line)
+    if not m:
+      continue
+    fields = {k: v.strip('"') for k, v in _FIELD.findall(m.group(2))}
+    if "stack_frame_id" in fields and fields["stack_frame_id"].isdigit():
+      frames_ = stack(int(fields["stack_frame_id"]))
+    elif "source_file" in fields:
+      frames_ = [(_short(fields["source_file"]), int(fields.get("source_line", 0) or 0), "?")]
+    else:
+      frames_ = []
+    ours = [f for f in frames_ if f[0].startswith(_PROJECT[:2])]
+    where = ours[0] if ours else (frames_[0] if frames_ else None)
+    fmt = lambda f: "(no source)" if f is None else f"{f[0]}:{f[1]} ({f[2]})"
+    # a kernel is named after its instruction with '.' and '-' as '_' (a command buffer's kernels
+    # carry no other name of their instruction)
+    out[re.sub(r"[.\-]", "_", m.group(1))] = out[m.group(1)] = dict(op_name=fields.get("op_name", ""),
+                                                                   where=fmt(where))
+  return out
+
+
+def source_of(meta: dict) -> tuple[str, str]:
+  """`(where, direction)` of an instruction: its frame (`hlo_sources`) and fwd/bwd."""
+  return meta["where"], "bwd" if "transpose(" in meta["op_name"] else "fwd"
+
+
+def device_kernels(trace: dict) -> list[dict]:
+  """The trace's device kernel events (`ph == "X"` on a process named after a GPU or TPU)."""
+  names = {e["pid"]: e.get("args", {}).get("name", "") for e in trace.get("traceEvents", [])
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  devices = {pid for pid, n in names.items() if re.search(r"/device:(GPU|TPU)", n)}
+  if not devices:  # the CPU backend: its thunks, named after their HLO instructions
+    return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e
+            and e.get("args", {}).get("hlo_op")]
+  return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("pid") in devices
+          and "dur" in e]
+
+
+def summarize(trace: dict, hlo_text: str, calls: int, top: int) -> dict:
+  """Kernel time per call, by source line and by kernel name (module docstring)."""
+  meta = hlo_sources(hlo_text)
+  kernels = device_kernels(trace)
+  by_line = collections.Counter()
+  by_name, unmatched = collections.Counter(), collections.Counter()
+  total = 0.0
+  for e in kernels:
+    args = e.get("args", {})
+    key = next((c for c in (args.get("hlo_op"), e["name"], e["name"].removeprefix("wrapped_"))
+                if c in meta), None)
+    dur = float(e["dur"]) / 1e3 / calls  # us -> ms per call
+    total += dur
+    if key is None:
+      unmatched[e["name"][:80]] += dur
+      where, direction = f"(kernel {e['name'][:60]})", "?"
+    else:
+      where, direction = source_of(meta[key])
+    by_line[(where, direction)] += dur
+    by_name[e["name"][:80]] += dur
+  return dict(
+      kernel_ms=total, kernels_per_call=len(kernels) / calls,
+      lines=[dict(where=w, direction=d, ms=ms) for (w, d), ms in by_line.most_common(top)],
+      kernels=[dict(name=n, ms=ms) for n, ms in by_name.most_common(top)],
+      unmatched_ms=sum(unmatched.values()))
+
+
+def profile(name: str, args, lower, f, *, threaded: bool = False) -> dict:
+  """Compiles `lower(*args)`, warms it up and traces its calls; returns the summary row of `name`.
+
+  `threaded`: the call donates its first argument and returns the next one first (a train step's
+  state).
+  """
+  t0 = time.perf_counter()
+  compiled = lower(*args).compile()   # called directly: one compile
+  hlo_text = compiled.as_text()
+
+  def call(args):
+    out = compiled(*args)
+    return out, ((out[0],) + tuple(args[1:]) if threaded else args)
+
+  out, args = call(args)
+  jax.block_until_ready(out)
+  compile_s = time.perf_counter() - t0
+  for _ in range(f.warmup):
+    out, args = call(args)
+    jax.block_until_ready(out)
+  logdir = tempfile.mkdtemp(prefix="profile_step_")
+  try:
+    with jax.profiler.trace(logdir, create_perfetto_trace=True):
+      t0 = time.perf_counter()
+      outs = []
+      for _ in range(f.calls):
+        out, args = call(args)
+        outs.append(out[1] if threaded else out)
+      jax.block_until_ready((outs, args))
+      wall_ms = 1e3 * (time.perf_counter() - t0) / f.calls
+    found = glob.glob(os.path.join(logdir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not found:
+      raise RuntimeError(f"no perfetto_trace.json.gz under {logdir}")
+    with gzip.open(found[0], "rt") as fh:
+      trace = json.load(fh)
+    if f.keep_traces:
+      os.makedirs(f.workdir, exist_ok=True)
+      shutil.copy(found[0], os.path.join(f.workdir, f"trace_{name}.json.gz"))
+      with open(os.path.join(f.workdir, f"hlo_{name}.txt"), "w") as fh:
+        fh.write(hlo_text)
+  finally:
+    shutil.rmtree(logdir, ignore_errors=True)
+  row = dict(target=name, wall_ms=wall_ms, compile_s=compile_s, **summarize(trace, hlo_text, f.calls,
+                                                                            f.top))
+  return row
+
+
+def layer_target(mixer: str, f):
+  dtype = jnp.dtype(f.dtype)
+  layer = layer_benchmark.build(mixer, width=f.width, heads=f.num_heads, impl=f.impl, dtype=dtype)
+  fn, params = layer_benchmark.step_fn(layer)
+  x = jax.random.normal(jax.random.key(0), (max(1, f.tokens // f.seq_len), f.seq_len, f.width),
+                        jnp.float32).astype(dtype)
+  return dict(args=(params, x), lower=fn.lower)
+
+
+def lm_target(pattern: str, f):
+  """train.py's jitted step of the LM `pattern` and its first (state, batch)."""
+  f.pattern, f.batch_size, f.steps = pattern, max(1, f.tokens // f.seq_len), 1
+  config = sharded_throughput.train_config()
+  source = data.make_source(config.data)
+  model_config = config.lm_config(source.vocab_size)
+  setup = train.setup_training(config, model_config)
+  return dict(args=(setup.state, setup.place(source.batch("train", config.data.seed, 0))),
+              lower=setup.lower, threaded=True)
+
+
+def table(row) -> list[str]:
+  lines = [f"### {row['target']}: wall {row['wall_ms']:.3f} ms a call, kernels {row['kernel_ms']:.3f} ms "
+           f"({row['kernels_per_call']:.0f} kernels a call; {row['unmatched_ms']:.3f} ms not matched to "
+           f"HLO), compile {row['compile_s']:.1f} s", "",
+           "| source line | pass | ms a call | share |", "| --- | --- | --- | --- |"]
+  share = lambda ms: f"{100 * ms / max(row['kernel_ms'], 1e-9):.1f}%"
+  lines += [f"| {r['where']} | {r['direction']} | {r['ms']:.3f} | {share(r['ms'])} |" for r in row["lines"]]
+  lines += ["", "| kernel | ms a call |", "| --- | --- |"]
+  lines += [f"| `{r['name']}` | {r['ms']:.3f} |" for r in row["kernels"]]
+  return lines + [""]
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  f = FLAGS
+  train.quiet_logs()
+  if f.share_kernel_compiles and jax.default_backend() == "gpu":
+    shared_compiles.enable()
+  rows = []
+  os.makedirs(f.workdir, exist_ok=True)
+  targets = [(f"layer_{m}", lambda m=m: layer_target(m, f)) for m in f.mixers]
+  targets += [(f"lm_{p}_T{f.seq_len}", lambda p=p: lm_target(p, f)) for p in f.patterns]
+  for name, make in targets:
+    try:
+      t = make()
+      rows.append(profile(name, t["args"], t["lower"], f, threaded=t.get("threaded", False)))
+    except Exception as e:  # a target that cannot run here says why
+      rows.append(dict(target=name, error=f"{type(e).__name__}: {str(e)[:400]}"))
+    print(json.dumps({k: v for k, v in rows[-1].items() if k in ("target", "wall_ms", "kernel_ms",
+                                                                   "error")}), flush=True)
+    with open(os.path.join(f.workdir, "profile.json"), "w") as fh:
+      json.dump(rows, fh, indent=1)
+    lines = [f"Profile, {jax.devices()[0].device_kind}, jax {jax.__version__}", ""]
+    for r in rows:
+      lines += [f"### {r['target']}: {r['error']}", ""] if "error" in r else table(r)
+    with open(os.path.join(f.workdir, "profile.md"), "w") as fh:
+      fh.write("\n".join(lines))
+  print(open(os.path.join(f.workdir, "profile.md")).read())
+
+
+if __name__ == "__main__":
+  for name, value in dict(width=1024, num_heads=8, seq_len=4096, impl="pallas", dtype="bfloat16",
+                          workdir="runs/profile_step").items():
+    FLAGS.set_default(name, value)
+  app.run(main)
