@@ -277,6 +277,7 @@ def main(argv):
     with open(os.path.join(f.workdir, "profile.md"), "w") as fh:
       fh.write("\n".join(lines))
   print(open(os.path.join(f.workdir, "profile.md")).read())
+  print(f"wrote {os.path.join(f.workdir, 'profile.json')}")
 
 
 if __name__ == "__main__":

@@ -153,6 +153,9 @@ def test_gate_recipes_give_the_documented_values():
     ("lm_benchmark.py", ["--patterns=G,A", "--seq_lens=32,64", "--tokens=64", "--width=16", "--depth=1",
                          "--num_heads=2", "--impl=chunk", "--chunk_size=16", "--steps=1", "--breakdown=G,A",
                          "--breakdown_seq_lens=32", "--share_kernel_compiles", "--rounds=1"], "lm.json"),
+    ("profile_step.py", ["--mixers=G", "--patterns=A", "--seq_len=32", "--tokens=64", "--width=16",
+                         "--depth=1", "--num_heads=2", "--impl=chunk", "--chunk_size=16", "--dtype=float32",
+                         "--warmup=0", "--calls=1"], "profile.json"),
     ("embedding_grad.py", ["--vocabs=64", "--tokens=2,32", "--width=16", "--iters=1", "--stream=2"],
      "embedding_grad.json"),
     ("compile_time.py", ["--pattern=G", "--impl=chunk", "--width=32", "--depth=1", "--num_heads=2",
@@ -186,6 +189,14 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
       assert 0 <= ms["check pair rel rms"] < 1e-2, ms
     if "forward streamed check" in stages:   # other roundings (fused_streamed.streamed_walk)
       assert 0 <= ms["check forward streamed rel rms"] < 1e-2, ms
+  if script == "profile_step.py":  # each kernel of the trace found in the compiled module
+    with open(tmp_path / output, encoding="utf-8") as f:
+      rows = {r["target"]: r for r in json.load(f)}
+    assert set(rows) == {"layer_G", "lm_A_T32"} and all("error" not in r for r in rows.values()), rows
+    for r in rows.values():
+      assert r["kernel_ms"] > 0 and r["unmatched_ms"] < 0.1 * r["kernel_ms"], r
+    assert any(line["where"].startswith("linear_attention_jax/layers/conv.py")
+               and line["direction"] == "bwd" for line in rows["layer_G"]["lines"])
   if script == "compile_time.py":  # the unroll changes the program, not what it computes
     with open(tmp_path / output, encoding="utf-8") as f:
       runs = json.load(f)["results"]
