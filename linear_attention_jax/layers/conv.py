@@ -12,8 +12,6 @@ cache is the last `W - 1` inputs, so a decode step is exact, not an approximatio
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -21,65 +19,6 @@ from flax import nnx
 from linear_attention_jax.sharding.rules import axes
 
 ACTIVATIONS = {"silu": jax.nn.silu, "swish": jax.nn.silu, "identity": lambda x: x}
-
-
-def _activation_grad(name: str, pre):
-  """d act / d pre at `pre` (float32)."""
-  if name == "identity":
-    return jnp.ones_like(pre)
-  s = jax.nn.sigmoid(pre)
-  return s * (1.0 + pre * (1.0 - s))
-
-
-def _f32(x):
-  """x in float32, or float64 where it is float64 (the sums are float32 at least)."""
-  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
-
-
-def _padded(x, W: int, history=None):
-  """`[B, W - 1 + T, D]` float32: the history (zeros when None), then x."""
-  if history is None:
-    return jnp.pad(_f32(x), ((0, 0), (W - 1, 0), (0, 0)))
-  return jnp.concatenate([history.astype(jnp.float32), x.astype(jnp.float32)], axis=1)
-
-
-def _pre_activation(x, kernel, bias, history=None):
-  """`sum_w kernel[w] * x[t - W + 1 + w] (+ bias)` in float32; before x, `history` or zeros."""
-  W, T = kernel.shape[0], x.shape[1]
-  padded = _padded(x, W, history)
-  kernel = kernel.astype(padded.dtype)
-  pre = sum(padded[:, w:w + T] * kernel[w] for w in range(W))
-  return pre if bias is None else pre + bias.astype(padded.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def causal_conv(x, kernel, bias, activation: str, out_dtype):
-  """`act(causal depthwise conv(x))` along axis 1 from a zero history: x `[B, T, D]`, kernel `[W, D]`,
-  bias `[D]` or None; returns `[B, T, D]` in `out_dtype`. Its backward keeps x alone (module
-  docstring)."""
-  return ACTIVATIONS[activation](_pre_activation(x, kernel, bias)).astype(out_dtype)
-
-
-def _causal_conv_fwd(x, kernel, bias, activation, out_dtype):
-  return causal_conv(x, kernel, bias, activation, out_dtype), (x, kernel, bias)
-
-
-def _causal_conv_bwd(activation, out_dtype, residuals, dy):
-  x, kernel, bias = residuals
-  W, T = kernel.shape[0], x.shape[1]
-  pre = _pre_activation(x, kernel, bias)
-  dpre = dy.astype(pre.dtype) * _activation_grad(activation, pre)
-  k32 = kernel.astype(pre.dtype)
-  # x[s] feeds pre[s + W - 1 - w] through tap w: dx[s] = sum_w kernel[w] dpre[s + W - 1 - w]
-  ahead = jnp.pad(dpre, ((0, 0), (0, W - 1), (0, 0)))
-  dx = sum(ahead[:, W - 1 - w:W - 1 - w + T] * k32[w] for w in range(W))
-  padded = _padded(x, W)
-  dkernel = jnp.stack([jnp.sum(padded[:, w:w + T] * dpre, axis=(0, 1)) for w in range(W)])
-  dbias = None if bias is None else jnp.sum(dpre, axis=(0, 1)).astype(bias.dtype)
-  return dx.astype(x.dtype), dkernel.astype(kernel.dtype), dbias
-
-
-causal_conv.defvjp(_causal_conv_fwd, _causal_conv_bwd)
 
 
 class ShortConvolution(nnx.Module):
@@ -134,8 +73,12 @@ class ShortConvolution(nnx.Module):
     W = self.kernel_size
     if cache is not None and cache.shape != (B, W - 1, D):
       raise ValueError(f"cache must have shape [B, W - 1, D] = {(B, W - 1, D)}; got {cache.shape}")
-    bias = None if self.bias is None else self.bias[...]
-    if cache is None:
-      return causal_conv(x, self.kernel[...], bias, self.activation, jnp.dtype(self.dtype)), None
-    pre = _pre_activation(x, self.kernel[...], bias, cache)
-    return ACTIVATIONS[self.activation](pre).astype(self.dtype), _padded(x, W, cache)[:, T:]
+    x32 = x.astype(jnp.float32)
+    history = jnp.zeros((B, W - 1, D), jnp.float32) if cache is None else cache.astype(jnp.float32)
+    padded = jnp.concatenate([history, x32], axis=1)  # [B, W - 1 + T, D]
+    kernel = self.kernel[...].astype(jnp.float32)
+    y = sum(padded[:, w:w + T] * kernel[w] for w in range(W))
+    if self.bias is not None:
+      y = y + self.bias[...].astype(jnp.float32)
+    y = ACTIVATIONS[self.activation](y).astype(self.dtype)
+    return y, (None if cache is None else padded[:, T:])

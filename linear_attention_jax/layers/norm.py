@@ -9,15 +9,12 @@ All normalise over the last axis in float32 and return the layer dtype.
                                                             the scale towards 1, not 0)
 
   GatedRMSNorm:  y = x / sqrt(mean(x^2) + eps) * weight * act(gate)     (GLA, Gated DeltaNet, KDA;
-                 without a gate it is a plain RMSNorm, as DeltaNet uses it; its gradient is written
-                 out in `gated_rms_norm`, which keeps no float32 copies for the backward)
+                 without a gate it is a plain RMSNorm, as DeltaNet uses it)
   HeadGroupNorm: y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias  (RetNet's GroupNorm with one
                  group per head)
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,52 +23,6 @@ from flax import nnx
 from linear_attention_jax.sharding.rules import axes
 
 GATE_ACTIVATIONS = {"swish": jax.nn.silu, "silu": jax.nn.silu, "sigmoid": jax.nn.sigmoid}
-
-
-def _gate_and_grad(activation: str, gate):
-  """`(act(gate), act'(gate))`."""
-  s = jax.nn.sigmoid(gate)
-  if activation == "sigmoid":
-    return s, s * (1.0 - s)
-  return gate * s, s * (1.0 + gate * (1.0 - s))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def gated_rms_norm(x, weight, gate, eps: float, activation: str, out_dtype):
-  """`x / sqrt(mean(x^2) + eps) * weight * act(gate)` over the last axis in float32, in `out_dtype`;
-  `gate` None for none. The backward keeps x, the weight and the gate as they came (no float32
-  copies) and recomputes the rest."""
-  ct = jnp.promote_types(x.dtype, jnp.float32)   # float32 at least
-  x32 = x.astype(ct)
-  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  y = y * weight.astype(ct)
-  if gate is not None:
-    y = y * GATE_ACTIVATIONS[activation](gate.astype(ct))
-  return y.astype(out_dtype)
-
-
-def _gated_rms_norm_fwd(x, weight, gate, eps, activation, out_dtype):
-  return gated_rms_norm(x, weight, gate, eps, activation, out_dtype), (x, weight, gate)
-
-
-def _gated_rms_norm_bwd(eps, activation, out_dtype, residuals, dy):
-  x, weight, gate = residuals
-  ct = jnp.promote_types(x.dtype, jnp.float32)
-  x32, w, dy = x.astype(ct), weight.astype(ct), dy.astype(ct)
-  r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  n = x32 * r
-  if gate is None:
-    a, dgate = 1.0, None
-  else:
-    a, da = _gate_and_grad(activation, gate.astype(ct))
-    dgate = (dy * n * w * da).astype(gate.dtype)
-  u = dy * a * w   # d loss / d n
-  dx = r * (u - n * jnp.mean(u * n, axis=-1, keepdims=True))
-  dweight = jnp.sum((dy * a * n).reshape(-1, x.shape[-1]), axis=0)
-  return dx.astype(x.dtype), dweight.astype(weight.dtype), dgate
-
-
-gated_rms_norm.defvjp(_gated_rms_norm_fwd, _gated_rms_norm_bwd)
 
 
 class RMSNorm(nnx.Module):
@@ -118,7 +69,12 @@ class GatedRMSNorm(nnx.Module):
       raise ValueError(f"x must end in {self.features} features; got shape {x.shape}")
     if gate is not None and gate.shape != x.shape:
       raise ValueError(f"gate must have x's shape {x.shape}; got {gate.shape}")
-    return gated_rms_norm(x, self.weight[...], gate, self.eps, self.activation, jnp.dtype(self.dtype))
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    y = y * self.weight[...].astype(jnp.float32)
+    if gate is not None:
+      y = y * GATE_ACTIVATIONS[self.activation](gate.astype(jnp.float32))
+    return y.astype(self.dtype)
 
 
 class HeadGroupNorm(nnx.Module):

@@ -156,6 +156,8 @@ def test_gate_recipes_give_the_documented_values():
     ("profile_step.py", ["--mixers=G", "--patterns=A", "--seq_len=32", "--tokens=64", "--width=16",
                          "--depth=1", "--num_heads=2", "--impl=chunk", "--chunk_size=16", "--dtype=float32",
                          "--warmup=0", "--calls=1"], "profile.json"),
+    ("conv_benchmark.py", ["--B=2", "--T=9", "--D=8", "--W=4", "--dtype=float32", "--iters=1", "--stream=2"],
+     "conv.json"),
     ("embedding_grad.py", ["--vocabs=64", "--tokens=2,32", "--width=16", "--iters=1", "--stream=2"],
      "embedding_grad.json"),
     ("compile_time.py", ["--pattern=G", "--impl=chunk", "--width=32", "--depth=1", "--num_heads=2",
@@ -197,6 +199,11 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
       assert r["kernel_ms"] > 0 and r["unmatched_ms"] < 0.1 * r["kernel_ms"], r
     assert any(line["where"].startswith("linear_attention_jax/layers/conv.py")
                and line["direction"] == "bwd" for line in rows["layer_G"]["lines"])
+  if script == "conv_benchmark.py":  # the three forms compute one function and its gradients
+    with open(tmp_path / output, encoding="utf-8") as f:
+      rows = json.load(f)["rows"]
+    assert [r["form"] for r in rows] == ["sum", "vjp", "xlaconv"]
+    assert all(err < 1e-5 for r in rows for err in r["max_rel_diff"].values()), rows
   if script == "compile_time.py":  # the unroll changes the program, not what it computes
     with open(tmp_path / output, encoding="utf-8") as f:
       runs = json.load(f)["results"]
