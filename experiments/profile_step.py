@@ -16,6 +16,8 @@ name when XLA names the kernel after its fusion) and so to the `source_file:sour
 
 - kernel time per call (the sum of the kernels' durations; gaps between kernels are not in it) next to
   the wall time per call of the same calls;
+- that time by part of the step (`PARTS`: the Mosaic kernels, cuDNN attention, the gemms, the short
+  convolutions, the norms, ...), from each kernel's name and source line;
 - the time of each source line (the innermost frame in this project's code), forward and backward apart (an `op_name` holding `transpose(` is the
   backward), largest first;
 - the largest kernels by name.
@@ -144,11 +146,38 @@ def device_kernels(trace: dict) -> list[dict]:
           and "dur" in e]
 
 
+# (part, test on the kernel's name and source line), first match wins; the rest is "other"
+PARTS = (
+    ("Mosaic GPU kernels", lambda name, where: "mosaic_gpu" in name),
+    ("cuDNN attention", lambda name, where: "cudnn" in name or "sdpa" in name),
+    ("gemms (projections, MLPs, head)", lambda name, where: name.startswith(("nvjet", "gemm_fusion",
+                                                                             "cutlass", "sm90_xmma"))
+     or "nn/linear.py" in where),
+    ("short convolutions", lambda name, where: "layers/conv.py" in where),
+    ("block RMSNorms", lambda name, where: "nnx/nn/normalization.py" in where),
+    ("mixer output norms", lambda name, where: "layers/norm.py" in where),
+    ("rotary embedding", lambda name, where: "layers/rope.py" in where),
+    ("MLP elementwise", lambda name, where: "layers/mlp.py" in where),
+    ("kernel glue (XLA around the kernels)", lambda name, where: "pallas_kernels/" in where),
+    ("XLA chunked form and ops", lambda name, where: "linear_attention_jax/ops/" in where),
+    ("mixer gates", lambda name, where: where.startswith("linear_attention_jax/layers/")
+     and "gates" in where),
+    ("optimizer", lambda name, where: "optax/" in where and "losses" not in where),
+    ("embedding, head, loss", lambda name, where: any(s in where for s in (
+        "layers/embed.py", "models/lm.py", "optax/losses", "experiments/train.py")))
+)
+
+
+def part_of(name: str, where: str) -> str:
+  """The part of a step a kernel belongs to (`PARTS`), from its name and source line."""
+  return next((part for part, test in PARTS if test(name, where)), "other")
+
+
 def summarize(trace: dict, hlo_text: str, calls: int, top: int) -> dict:
   """Kernel time per call, by source line and by kernel name (module docstring)."""
   meta = hlo_sources(hlo_text)
   kernels = device_kernels(trace)
-  by_line = collections.Counter()
+  by_line, by_part = collections.Counter(), collections.Counter()
   by_name, unmatched = collections.Counter(), collections.Counter()
   total = 0.0
   for e in kernels:
@@ -163,9 +192,11 @@ def summarize(trace: dict, hlo_text: str, calls: int, top: int) -> dict:
     else:
       where, direction = source_of(meta[key])
     by_line[(where, direction)] += dur
+    by_part[part_of(e["name"], where)] += dur
     by_name[e["name"][:80]] += dur
   return dict(
       kernel_ms=total, kernels_per_call=len(kernels) / calls,
+      parts=[dict(part=p, ms=ms) for p, ms in by_part.most_common()],
       lines=[dict(where=w, direction=d, ms=ms) for (w, d), ms in by_line.most_common(top)],
       kernels=[dict(name=n, ms=ms) for n, ms in by_name.most_common(top)],
       unmatched_ms=sum(unmatched.values()))
@@ -242,8 +273,10 @@ def table(row) -> list[str]:
   lines = [f"### {row['target']}: wall {row['wall_ms']:.3f} ms a call, kernels {row['kernel_ms']:.3f} ms "
            f"({row['kernels_per_call']:.0f} kernels a call; {row['unmatched_ms']:.3f} ms not matched to "
            f"HLO), compile {row['compile_s']:.1f} s", "",
-           "| source line | pass | ms a call | share |", "| --- | --- | --- | --- |"]
+           "| part | ms a call | share |", "| --- | --- | --- |"]
   share = lambda ms: f"{100 * ms / max(row['kernel_ms'], 1e-9):.1f}%"
+  lines += [f"| {r['part']} | {r['ms']:.3f} | {share(r['ms'])} |" for r in row["parts"]]
+  lines += ["", "| source line | pass | ms a call | share |", "| --- | --- | --- | --- |"]
   lines += [f"| {r['where']} | {r['direction']} | {r['ms']:.3f} | {share(r['ms'])} |" for r in row["lines"]]
   lines += ["", "| kernel | ms a call |", "| --- | --- |"]
   lines += [f"| `{r['name']}` | {r['ms']:.3f} |" for r in row["kernels"]]

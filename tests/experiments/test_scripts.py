@@ -199,6 +199,9 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
       assert r["kernel_ms"] > 0 and r["unmatched_ms"] < 0.1 * r["kernel_ms"], r
     assert any(line["where"].startswith("linear_attention_jax/layers/conv.py")
                and line["direction"] == "bwd" for line in rows["layer_G"]["lines"])
+    parts = {p["part"]: p["ms"] for p in rows["layer_G"]["parts"]}   # by part, summing to the total
+    assert parts["short convolutions"] > 0 and parts["XLA chunked form and ops"] > 0, parts
+    assert sum(parts.values()) == pytest.approx(rows["layer_G"]["kernel_ms"])
   if script == "conv_benchmark.py":  # the three forms compute one function and its gradients
     with open(tmp_path / output, encoding="utf-8") as f:
       rows = json.load(f)["rows"]
