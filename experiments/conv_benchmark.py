@@ -4,7 +4,8 @@
 
 Forms (`--forms`), each `silu(causal depthwise conv(x))` with W taps from a zero history, differentiated
 in x and the kernel:
-  sum:    the taps' shifted sum in float32, differentiated by autodiff;
+  sum:    the library's `ShortConvolution` (the taps' shifted sum in float32, differentiated by
+          autodiff);
   vjp:    the same sum with a written-out backward (`causal_conv` below) that keeps x alone and
           recomputes the pre-activation: measured slower than `sum` on an H200 (NOTES.md v46), so
           the library's `ShortConvolution` keeps autodiff's;
@@ -29,7 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from flax import nnx
+
 from experiments.layer_benchmark import time_it
+from linear_attention_jax.layers import ShortConvolution
 
 FORMS = ("sum", "vjp", "xlaconv")
 flags.DEFINE_list("forms", list(FORMS), f"Forms to time: {FORMS}.")
@@ -44,11 +48,11 @@ flags.DEFINE_string("workdir", "runs/conv_benchmark", "Where conv.json and conv.
 FLAGS = flags.FLAGS
 
 
-def conv_sum(x, kernel):
-  W, T = kernel.shape[0], x.shape[1]
-  padded = jnp.pad(x.astype(jnp.float32), ((0, 0), (W - 1, 0), (0, 0)))
-  y = sum(padded[:, w:w + T] * kernel[w] for w in range(W))
-  return jax.nn.silu(y).astype(x.dtype)
+def conv_library(x, kernel):
+  """The library's `ShortConvolution` (no cache) with this kernel."""
+  conv = ShortConvolution(x.shape[-1], kernel.shape[0], dtype=x.dtype, rngs=nnx.Rngs(0))
+  conv.kernel.value = kernel
+  return conv(x)[0]
 
 
 def _pre(x, kernel):
@@ -59,7 +63,7 @@ def _pre(x, kernel):
 
 @jax.custom_vjp
 def causal_conv(x, kernel):
-  """`conv_sum` with the backward written out: keeps x (its dtype) and the kernel alone."""
+  """The same sum with the backward written out: keeps x (its dtype) and the kernel alone."""
   return jax.nn.silu(_pre(x, kernel)).astype(x.dtype)
 
 
@@ -93,7 +97,7 @@ def conv_xla(x, kernel):
 
 
 def form_fn(form: str):
-  return {"sum": conv_sum, "vjp": causal_conv, "xlaconv": conv_xla}[form]
+  return {"sum": conv_library, "vjp": causal_conv, "xlaconv": conv_xla}[form]
 
 
 def step(form: str):
