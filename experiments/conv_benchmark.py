@@ -4,8 +4,11 @@
 
 Forms (`--forms`), each `silu(causal depthwise conv(x))` with W taps from a zero history, differentiated
 in x and the kernel:
-  sum:    the library's `ShortConvolution` (the taps' shifted sum in float32, differentiated by
-          autodiff);
+  sum:    the library's `ShortConvolution(impl="xla")` (the taps' shifted sum in float32,
+          differentiated by autodiff);
+  pallas: the library's `ShortConvolution(impl="pallas")` (the Mosaic GPU kernels,
+          `linear_attention_jax.pallas_kernels.gpu.conv`), one row per `--blocks` entry ("auto": the
+          kernels' own choice, or "BTxBD": tokens x channels a program);
   vjp:    the same sum with a written-out backward (`causal_conv` below) that keeps x alone and
           recomputes the pre-activation: measured slower than `sum` on an H200 (NOTES.md v46), so
           the library's `ShortConvolution` keeps autodiff's;
@@ -18,6 +21,7 @@ its scale. Writes `{workdir}/conv.json` and `conv.md`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -34,9 +38,13 @@ from flax import nnx
 
 from experiments.layer_benchmark import time_it
 from linear_attention_jax.layers import ShortConvolution
+from linear_attention_jax.pallas_kernels import gpu
+from linear_attention_jax.pallas_kernels.gpu import conv as conv_kernels
 
-FORMS = ("sum", "vjp", "xlaconv")
+FORMS = ("sum", "pallas", "vjp", "xlaconv")
 flags.DEFINE_list("forms", list(FORMS), f"Forms to time: {FORMS}.")
+flags.DEFINE_list("blocks", ["auto"], "The pallas form's program blocks: 'auto' or 'BTxBD' (e.g. 64x256).")
+flags.DEFINE_bool("interpret", False, "Run the pallas form in the Mosaic GPU interpreter (CPU smoke runs).")
 flags.DEFINE_integer("B", 8, "Batch.")
 flags.DEFINE_integer("T", 4096, "Sequence length.")
 flags.DEFINE_integer("D", 1024, "Channels.")
@@ -48,11 +56,25 @@ flags.DEFINE_string("workdir", "runs/conv_benchmark", "Where conv.json and conv.
 FLAGS = flags.FLAGS
 
 
-def conv_library(x, kernel):
+def conv_library(x, kernel, impl="xla"):
   """The library's `ShortConvolution` (no cache) with this kernel."""
-  conv = ShortConvolution(x.shape[-1], kernel.shape[0], dtype=x.dtype, rngs=nnx.Rngs(0))
+  conv = ShortConvolution(x.shape[-1], kernel.shape[0], dtype=x.dtype, impl=impl, rngs=nnx.Rngs(0))
   conv.kernel.value = kernel
   return conv(x)[0]
+
+
+def conv_blocks(block: str):
+  """The kernels with the program blocks `block` ("auto" or "BTxBD"), as the library calls them."""
+  if block == "auto":
+    return lambda x, kernel: conv_library(x, kernel, impl="pallas")
+  bt, bd = (int(v) for v in block.split("x"))
+
+  def run(x, kernel):
+    B, _, D = x.shape
+    head = jnp.zeros((B, kernel.shape[0] - 1, D), jnp.float32)
+    return conv_kernels.short_conv(x, kernel, jnp.zeros((D,), jnp.float32), head, block_t=bt,
+                                   block_d=bd)
+  return run
 
 
 def _pre(x, kernel):
@@ -97,11 +119,13 @@ def conv_xla(x, kernel):
 
 
 def form_fn(form: str):
+  if form.startswith("pallas"):
+    return conv_blocks(form.partition(":")[2] or "auto")
   return {"sum": conv_library, "vjp": causal_conv, "xlaconv": conv_xla}[form]
 
 
 def step(form: str):
-  """A jitted `(x, kernel, dy) -> (y, dx, dkernel)`."""
+  """A jitted `(x, kernel, dy) -> (y, dx, dkernel)`; form "pallas:BLOCK" for a block of the kernels."""
   f = form_fn(form)
 
   def run(x, kernel, dy):
@@ -121,10 +145,16 @@ def main(argv):
   kernel = jax.random.uniform(keys[1], (f.W, f.D), jnp.float32, -0.5, 0.5)
   dy = jax.random.normal(keys[2], (f.B, f.T, f.D), jnp.float32).astype(dtype)
   rows, ref = [], None
-  for form in f.forms:
-    fn = step(form)
-    outs = jax.block_until_ready(fn(x, kernel, dy))
-    single, stream = time_it(fn, (x, kernel, dy), iters=f.iters, stream=f.stream)
+  bad = [form for form in f.forms if form not in FORMS]
+  if bad:
+    raise app.UsageError(f"--forms: unknown {bad}; known {FORMS}")
+  forms = [x for form in f.forms
+           for x in ([f"pallas:{b}" for b in f.blocks] if form == "pallas" else [form])]
+  for form in forms:
+    with (gpu.interpret_kernels() if f.interpret else contextlib.nullcontext()):
+      fn = step(form)
+      outs = jax.block_until_ready(fn(x, kernel, dy))
+      single, stream = time_it(fn, (x, kernel, dy), iters=f.iters, stream=f.stream)
     outs = [np.asarray(o, np.float32) for o in outs]
     if ref is None:
       ref = outs

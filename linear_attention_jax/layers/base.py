@@ -100,7 +100,8 @@ class LinearMixer(nnx.Module):
     self.q_proj = linear(width, H * head_dim, axes=("embed", "heads"), **kw)
     self.k_proj = linear(width, H * head_dim, axes=("embed", "heads"), **kw)
     self.v_proj = linear(width, Hv * head_v_dim, axes=("embed", "heads"), **kw)
-    if use_short_conv:
+    if use_short_conv:   # the convolutions' kernels where the op's kernels are wanted
+      kw["impl"] = "auto" if impl in ("pallas", "auto") else "xla"
       self.q_conv = ShortConvolution(H * head_dim, conv_size, axis="heads", **kw)
       self.k_conv = ShortConvolution(H * head_dim, conv_size, axis="heads", **kw)
       self.v_conv = ShortConvolution(Hv * head_v_dim, conv_size, axis="heads", **kw)

@@ -8,6 +8,13 @@ context (token shifts, n-grams) that the compressed state is bad at. For a windo
 
 with x_s = 0 before the sequence start, or the cached inputs when decoding continues a sequence. The
 cache is the last `W - 1` inputs, so a decode step is exact, not an approximation.
+
+`impl`: "xla" (the shifted sum, autodiff'd by XLA), "pallas" (two Mosaic GPU kernels on Hopper,
+`linear_attention_jax.pallas_kernels.gpu.conv`: each pass reads its inputs once; raises where they do
+not serve the call, saying why) or "auto" (the kernels where they serve the call, else the shifted sum).
+The mixers pass "auto" when their own impl is "pallas" or "auto", else "xla". Under
+`sharding.use_rules` the kernels run per device (`jax.shard_map` over batch rows and channels); a
+sequence split takes the shifted sum, which XLA partitions.
 """
 
 from __future__ import annotations
@@ -16,9 +23,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from linear_attention_jax.sharding.rules import axes
+from linear_attention_jax.pallas_kernels.gpu import conv as conv_kernels
+from linear_attention_jax.sharding.rules import axes, axis_size, current_rules, to_spec
 
 ACTIVATIONS = {"silu": jax.nn.silu, "swish": jax.nn.silu, "identity": lambda x: x}
+IMPLS = ("xla", "pallas", "auto")
 
 
 class ShortConvolution(nnx.Module):
@@ -32,15 +41,18 @@ class ShortConvolution(nnx.Module):
   """
 
   def __init__(self, features: int, kernel_size: int = 4, *, use_bias: bool = False,
-               activation: str = "silu", axis: str | None = None, dtype=jnp.float32,
-               param_dtype=jnp.float32, rngs: nnx.Rngs):
+               activation: str = "silu", axis: str | None = None, impl: str = "auto",
+               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
     if not isinstance(kernel_size, int) or kernel_size < 1:
       raise ValueError(f"kernel_size (the conv width) must be an integer >= 1; got {kernel_size!r}")
     if features < 1:
       raise ValueError(f"features must be >= 1; got {features=}")
     if activation not in ACTIVATIONS:
       raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}; got {activation!r}")
+    if impl not in IMPLS:
+      raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
     self.features, self.kernel_size, self.activation = features, kernel_size, activation
+    self.impl, self.axis = impl, axis
     self.dtype = dtype
     # PyTorch's Conv1d default for a depthwise conv: U(-1/sqrt(W), 1/sqrt(W)), fan-in W.
     bound = kernel_size ** -0.5
@@ -73,8 +85,16 @@ class ShortConvolution(nnx.Module):
     W = self.kernel_size
     if cache is not None and cache.shape != (B, W - 1, D):
       raise ValueError(f"cache must have shape [B, W - 1, D] = {(B, W - 1, D)}; got {cache.shape}")
-    x32 = x.astype(jnp.float32)
     history = jnp.zeros((B, W - 1, D), jnp.float32) if cache is None else cache.astype(jnp.float32)
+    kernel_call = self._kernel_call(x)
+    if kernel_call is not None:
+      bias = (jnp.zeros((D,), jnp.float32) if self.bias is None
+              else self.bias[...].astype(jnp.float32))
+      y = kernel_call(x, self.kernel[...].astype(jnp.float32), bias, history)
+      if cache is None:
+        return y, None
+      return y, jnp.concatenate([history, x.astype(jnp.float32)], axis=1)[:, T:]
+    x32 = x.astype(jnp.float32)
     padded = jnp.concatenate([history, x32], axis=1)  # [B, W - 1 + T, D]
     kernel = self.kernel[...].astype(jnp.float32)
     y = sum(padded[:, w:w + T] * kernel[w] for w in range(W))
@@ -82,3 +102,40 @@ class ShortConvolution(nnx.Module):
       y = y + self.bias[...].astype(jnp.float32)
     y = ACTIVATIONS[self.activation](y).astype(self.dtype)
     return y, (None if cache is None else padded[:, T:])
+
+  def kernel_reason(self, x_shape, dtype) -> str | None:
+    """None if the Mosaic GPU kernels serve a call on `x: [B, T, D]` of `dtype` (on this backend, per
+    device under sharding rules), else why not."""
+    shape = tuple(x_shape)
+    rules = current_rules()
+    if rules is not None and len(shape) == 3:
+      mesh, table = rules
+      b, s, d = to_spec(("batch", "seq", self.axis), table, mesh)
+      if axis_size(mesh, s) > 1:
+        return "the sequence is split over devices: the kernels keep no windows across shards"
+      shape = (shape[0] // axis_size(mesh, b), shape[1], shape[2] // axis_size(mesh, d))
+    activation = "silu" if self.activation == "swish" else self.activation
+    return conv_kernels.reason(shape, self.kernel_size, activation, dtype)
+
+  def _kernel_call(self, x):
+    """The kernels' function `(x, kernel, bias, history) -> y` for this call, or None for the shifted
+    sum (impl "xla", or "auto" where the kernels do not serve it)."""
+    if self.impl == "xla":
+      return None
+    why = self.kernel_reason(x.shape, x.dtype)
+    if why is not None:
+      if self.impl == "pallas":
+        raise ValueError(f"ShortConvolution(impl='pallas') cannot serve x of shape {x.shape}: {why}")
+      return None
+    activation = "silu" if self.activation == "swish" else self.activation
+    call = lambda x, k, b, h: conv_kernels.short_conv(x, k, b, h, activation=activation,
+                                                      out_dtype=self.dtype)
+    rules = current_rules()
+    if rules is None:
+      return call
+    mesh, table = rules
+    b, _, d = to_spec(("batch", "seq", self.axis), table, mesh)
+    rows = jax.sharding.PartitionSpec(b, None, d)
+    return jax.shard_map(call, mesh=mesh, out_specs=rows,
+                         in_specs=(rows, jax.sharding.PartitionSpec(None, d),
+                                   jax.sharding.PartitionSpec(d), rows))

@@ -156,7 +156,8 @@ def test_gate_recipes_give_the_documented_values():
     ("profile_step.py", ["--mixers=G", "--patterns=A", "--seq_len=32", "--tokens=64", "--width=16",
                          "--depth=1", "--num_heads=2", "--impl=chunk", "--chunk_size=16", "--dtype=float32",
                          "--warmup=0", "--calls=1"], "profile.json"),
-    ("conv_benchmark.py", ["--B=2", "--T=9", "--D=8", "--W=4", "--dtype=float32", "--iters=1", "--stream=2"],
+    ("conv_benchmark.py", ["--B=1", "--T=16", "--D=128", "--W=4", "--dtype=float32", "--iters=1", "--stream=1",
+                           "--interpret", "--blocks=auto,8x128"],
      "conv.json"),
     ("embedding_grad.py", ["--vocabs=64", "--tokens=2,32", "--width=16", "--iters=1", "--stream=2"],
      "embedding_grad.json"),
@@ -202,10 +203,10 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
     parts = {p["part"]: p["ms"] for p in rows["layer_G"]["parts"]}   # by part, summing to the total
     assert parts["short convolutions"] > 0 and parts["XLA chunked form and ops"] > 0, parts
     assert sum(parts.values()) == pytest.approx(rows["layer_G"]["kernel_ms"])
-  if script == "conv_benchmark.py":  # the three forms compute one function and its gradients
+  if script == "conv_benchmark.py":  # every form computes one function and its gradients
     with open(tmp_path / output, encoding="utf-8") as f:
       rows = json.load(f)["rows"]
-    assert [r["form"] for r in rows] == ["sum", "vjp", "xlaconv"]
+    assert [r["form"] for r in rows] == ["sum", "pallas:auto", "pallas:8x128", "vjp", "xlaconv"]
     assert all(err < 1e-5 for r in rows for err in r["max_rel_diff"].values()), rows
   if script == "compile_time.py":  # the unroll changes the program, not what it computes
     with open(tmp_path / output, encoding="utf-8") as f:

@@ -1,0 +1,320 @@
+"""The short convolution (`linear_attention_jax.layers.ShortConvolution`) as two Mosaic GPU kernels:
+forward and backward, each reading its inputs once.
+
+    y_t = act(pre_t),   pre_t = sum_{w < W} kernel[w] * x_{t - W + 1 + w} + bias
+
+with x before the sequence's start taken from `head` (the cached window, or zeros). One program a
+(batch row, block of `bt` tokens, block of `bd` channels) copies its tokens and the `W - 1` before them
+(a halo of `HALO` rows) into shared memory and walks them in order, each thread holding its own channels:
+the window of the last `W - 1` inputs stays in registers, so a token costs W multiply-adds a channel and
+the whole pass moves x in and y out once. The layer's XLA form (autodiff of a shifted sum) moves, in its
+backward, a float32 `act'(pre) dy` that four reductions and dx read again; here
+
+    dpre_s = act'(pre_s) dy_s
+    dx_t   = sum_w kernel[w] dpre_{t + W - 1 - w}          (the next `W - 1` tokens: a halo after the block)
+    dkernel[w] = sum_t dpre_t x_{t - W + 1 + w},   dbias = sum_t dpre_t
+
+each program writes dx for its tokens and its block's partial sums of dkernel and dbias (`[B, NT, W + 1, D]`
+float32), which XLA adds up; the programs of the first block also write d(head), the gradient of the
+window before the sequence.
+
+Everything is float32 in registers (x, the window, pre, dpre), rounded once to the output dtype, as the
+XLA form computes it; the sum over taps runs in the same order (w = 0 first).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from .interpret import interpreting
+from .plan import hopper_reason
+from .tiles import F32, vary_like
+
+HALO = 8          # rows kept before (and, in the backward, after) a block: W - 1 <= HALO
+BLOCK_T = (64, 32, 16, 8)     # tokens a program, the largest that divides T
+BLOCK_D = (256, 128)          # channels a program, the largest that divides D
+UNROLL = 8                    # tokens a loop iteration
+ACTIVATIONS = ("silu", "identity")
+
+
+def blocks(T: int, D: int, block_t: int | None = None, block_d: int | None = None):
+  """`(bt, bd)` for a `[B, T, D]` input (the largest of BLOCK_T, BLOCK_D that divide T and D, or the
+  sizes given), or None where none divides it."""
+  bt = next((b for b in BLOCK_T if T % b == 0), None) if block_t is None else block_t
+  bd = next((b for b in BLOCK_D if D % b == 0), None) if block_d is None else block_d
+  if bt is None or bd is None:
+    return None
+  if T % bt or D % bd or bt % UNROLL or bt < HALO or bd % 128:
+    raise ValueError(f"block_t={bt} must divide T={T}, be a multiple of {UNROLL} and >= {HALO}; "
+                     f"block_d={bd} must divide D={D} and be a multiple of 128")
+  return bt, bd
+
+
+def reason(x_shape, kernel_size: int, activation: str, dtype, backend: str | None = None) -> str | None:
+  """None if the kernels serve a convolution of `x: [B, T, D]` (dtype `dtype`) with `kernel_size` taps
+  and `activation`, else why not."""
+  why = hopper_reason(backend)
+  if why is not None:
+    return why
+  if len(x_shape) != 3:
+    return f"x must be [B, T, D]; got shape {tuple(x_shape)}"
+  _, T, D = x_shape
+  if blocks(T, D) is None:
+    return (f"the kernels need T a multiple of {BLOCK_T[-1]} and D a multiple of {BLOCK_D[-1]}; "
+            f"got T={T}, D={D}")
+  if not 1 <= kernel_size <= HALO + 1:
+    return f"the kernels serve 1 <= kernel_size <= {HALO + 1}; got {kernel_size}"
+  if activation not in ACTIVATIONS:
+    return f"the kernels serve the activations {ACTIVATIONS}; got {activation!r}"
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(F32)):
+    return f"the kernels serve bfloat16, float16 and float32 inputs; got {jnp.dtype(dtype)}"
+  return None
+
+
+def _act(activation, pre):
+  if activation == "identity":
+    return pre
+  return pre / (1.0 + jnp.exp(-pre))
+
+
+def _act_grad(activation, pre):
+  """d act / d pre."""
+  if activation == "identity":
+    return jnp.ones_like(pre)
+  s = 1.0 / (1.0 + jnp.exp(-pre))
+  return s * (1.0 + pre * (1.0 - s))
+
+
+def _params():
+  return plgpu.CompilerParams(approx_math=False)
+
+
+def _interpret(interpret):
+  return interpreting() if interpret is None else interpret
+
+
+def _staged(kernel, bias, head):
+  """`(params [W + 1, D], head_rows [B, HALO, D])` float32: the taps and bias as one array, and the window
+  before the sequence as the HALO rows ending at its first token."""
+  W = kernel.shape[0]
+  params = jnp.concatenate([kernel.astype(F32), bias.astype(F32)[None]], axis=0)
+  return params, jnp.pad(head.astype(F32), [(0, 0), (HALO - (W - 1), 0), (0, 0)])
+
+
+def _forward(x, kernel, bias, head, *, activation: str, out_dtype, block_t=None, block_d=None,
+             interpret=None):
+  """y `[B, T, D]` in `out_dtype`; `kernel [W, D]`, `bias [D]`, `head [B, W - 1, D]` float32."""
+  B, T, D = x.shape
+  W = kernel.shape[0]
+  bt, bd = blocks(T, D, block_t, block_d)
+  NT, ND = T // bt, D // bd
+  back = W - 1
+  params, head_rows = _staged(kernel, bias, head)
+  in_place = jnp.dtype(out_dtype) == x.dtype   # y of token i overwrites x of token i, once read
+  scratch = dict(x_s=plgpu.SMEM((HALO + bt, bd), x.dtype), p_s=plgpu.SMEM((W + 1, bd), F32),
+                 h_s=plgpu.SMEM((HALO, bd), F32), bar=plgpu.Barrier(num_arrivals=3),
+                 bar_halo=plgpu.Barrier(num_arrivals=1))
+  if not in_place:
+    scratch["y_s"] = plgpu.SMEM((bt, bd), out_dtype)
+
+  def body(x_r, p_r, h_r, y_r, x_s, p_s, h_s, bar, bar_halo, y_s=None):
+    b, n, c = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("c")
+    cols = pl.ds(c * bd, bd)
+    out = x_s.at[pl.ds(HALO, bt)] if in_place else y_s
+    plgpu.copy_gmem_to_smem(x_r.at[b, pl.ds(n * bt, bt), cols], x_s.at[pl.ds(HALO, bt)], bar)
+    plgpu.copy_gmem_to_smem(p_r.at[:, cols], p_s, bar)
+    plgpu.copy_gmem_to_smem(h_r.at[b, :, cols], h_s, bar)
+
+    @pl.when(n > 0)
+    def _():
+      plgpu.copy_gmem_to_smem(x_r.at[b, pl.ds(n * bt - HALO, HALO), cols], x_s.at[pl.ds(0, HALO)],
+                              bar_halo)
+      plgpu.barrier_wait(bar_halo)
+
+    plgpu.barrier_wait(bar)
+    taps = [p_s[w] for w in range(W)]
+    bias_row = p_s[W]
+    first = lax.broadcast(n == 0, (bd,))   # select_n does not broadcast a scalar predicate
+    window = tuple(jnp.where(first, h_s[HALO - back + j], x_s[HALO - back + j].astype(F32))
+                   for j in range(back))
+
+    def token(i, window):
+      xi = x_s[HALO + i].astype(F32)
+      rows = window + (xi,)
+      pre = taps[0] * rows[0]
+      for w in range(1, W):
+        pre = pre + taps[w] * rows[w]
+      out[i] = _act(activation, pre + bias_row).astype(out_dtype)
+      return rows[1:]
+
+    def unrolled(u, window):
+      for j in range(UNROLL):
+        window = token(u * UNROLL + j, window)
+      return window
+
+    lax.fori_loop(0, bt // UNROLL, unrolled, window)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out, y_r.at[b, pl.ds(n * bt, bt), cols])
+    plgpu.wait_smem_to_gmem(0)
+
+  args = (x, params, head_rows)
+  (y,) = vary_like([plgpu.kernel(
+      body, out_type=(jax.ShapeDtypeStruct((B, T, D), out_dtype),), scratch_types=scratch,
+      grid=(B, NT, ND), grid_names=("b", "n", "c"), compiler_params=_params(),
+      interpret=_interpret(interpret), kernel_name="short_conv_fwd")(*args)[0]], args)
+  return y
+
+
+def _backward(x, kernel, bias, head, dy, *, activation: str, block_t=None, block_d=None,
+              interpret=None):
+  """`(dx [B, T, D] in x's dtype, dkernel [W, D], dbias [D], dhead [B, W - 1, D])`, float32 but dx."""
+  B, T, D = x.shape
+  W = kernel.shape[0]
+  bt, bd = blocks(T, D, block_t, block_d)
+  NT, ND = T // bt, D // bd
+  back = W - 1
+  params, head_rows = _staged(kernel, bias, head)
+  # dx of token i - W + 1 is complete after token i (whose dy is read): it overwrites that token's dy
+  in_place = dy.dtype == x.dtype
+  scratch = dict(x_s=plgpu.SMEM((HALO + bt + HALO, bd), x.dtype),
+                 dy_s=plgpu.SMEM((bt + HALO, bd), dy.dtype),
+                 p_s=plgpu.SMEM((W + 1, bd), F32), h_s=plgpu.SMEM((HALO, bd), F32),
+                 bar=plgpu.Barrier(num_arrivals=4), bar_before=plgpu.Barrier(num_arrivals=1),
+                 bar_after=plgpu.Barrier(num_arrivals=2))
+  if not in_place:
+    scratch["dx_s"] = plgpu.SMEM((bt, bd), x.dtype)
+
+  def body(x_r, dy_r, p_r, h_r, dx_r, g_r, dh_r, x_s, dy_s, p_s, h_s, bar, bar_before, bar_after,
+           dx_s=None):
+    b, n, c = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("c")
+    cols = pl.ds(c * bd, bd)
+    rows_t = pl.ds(n * bt, bt)
+    out = dy_s if in_place else dx_s
+    plgpu.copy_gmem_to_smem(x_r.at[b, rows_t, cols], x_s.at[pl.ds(HALO, bt)], bar)
+    plgpu.copy_gmem_to_smem(dy_r.at[b, rows_t, cols], dy_s.at[pl.ds(0, bt)], bar)
+    plgpu.copy_gmem_to_smem(p_r.at[:, cols], p_s, bar)
+    plgpu.copy_gmem_to_smem(h_r.at[b, :, cols], h_s, bar)
+    first, last = n == 0, n == NT - 1
+    first_v, last_v = lax.broadcast(first, (bd,)), lax.broadcast(last, (bd,))   # for select_n
+
+    @pl.when(n > 0)
+    def _():
+      plgpu.copy_gmem_to_smem(x_r.at[b, pl.ds(n * bt - HALO, HALO), cols], x_s.at[pl.ds(0, HALO)],
+                              bar_before)
+      plgpu.barrier_wait(bar_before)
+
+    @pl.when(n < NT - 1)
+    def _():
+      after = pl.ds((n + 1) * bt, HALO)
+      plgpu.copy_gmem_to_smem(x_r.at[b, after, cols], x_s.at[pl.ds(HALO + bt, HALO)], bar_after)
+      plgpu.copy_gmem_to_smem(dy_r.at[b, after, cols], dy_s.at[pl.ds(bt, HALO)], bar_after)
+      plgpu.barrier_wait(bar_after)
+
+    plgpu.barrier_wait(bar)
+    taps = [p_s[w] for w in range(W)]
+    bias_row = p_s[W]
+    zero = jnp.zeros_like(bias_row)
+    window = tuple(jnp.where(first_v, h_s[HALO - back + j], x_s[HALO - back + j].astype(F32))
+                   for j in range(back))
+
+    def token(i, carry, *, inside: bool):
+      """Token t0 + i: its dpre, its share of dkernel (tokens of the block only) and of dx of the W
+      tokens ending at it; dx of token t0 + i - W + 1 is then complete and returned."""
+      window, partial, sums = carry
+      xi = x_s[HALO + i].astype(F32)
+      rows = window + (xi,)
+      pre = taps[0] * rows[0]
+      for w in range(1, W):
+        pre = pre + taps[w] * rows[w]
+      dpre = _act_grad(activation, pre + bias_row) * dy_s[i].astype(F32)
+      if not inside:   # after the block: past the sequence's end in the last block (rows not read)
+        dpre = jnp.where(last_v, zero, dpre)
+      if inside:
+        sums = tuple(s + dpre * r for s, r in zip(sums[:W], rows)) + (sums[W] + dpre,)
+      grown = partial + (zero,)       # dx of tokens t0 + i - W + 1 ... t0 + i
+      grown = tuple(d + taps[j] * dpre for j, d in enumerate(grown))
+      return (rows[1:], grown[1:], sums), grown[0]
+
+    def emit(i, done):
+      out[i - back] = done.astype(out.dtype)
+
+    def unrolled(u, carry):
+      for j in range(UNROLL):
+        carry, done = token(u * UNROLL + j, carry, inside=True)
+        emit(u * UNROLL + j, done)
+      return carry
+
+    carry = (window, (zero,) * back, (zero,) * (W + 1))
+    # the first W - 1 tokens complete dx of the tokens before the block: d(head) in the first block
+    before = []
+    for i in range(back):
+      carry, done = token(i, carry, inside=True)
+      before.append(done)
+    for i in range(back, UNROLL):   # the rest of the first group of UNROLL tokens
+      carry, done = token(i, carry, inside=True)
+      emit(i, done)
+    carry = lax.fori_loop(1, bt // UNROLL, unrolled, carry)
+    for i in range(bt, bt + back):
+      carry, done = token(i, carry, inside=False)
+      emit(i, done)
+    _, _, sums = carry
+    for w in range(W + 1):   # the taps were read into registers: p_s takes the block's sums
+      p_s[w] = sums[w]
+    for j in range(back):
+      h_s[HALO - back + j] = before[j]
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out.at[pl.ds(0, bt)], dx_r.at[b, rows_t, cols])
+    plgpu.copy_smem_to_gmem(p_s, g_r.at[b, n, :, cols])
+
+    @pl.when(first)
+    def _():
+      plgpu.copy_smem_to_gmem(h_s, dh_r.at[b, :, cols])
+
+    plgpu.wait_smem_to_gmem(0)
+
+  args = (x, dy, params, head_rows)
+  out_type = (jax.ShapeDtypeStruct((B, T, D), x.dtype), jax.ShapeDtypeStruct((B, NT, W + 1, D), F32),
+              jax.ShapeDtypeStruct((B, HALO, D), F32))
+  dx, partial, dhead = vary_like(plgpu.kernel(
+      body, out_type=out_type, scratch_types=scratch, grid=(B, NT, ND), grid_names=("b", "n", "c"),
+      compiler_params=_params(), interpret=_interpret(interpret),
+      kernel_name="short_conv_bwd")(*args), args)
+  sums = jnp.sum(partial, axis=(0, 1))
+  return dx, sums[:W], sums[W], dhead[:, HALO - back:]
+
+
+def short_conv(x, kernel, bias, head, *, activation: str = "silu", out_dtype=None,
+               block_t: int | None = None, block_d: int | None = None):
+  """The module docstring's y for x `[B, T, D]`, kernel `[W, D]`, bias `[D]` and head `[B, W - 1, D]`
+  (the inputs before x), in `out_dtype` (default x's); differentiable in all four. block_t, block_d:
+  the tokens and channels of a program (default `blocks`). Callers check `reason(...)` first."""
+  out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
+  return _short_conv(x, kernel, bias, head, (activation, out_dtype, block_t, block_d))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _short_conv(x, kernel, bias, head, static):
+  activation, out_dtype, block_t, block_d = static
+  return _forward(x, kernel, bias, head, activation=activation, out_dtype=out_dtype, block_t=block_t,
+                  block_d=block_d)
+
+
+def _fwd(x, kernel, bias, head, static):
+  return _short_conv(x, kernel, bias, head, static), (x, kernel, bias, head)
+
+
+def _bwd(static, res, dy):
+  activation, _, block_t, block_d = static
+  x, kernel, bias, head = res
+  dx, dkernel, dbias, dhead = _backward(x, kernel, bias, head, dy, activation=activation,
+                                        block_t=block_t, block_d=block_d)
+  return (dx, dkernel.astype(kernel.dtype), dbias.astype(bias.dtype), dhead.astype(head.dtype))
+
+
+_short_conv.defvjp(_fwd, _bwd)
