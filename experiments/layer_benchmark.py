@@ -11,7 +11,9 @@ same run.
 
 Mixers (`--mixers`): A softmax attention; L linear attention; R retention; F GLA; D DeltaNet;
 G Gated DeltaNet (V = K); G2 Gated DeltaNet with V = 2K (the paper's); K KimiDeltaAttention; Kb KDA
-with the bounded gate (`gate_lower_bound=-5`). Writes `{workdir}/layers.json` and `layers.md`; with
+with the bounded gate (`gate_lower_bound=-5`). A mixer with the suffix ":xlaconv" (e.g. `G:xlaconv`) runs
+its short convolutions as XLA's shifted sum (`ShortConvolution(impl="xla")`) rather than the kernels
+that `impl=pallas`/`auto` give them, for the two side by side. Writes `{workdir}/layers.json` and `layers.md`; with
 several `--T`, also `layers.png`: each mixer's time per token against T next to softmax attention's,
 and the T from which each mixer is faster.
 """
@@ -39,6 +41,16 @@ MIXERS = ("A", "L", "R", "F", "D", "G", "G2", "K", "Kb")
 
 def build(mixer: str, *, width: int, heads: int, impl: str, dtype):
   """The layer of `mixer` (module docstring), bfloat16 compute over float32 parameters."""
+  name, _, variant = mixer.partition(":")
+  if variant not in ("", "xlaconv"):
+    raise ValueError(f"mixer suffix must be ':xlaconv' or none; got {mixer!r}")
+  layer = _build(name, width=width, heads=heads, impl=impl, dtype=dtype)
+  for conv in getattr(layer, "convs", ()) if variant else ():
+    conv.impl = "xla"
+  return layer
+
+
+def _build(mixer: str, *, width: int, heads: int, impl: str, dtype):
   kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
   K = width // heads
   match mixer:

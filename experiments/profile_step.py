@@ -147,13 +147,14 @@ def device_kernels(trace: dict) -> list[dict]:
 
 
 # (part, test on the kernel's name and source line), first match wins; the rest is "other"
-PARTS = (
+PARTS = (   # the first part that matches a kernel takes it
+    ("short convolutions", lambda name, where: "short_conv" in name or "layers/conv.py" in where
+     or "pallas_kernels/gpu/conv.py" in where),
     ("Mosaic GPU kernels", lambda name, where: "mosaic_gpu" in name),
     ("cuDNN attention", lambda name, where: "cudnn" in name or "sdpa" in name),
     ("gemms (projections, MLPs, head)", lambda name, where: name.startswith(("nvjet", "gemm_fusion",
                                                                              "cutlass", "sm90_xmma"))
      or "nn/linear.py" in where),
-    ("short convolutions", lambda name, where: "layers/conv.py" in where),
     ("block RMSNorms", lambda name, where: "nnx/nn/normalization.py" in where),
     ("mixer output norms", lambda name, where: "layers/norm.py" in where),
     ("rotary embedding", lambda name, where: "layers/rope.py" in where),
