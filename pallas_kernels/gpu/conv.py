@@ -37,9 +37,9 @@ from .plan import hopper_reason
 from .tiles import F32, vary_like
 
 HALO = 8          # rows kept before (and, in the backward, after) a block: W - 1 <= HALO
-BLOCK_T = (64, 32, 16, 8)     # tokens a program, the largest that divides T
-BLOCK_D = (256, 128)          # channels a program, the largest that divides D
-UNROLL = 8                    # tokens a loop iteration
+BLOCK_T = (32, 16, 8)         # tokens a program, the largest that divides T (32: NOTES v47)
+BLOCK_D = (128,)              # channels a program (128: NOTES v47; 256 is allowed by block_d)
+UNROLL = 4                    # tokens a loop iteration (8: twice the kernels' lowering time, NOTES v47)
 ACTIVATIONS = ("silu", "identity")
 
 
@@ -95,10 +95,6 @@ def _params():
   return plgpu.CompilerParams(approx_math=False)
 
 
-def _interpret(interpret):
-  return interpreting() if interpret is None else interpret
-
-
 def _staged(kernel, bias, head):
   """`(params [W + 1, D], head_rows [B, HALO, D])` float32: the taps and bias as one array, and the window
   before the sequence as the HALO rows ending at its first token."""
@@ -107,6 +103,10 @@ def _staged(kernel, bias, head):
   return params, jnp.pad(head.astype(F32), [(0, 0), (HALO - (W - 1), 0), (0, 0)])
 
 
+# jitted, so that every call at the same shapes (a model's q, k, v convolutions in every layer) shares
+# one traced jaxpr, which XLA's lowering emits once: each kernel's lowering costs seconds (NOTES v47)
+@functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "block_t", "block_d",
+                                             "interpret"))
 def _forward(x, kernel, bias, head, *, activation: str, out_dtype, block_t=None, block_d=None,
              interpret=None):
   """y `[B, T, D]` in `out_dtype`; `kernel [W, D]`, `bias [D]`, `head [B, W - 1, D]` float32."""
@@ -167,10 +167,11 @@ def _forward(x, kernel, bias, head, *, activation: str, out_dtype, block_t=None,
   (y,) = vary_like([plgpu.kernel(
       body, out_type=(jax.ShapeDtypeStruct((B, T, D), out_dtype),), scratch_types=scratch,
       grid=(B, NT, ND), grid_names=("b", "n", "c"), compiler_params=_params(),
-      interpret=_interpret(interpret), kernel_name="short_conv_fwd")(*args)[0]], args)
+      interpret=interpret, kernel_name="short_conv_fwd")(*args)[0]], args)
   return y
 
 
+@functools.partial(jax.jit, static_argnames=("activation", "block_t", "block_d", "interpret"))
 def _backward(x, kernel, bias, head, dy, *, activation: str, block_t=None, block_d=None,
               interpret=None):
   """`(dx [B, T, D] in x's dtype, dkernel [W, D], dbias [D], dhead [B, W - 1, D])`, float32 but dx."""
@@ -256,10 +257,11 @@ def _backward(x, kernel, bias, head, dy, *, activation: str, block_t=None, block
     for i in range(back):
       carry, done = token(i, carry, inside=True)
       before.append(done)
-    for i in range(back, UNROLL):   # the rest of the first group of UNROLL tokens
+    start = -(-back // UNROLL) * UNROLL   # the rest of the groups of UNROLL tokens that hold them
+    for i in range(back, start):
       carry, done = token(i, carry, inside=True)
       emit(i, done)
-    carry = lax.fori_loop(1, bt // UNROLL, unrolled, carry)
+    carry = lax.fori_loop(start // UNROLL, bt // UNROLL, unrolled, carry)
     for i in range(bt, bt + back):
       carry, done = token(i, carry, inside=False)
       emit(i, done)
@@ -283,7 +285,7 @@ def _backward(x, kernel, bias, head, dy, *, activation: str, block_t=None, block
               jax.ShapeDtypeStruct((B, HALO, D), F32))
   dx, partial, dhead = vary_like(plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, NT, ND), grid_names=("b", "n", "c"),
-      compiler_params=_params(), interpret=_interpret(interpret),
+      compiler_params=_params(), interpret=interpret,
       kernel_name="short_conv_bwd")(*args), args)
   sums = jnp.sum(partial, axis=(0, 1))
   return dx, sums[:W], sums[W], dhead[:, HALO - back:]
@@ -295,14 +297,15 @@ def short_conv(x, kernel, bias, head, *, activation: str = "silu", out_dtype=Non
   (the inputs before x), in `out_dtype` (default x's); differentiable in all four. block_t, block_d:
   the tokens and channels of a program (default `blocks`). Callers check `reason(...)` first."""
   out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
-  return _short_conv(x, kernel, bias, head, (activation, out_dtype, block_t, block_d))
+  # the interpreter switch is read here: the jitted kernels' caches key on it
+  return _short_conv(x, kernel, bias, head, (activation, out_dtype, block_t, block_d, interpreting()))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _short_conv(x, kernel, bias, head, static):
-  activation, out_dtype, block_t, block_d = static
+  activation, out_dtype, block_t, block_d, interpret = static
   return _forward(x, kernel, bias, head, activation=activation, out_dtype=out_dtype, block_t=block_t,
-                  block_d=block_d)
+                  block_d=block_d, interpret=interpret)
 
 
 def _fwd(x, kernel, bias, head, static):
@@ -310,10 +313,10 @@ def _fwd(x, kernel, bias, head, static):
 
 
 def _bwd(static, res, dy):
-  activation, _, block_t, block_d = static
+  activation, _, block_t, block_d, interpret = static
   x, kernel, bias, head = res
   dx, dkernel, dbias, dhead = _backward(x, kernel, bias, head, dy, activation=activation,
-                                        block_t=block_t, block_d=block_d)
+                                        block_t=block_t, block_d=block_d, interpret=interpret)
   return (dx, dkernel.astype(kernel.dtype), dbias.astype(bias.dtype), dhead.astype(head.dtype))
 
 
