@@ -32,6 +32,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from .. import common
 from .interpret import interpreting
 from .plan import hopper_reason
 from .tiles import F32, vary_like
@@ -317,7 +318,9 @@ def _bwd(static, res, dy):
   x, kernel, bias, head = res
   dx, dkernel, dbias, dhead = _backward(x, kernel, bias, head, dy, activation=activation,
                                         block_t=block_t, block_d=block_d, interpret=interpret)
-  return (dx, dkernel.astype(kernel.dtype), dbias.astype(bias.dtype), dhead.astype(head.dtype))
+  # under shard_map, the taps' and bias' sums are this shard's rows only: add the other rows' shards
+  grads = (dx, dkernel.astype(kernel.dtype), dbias.astype(bias.dtype), dhead.astype(head.dtype))
+  return tuple(common.sum_over_extra_axes(g, p) for g, p in zip(grads, res))
 
 
 _short_conv.defvjp(_fwd, _bwd)

@@ -136,3 +136,40 @@ def test_kernels_export_for_hopper(dtype):
                             platforms=["cuda"])(*args).mlir_module()
   assert fwd.count("custom_call @mosaic_gpu") == 1 and "short_conv_fwd" in fwd
   assert bwd.count("custom_call @mosaic_gpu") == 2 and "short_conv_bwd" in bwd
+
+
+def test_layer_runs_the_kernels_per_shard_under_sharding_rules(monkeypatch):
+  """Under `use_rules` the layer's kernels run under `shard_map` (rows over "data", channels over
+  "tensor"), exported for a 2 x 2 H200 mesh; a sequence split says why it keeps the shifted sum. (The
+  Mosaic GPU interpreter simulates one device, so the split's numerics are not run here: per device the
+  kernels see an ordinary call of a depthwise convolution.)"""
+  from jax._src.mesh import AbstractDevice as Device
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from linear_attention_jax.sharding import use_rules
+  # the export targets a Hopper GPU from this CPU: the kernels' backend check is asserted, as
+  # `hopper_reason(backend="hopper")` does for the ops' export tests
+  monkeypatch.setattr(conv, "hopper_reason", lambda backend=None: None)
+  mesh = AbstractMesh((2, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2,   # as make_mesh
+                      abstract_device=Device(device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+  layer = ShortConvolution(1024, 4, impl="pallas", axis="heads", dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(layer)
+
+  def loss(params, x):
+    with use_rules(mesh, "tp"):
+      y, _ = nnx.merge(graphdef, params)(x)
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+
+  rows = NamedSharding(mesh, P("data", None, "tensor"))
+  x = jax.ShapeDtypeStruct((4, 1024, 1024), jnp.bfloat16, sharding=rows)
+  with jax.sharding.use_abstract_mesh(mesh):
+    exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1))), platforms=["cuda"])(params, x)
+  module = exported.mlir_module()
+  assert exported.nr_devices == 4
+  assert module.count("custom_call @mosaic_gpu") == 2 and "short_conv_bwd" in module
+  # per device under shard_map, the taps' and bias' per-row-shard sums added over "data"
+  assert "sdy.manual_computation" in module and "all_reduce" in module
+  seq_mesh = AbstractMesh((2, 2), ("data", "seq"), axis_types=(AxisType.Auto,) * 2)
+  with use_rules(seq_mesh, "cp"):
+    assert "sequence is split" in layer.kernel_reason((4, 1024, 1024), jnp.bfloat16)
