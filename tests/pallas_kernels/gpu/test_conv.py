@@ -49,26 +49,30 @@ CASES = {   # B, T, D, W, activation, blocks (bt, bd) or None
 }
 
 
-# bfloat16 on one case: the interpreter's time goes to the float32 cases
-@pytest.mark.parametrize("case,dtype", [(c, "float32") for c in CASES] + [("three_blocks", "bfloat16")])
+# bfloat16 on one case (the interpreter's time goes to the float32 cases); "mixed": float32 x, bfloat16
+# y and dy (no buffer is shared in place then)
+@pytest.mark.parametrize("case,dtype", [(c, "float32") for c in CASES] + [("three_blocks", "bfloat16"),
+                                                                          ("width_one", "mixed")])
 def test_kernels_match_the_float64_loop(case, dtype):
   B, T, D, W, activation, blocks = CASES[case]
   ks = jax.random.split(jax.random.key(W), 5)
-  dt = jnp.dtype(dtype)
+  dt = jnp.dtype("float32" if dtype == "mixed" else dtype)
+  out = jnp.dtype("bfloat16" if dtype == "mixed" else dtype)
   x = jax.random.normal(ks[0], (B, T, D)).astype(dt)
   kernel = jax.random.uniform(ks[1], (W, D), minval=-1, maxval=1)
   bias = 0.3 * jax.random.normal(ks[2], (D,))
   head = jax.random.normal(ks[3], (B, W - 1, D))
-  dy = jax.random.normal(ks[4], (B, T, D)).astype(dt)
+  dy = jax.random.normal(ks[4], (B, T, D)).astype(out)
   bt, bd = blocks or (None, None)
   with gpu.interpret_kernels():
-    y, pull = jax.vjp(lambda *a: conv.short_conv(*a, activation=activation, block_t=bt, block_d=bd),
-                      x, kernel, bias, head)
+    y, pull = jax.vjp(lambda *a: conv.short_conv(*a, activation=activation, out_dtype=out, block_t=bt,
+                                                 block_d=bd), x, kernel, bias, head)
     grads = pull(dy)
   want = loop(x, kernel, bias, head, dy, activation)
   # float32: each value within float32 rounding of the loop's; bfloat16: y and dx are rounded once
   # to bfloat16 (relative 2^-8), the float32 sums (taps, bias, head) only differ by the rounded inputs
-  tol = dict(float32=(2e-5, 2e-5), bfloat16=(1e-2, 1e-2))[dtype]
+  tol = dict(float32=(2e-5, 2e-5), bfloat16=(1e-2, 1e-2), mixed=(1e-2, 1e-2))[dtype]
+  assert y.dtype == out and grads[0].dtype == dt
   for name, got, ref in zip(("y", "dx", "dkernel", "dbias", "dhead"), (y, *grads), want):
     got = np.asarray(got, np.float64)
     assert got.shape == ref.shape, name
