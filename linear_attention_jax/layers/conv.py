@@ -107,15 +107,25 @@ class ShortConvolution(nnx.Module):
     """None if the Mosaic GPU kernels serve a call on `x: [B, T, D]` of `dtype` (on this backend, per
     device under sharding rules), else why not."""
     shape = tuple(x_shape)
-    rules = current_rules()
-    if rules is not None and len(shape) == 3:
-      mesh, table = rules
-      b, s, d = to_spec(("batch", "seq", self.axis), table, mesh)
+    split = self._split()
+    if split is not None and len(shape) == 3:
+      mesh, b, s, d = split
       if axis_size(mesh, s) > 1:
         return "the sequence is split over devices: the kernels keep no windows across shards"
       shape = (shape[0] // axis_size(mesh, b), shape[1], shape[2] // axis_size(mesh, d))
-    activation = "silu" if self.activation == "swish" else self.activation
-    return conv_kernels.reason(shape, self.kernel_size, activation, dtype)
+    return conv_kernels.reason(shape, self.kernel_size, self._kernel_activation, dtype)
+
+  @property
+  def _kernel_activation(self) -> str:
+    return "silu" if self.activation == "swish" else self.activation
+
+  def _split(self):
+    """Under `sharding.use_rules`: `(mesh, batch, seq, channel)` mesh axes of x; else None."""
+    rules = current_rules()
+    if rules is None:
+      return None
+    mesh, table = rules
+    return (mesh, *to_spec(("batch", "seq", self.axis), table, mesh))
 
   def _kernel_call(self, x):
     """The kernels' function `(x, kernel, bias, history) -> y` for this call, or None for the shifted
@@ -127,14 +137,12 @@ class ShortConvolution(nnx.Module):
       if self.impl == "pallas":
         raise ValueError(f"ShortConvolution(impl='pallas') cannot serve x of shape {x.shape}: {why}")
       return None
-    activation = "silu" if self.activation == "swish" else self.activation
-    call = lambda x, k, b, h: conv_kernels.short_conv(x, k, b, h, activation=activation,
+    call = lambda x, k, b, h: conv_kernels.short_conv(x, k, b, h, activation=self._kernel_activation,
                                                       out_dtype=self.dtype)
-    rules = current_rules()
-    if rules is None:
+    split = self._split()
+    if split is None:
       return call
-    mesh, table = rules
-    b, _, d = to_spec(("batch", "seq", self.axis), table, mesh)
+    mesh, b, _, d = split
     rows = jax.sharding.PartitionSpec(b, None, d)
     return jax.shard_map(call, mesh=mesh, out_specs=rows,
                          in_specs=(rows, jax.sharding.PartitionSpec(None, d),

@@ -104,6 +104,36 @@ def _staged(kernel, bias, head):
   return params, jnp.pad(head.astype(F32), [(0, 0), (HALO - (W - 1), 0), (0, 0)])
 
 
+def _geometry(x, kernel, block_t, block_d):
+  """`(B, T, D, W, bt, bd, NT, ND)`: the call's sizes, its program blocks and the grid."""
+  B, T, D = x.shape
+  bt, bd = blocks(T, D, block_t, block_d)
+  return B, T, D, kernel.shape[0], bt, bd, T // bt, D // bd
+
+
+def _copy_rows_before(x_r, x_s, b, n, bt, cols, bar):
+  """Outside the first block, the HALO tokens before block `n` into `x_s`'s first rows (waited for)."""
+  @pl.when(n > 0)
+  def _():
+    plgpu.copy_gmem_to_smem(x_r.at[b, pl.ds(n * bt - HALO, HALO), cols], x_s.at[pl.ds(0, HALO)], bar)
+    plgpu.barrier_wait(bar)
+
+
+def _first_window(first, h_s, x_s, back):
+  """The `back` inputs before the block's first token, float32: the staged head in the first block
+  (`first`, a predicate row: select_n does not broadcast a scalar one), else the rows before it."""
+  return tuple(jnp.where(first, h_s[HALO - back + j], x_s[HALO - back + j].astype(F32))
+               for j in range(back))
+
+
+def _pre(taps, rows):
+  """`sum_w taps[w] rows[w]`, w = 0 first (the shifted sum's order)."""
+  pre = taps[0] * rows[0]
+  for tap, row in zip(taps[1:], rows[1:]):
+    pre = pre + tap * row
+  return pre
+
+
 # jitted, so that every call at the same shapes (a model's q, k, v convolutions in every layer) shares
 # one traced jaxpr, which XLA's lowering emits once: each kernel's lowering costs seconds (NOTES v47)
 @functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "block_t", "block_d",
@@ -111,10 +141,7 @@ def _staged(kernel, bias, head):
 def _forward(x, kernel, bias, head, *, activation: str, out_dtype, block_t=None, block_d=None,
              interpret=None):
   """y `[B, T, D]` in `out_dtype`; `kernel [W, D]`, `bias [D]`, `head [B, W - 1, D]` float32."""
-  B, T, D = x.shape
-  W = kernel.shape[0]
-  bt, bd = blocks(T, D, block_t, block_d)
-  NT, ND = T // bt, D // bd
+  B, T, D, W, bt, bd, NT, ND = _geometry(x, kernel, block_t, block_d)
   back = W - 1
   params, head_rows = _staged(kernel, bias, head)
   in_place = jnp.dtype(out_dtype) == x.dtype   # y of token i overwrites x of token i, once read
@@ -132,26 +159,16 @@ def _forward(x, kernel, bias, head, *, activation: str, out_dtype, block_t=None,
     plgpu.copy_gmem_to_smem(p_r.at[:, cols], p_s, bar)
     plgpu.copy_gmem_to_smem(h_r.at[b, :, cols], h_s, bar)
 
-    @pl.when(n > 0)
-    def _():
-      plgpu.copy_gmem_to_smem(x_r.at[b, pl.ds(n * bt - HALO, HALO), cols], x_s.at[pl.ds(0, HALO)],
-                              bar_halo)
-      plgpu.barrier_wait(bar_halo)
-
+    _copy_rows_before(x_r, x_s, b, n, bt, cols, bar_halo)
     plgpu.barrier_wait(bar)
     taps = [p_s[w] for w in range(W)]
     bias_row = p_s[W]
-    first = lax.broadcast(n == 0, (bd,))   # select_n does not broadcast a scalar predicate
-    window = tuple(jnp.where(first, h_s[HALO - back + j], x_s[HALO - back + j].astype(F32))
-                   for j in range(back))
+    window = _first_window(lax.broadcast(n == 0, (bd,)), h_s, x_s, back)
 
     def token(i, window):
       xi = x_s[HALO + i].astype(F32)
       rows = window + (xi,)
-      pre = taps[0] * rows[0]
-      for w in range(1, W):
-        pre = pre + taps[w] * rows[w]
-      out[i] = _act(activation, pre + bias_row).astype(out_dtype)
+      out[i] = _act(activation, _pre(taps, rows) + bias_row).astype(out_dtype)
       return rows[1:]
 
     def unrolled(u, window):
@@ -176,10 +193,7 @@ def _forward(x, kernel, bias, head, *, activation: str, out_dtype, block_t=None,
 def _backward(x, kernel, bias, head, dy, *, activation: str, block_t=None, block_d=None,
               interpret=None):
   """`(dx [B, T, D] in x's dtype, dkernel [W, D], dbias [D], dhead [B, W - 1, D])`, float32 but dx."""
-  B, T, D = x.shape
-  W = kernel.shape[0]
-  bt, bd = blocks(T, D, block_t, block_d)
-  NT, ND = T // bt, D // bd
+  B, T, D, W, bt, bd, NT, ND = _geometry(x, kernel, block_t, block_d)
   back = W - 1
   params, head_rows = _staged(kernel, bias, head)
   # dx of token i - W + 1 is complete after token i (whose dy is read): it overwrites that token's dy
@@ -205,11 +219,7 @@ def _backward(x, kernel, bias, head, dy, *, activation: str, block_t=None, block
     first, last = n == 0, n == NT - 1
     first_v, last_v = lax.broadcast(first, (bd,)), lax.broadcast(last, (bd,))   # for select_n
 
-    @pl.when(n > 0)
-    def _():
-      plgpu.copy_gmem_to_smem(x_r.at[b, pl.ds(n * bt - HALO, HALO), cols], x_s.at[pl.ds(0, HALO)],
-                              bar_before)
-      plgpu.barrier_wait(bar_before)
+    _copy_rows_before(x_r, x_s, b, n, bt, cols, bar_before)
 
     @pl.when(n < NT - 1)
     def _():
@@ -222,8 +232,7 @@ def _backward(x, kernel, bias, head, dy, *, activation: str, block_t=None, block
     taps = [p_s[w] for w in range(W)]
     bias_row = p_s[W]
     zero = jnp.zeros_like(bias_row)
-    window = tuple(jnp.where(first_v, h_s[HALO - back + j], x_s[HALO - back + j].astype(F32))
-                   for j in range(back))
+    window = _first_window(first_v, h_s, x_s, back)
 
     def token(i, carry, *, inside: bool):
       """Token t0 + i: its dpre, its share of dkernel (tokens of the block only) and of dx of the W
@@ -231,10 +240,7 @@ def _backward(x, kernel, bias, head, dy, *, activation: str, block_t=None, block
       window, partial, sums = carry
       xi = x_s[HALO + i].astype(F32)
       rows = window + (xi,)
-      pre = taps[0] * rows[0]
-      for w in range(1, W):
-        pre = pre + taps[w] * rows[w]
-      dpre = _act_grad(activation, pre + bias_row) * dy_s[i].astype(F32)
+      dpre = _act_grad(activation, _pre(taps, rows) + bias_row) * dy_s[i].astype(F32)
       if not inside:   # after the block: past the sequence's end in the last block (rows not read)
         dpre = jnp.where(last_v, zero, dpre)
       if inside:
