@@ -133,10 +133,11 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
 
 
 def _by_head_blocks(q, k, v, g, beta, *, scale, initial_state, segment_ids, out_dtype, qk_l2norm, **call):
-  """`chunked_attention` of a head dim of 256 as calls on `plan.head_blocks` (128): value blocks side by
-  side (each value column walks alone), key blocks of the additive family summed (its state and read-out
-  are sums over key channels; the state's key blocks stack). Each block is differentiable, so the
-  gradients add up through the slices. q and k are l2-normalised over the whole K before any split."""
+  """`chunked_attention` of a head dim of 256 as calls on `plan.head_blocks` (128): value blocks as
+  value heads of one call (`_as_value_heads`: each value column walks alone), key blocks of the additive
+  family summed (its state and read-out are sums over key channels; the state's key blocks stack). Each
+  block is differentiable, so the gradients add up through the slices. q and k are l2-normalised over
+  the whole K before any key split."""
   K, V = q.shape[-1], v.shape[-1]
   kb, vb = plans.head_blocks(K, V)
   if qk_l2norm and kb != K:
@@ -146,19 +147,34 @@ def _by_head_blocks(q, k, v, g, beta, *, scale, initial_state, segment_ids, out_
   rows, finals = [], []
   for i in range(0, K, kb):
     keys = slice(i, i + kb)
-    outs, states = [], []
-    for j in range(0, V, vb):
-      cols = slice(j, j + vb)
-      o, final = chunked_attention(
-          q[..., keys], k[..., keys], v[..., cols], g[..., keys] if per_channel else g, beta,
-          scale=scale, initial_state=None if initial_state is None else initial_state[:, :, keys, cols],
-          segment_ids=segment_ids, out_dtype=out_dtype, qk_l2norm=qk_l2norm, **call)
-      outs.append(o)
-      states.append(final)
-    rows.append(jnp.concatenate(outs, axis=-1) if len(outs) > 1 else outs[0])
-    finals.append(jnp.concatenate(states, axis=-1) if len(states) > 1 else states[0])
+    o, final = _as_value_heads(
+        q[..., keys], k[..., keys], v, g[..., keys] if per_channel else g, beta, vb, scale=scale,
+        initial_state=None if initial_state is None else initial_state[:, :, keys],
+        segment_ids=segment_ids, out_dtype=out_dtype, qk_l2norm=qk_l2norm, **call)
+    rows.append(o)
+    finals.append(final)
   if len(rows) == 1:
     o = rows[0]
   else:   # the key blocks' read-outs add, in float32
     o = sum(r.astype(jnp.float32) for r in rows).astype(rows[0].dtype)
   return o, jnp.concatenate(finals, axis=-2) if len(finals) > 1 else finals[0]
+
+
+def _as_value_heads(q, k, v, g, beta, vb: int, *, initial_state, **call):
+  """One `chunked_attention` call whose `V / vb` value blocks are value heads of their own: v
+  `[B, T, H_v, V]` is read as `[B, T, H_v V / vb, vb]` (no copy), each block a value head grouped on its
+  q/k head (head `h` block `j` is value head `h V / vb + j`), the gates and betas repeated per block; o
+  and the final state are read back the same way. One call, not one per block: the blocks share the
+  launches, and no slice or concatenation of v, o, dv or dq/dk sums sits between them."""
+  B, T, Hv, V = v.shape
+  K = q.shape[-1]
+  nb = V // vb
+  if nb == 1:
+    return chunked_attention(q, k, v, g, beta, initial_state=initial_state, **call)
+  per_block = lambda x: None if x is None else jnp.repeat(x, nb, axis=2)
+  h0 = None if initial_state is None else jnp.asarray(initial_state).reshape(
+      B, Hv, K, nb, vb).transpose(0, 1, 3, 2, 4).reshape(B, Hv * nb, K, vb)
+  o, final = chunked_attention(q, k, v.reshape(B, T, Hv * nb, vb), per_block(g), per_block(beta),
+                               initial_state=h0, **call)
+  final = final.reshape(B, Hv, nb, K, vb).transpose(0, 1, 3, 2, 4).reshape(B, Hv, K, V)
+  return o.reshape(B, T, Hv, V), final

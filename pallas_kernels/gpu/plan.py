@@ -246,8 +246,8 @@ def walked_columns(V: int, appended: int) -> int:
 def head_blocks(K: int, V: int) -> tuple[int, int]:
   """The (key, value) block of a call's state that one kernel call walks: the head dim itself where a
   program walks it (`KERNEL_DIMS`), else 128. Every value column walks independently in both families,
-  so V = 256 is two calls of 128 columns each (each repeats the key side's work, as a program per value
-  block would); in the additive family the state and the read-out are sums over key channels, so K = 256
+  so V = 256 runs as two value heads of 128 columns in one call (each repeats the key side's work, as a
+  program per value block would); in the additive family the state and the read-out are sums over key channels, so K = 256
   is two calls whose outputs add. The delta family's update `(I - beta k k^T)` mixes every key channel:
   its K does not split."""
   return (K if K in KERNEL_DIMS else KERNEL_DIMS[-1]), (V if V in KERNEL_DIMS else KERNEL_DIMS[-1])

@@ -26,8 +26,8 @@ def test_head_blocks_and_what_the_kernels_take():
 
 
 def test_value_blocks_of_the_delta_family():
-  # V = 256 = two calls of 128 columns: each repeats the key side; packed runs, an initial state (the
-  # gates, scalar or per key channel, go whole to every value block)
+  # V = 256 = two value heads of 128 columns in one call: each repeats the key side; packed runs, an
+  # initial state (the gates, scalar or per key channel, go whole to every value block)
   inp = make_inputs("gated_delta_rule", B=1, T=120, H=1, Hv=2, K=64, V=256, seed=41)
   check("gated_delta_rule", inp, seg=packed_runs(120), config=KERNELS)
 
@@ -70,3 +70,10 @@ def test_public_ops_reach_the_blocks():
     assert rel_rms(o, ro) < 4e-3, (variant, rel_rms(o, ro))
     for i, (a, b) in enumerate(zip(grads, rgrads)):
       assert rel_rms(a, b) < 6e-3, (variant, i, rel_rms(a, b))
+
+
+def test_value_blocks_with_per_channel_gates():
+  # KDA at V = 2K: the per-channel gates and betas repeat over the value heads the blocks become, and
+  # their gradients add back over them
+  inp = make_inputs("kda", B=1, T=70, H=1, Hv=1, K=64, V=256, seed=44)
+  check("kda", inp, config=KERNELS)
