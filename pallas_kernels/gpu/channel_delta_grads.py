@@ -78,7 +78,8 @@ def value_side(t: prep.ChunkTensors, X, states, dstates, do, v, b, *, dtype, mas
   """The value side of every chunk (module docstring), one program per chunk of one value head.
 
   Args: t the forward's prepared tensors, X `[B, H_v, NC, C, C]`, states, dstates `[B, H_v, NC, V, K]`
-    (transposed), do `[B, H_v, NC, C, V]` (the unscaled o's cotangent), v `[B, T_pad, H_v, V]`, b
+    (transposed), do `[B, T_pad, H_v, V]` (the unscaled o's cotangent, in o's token layout), v
+    `[B, T_pad, H_v, V]`, b
     `[B, H_v, T_pad]` float32 (beta), all 16-bit but b; masks None or `segment_vectors(...)`.
   Returns: u, dr `[B, H_v, T_pad, V]`, dP, dL `[B, H_v, T_pad, C]` (masked) in `dtype`; dv
     `[B, T_pad, H_v, V]` in `dtype`; `rowsum(dr v)` `[B, H_v, T_pad]` float32.
@@ -104,7 +105,7 @@ def value_side(t: prep.ChunkTensors, X, states, dstates, do, v, b, *, dtype, mas
     bi, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
     rows_t = pl.ds(n * C, C)
     copies = [(w_r.at[bi, h, rows_t], w_s), (U_r.at[bi, h, rows_t], u_s), (st_r.at[bi, h, n], st_s),
-              (p_r.at[bi, h, rows_t], p_s), (do_r.at[bi, h, rows_t], do_s), (kd_r.at[bi, h, rows_t], kd_s),
+              (p_r.at[bi, h, rows_t], p_s), (do_r.at[bi, rows_t, h], do_s), (kd_r.at[bi, h, rows_t], kd_s),
               (dst_r.at[bi, h, n], dst_s), (x_r.at[bi, h, rows_t], x_s), (v_r.at[bi, rows_t, h], v_s),
               (b_r.at[bi, h, rows_t], b_s)]
     copies += [(m_r.at[bi, j, rows_t], m_s.at[j]) for j in range(SEG_ROWS if has_seg else 0)]
@@ -148,7 +149,7 @@ def value_side(t: prep.ChunkTensors, X, states, dstates, do, v, b, *, dtype, mas
     plgpu.copy_smem_to_gmem(dl_s, dl_r.at[bi, h, rows_t])
     plgpu.wait_smem_to_gmem(0)
 
-  args = [flat(t.w), flat(t.u), states, flat(t.p), flat(do), flat(t.kd), dstates, flat(X), v, b]
+  args = [flat(t.w), flat(t.u), states, flat(t.p), do, flat(t.kd), dstates, flat(X), v, b]
   args = [x.astype(dtype) if i < 9 else x for i, x in enumerate(args)] + ([masks] if has_seg else [])
   by_head = lambda d: jax.ShapeDtypeStruct((B, Hv, T_pad, d), dtype)
   out_type = (by_head(V), by_head(V), by_head(C), by_head(C), jax.ShapeDtypeStruct((B, T_pad, Hv, V), dtype),
@@ -165,7 +166,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
   """The key side of every chunk (module docstring), one program per chunk of one value head.
 
   Args: q, k `[B, T_pad, H, K]`; G, refs as `channel.chunk_cumsum` returns them; b `[B, H_v,
-    T_pad]` float32; do, u, dr `[B, H_v, T_pad, V]`, dP, dL `[B, H_v, T_pad, C]` (value_side's);
+    T_pad]` float32; do `[B, T_pad, H_v, V]` (o's token layout), u, dr `[B, H_v, T_pad, V]`, dP, dL `[B, H_v, T_pad, C]` (value_side's);
     states, dstates `[B, H_v, NC, V, K]` (transposed); masks None or `segment_vectors(...)`.
   Returns: dq, dk `[B, T_pad, H_v, K]` (per value head) in `dtype`; dG `[B, T_pad, H_v, K]` float32
     with the last token's terms added; `rowsum(dB_k k E) + rowsum(dL M)` `[B, H_v, T_pad]` float32.
@@ -210,7 +211,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
     hk = lax.div(h, group)
     rows_t = pl.ds(n * C, C)
     cols = lambda i: pl.ds(i * HALF, HALF)
-    copies = [(do_r.at[bi, h, rows_t], do_s), (u_r.at[bi, h, rows_t], u_s), (dr_r.at[bi, h, rows_t], dr_s),
+    copies = [(do_r.at[bi, rows_t, h], do_s), (u_r.at[bi, h, rows_t], u_s), (dr_r.at[bi, h, rows_t], dr_s),
               (dp_r.at[bi, h, rows_t], dp_s), (dl_r.at[bi, h, rows_t], dl_s), (ref_r.at[bi, n, :, h], r_s),
               (b_r.at[bi, h, rows_t], b_s)]
     for i in range(KH):
@@ -387,15 +388,17 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
   pad = lambda x: jnp.pad(x.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
 
   def kernels():
-    # the cotangent of the unscaled o, rounded to the operand dtype (as the prepared path's)
-    do_c = prep.to_chunks((do.astype(F32) * scale).astype(dtype), C, T_pad)
-    dstates, dh0 = walk.backward_states(saved.t, do_c, dfinal, interpret=interpret,
-                                        sequence_pieces=sequence_pieces, transitions=saved.transitions)
+    # the cotangent of the unscaled o, rounded to the operand dtype (as the prepared path's), in o's
+    # token layout: every kernel reads it there
+    do_t = pad(do.astype(F32) * scale)
+    dstates, dh0 = walk.backward_states(saved.t, do_t, dfinal, interpret=interpret,
+                                        sequence_pieces=sequence_pieces, transitions=saved.transitions,
+                                        token_do=True)
     masks = None if segment_ids is None else segment_vectors(segment_ids, C, T_pad)
     b = jnp.swapaxes(jnp.pad(beta.astype(F32), [(0, 0), (0, T_pad - T), (0, 0)]), 1, 2)
-    u, dr, dP, dL, dv, dbeta_v = value_side(saved.t, saved.X, saved.states, dstates, do_c, pad(v), b,
+    u, dr, dP, dL, dv, dbeta_v = value_side(saved.t, saved.X, saved.states, dstates, do_t, pad(v), b,
                                             dtype=dtype, masks=masks, interpret=interpret)
-    dq, dk, dG, dbeta_k = key_side(pad(q), pad(k), G, refs, b, flat(do_c), u, dr, dP, dL, saved.states,
+    dq, dk, dG, dbeta_k = key_side(pad(q), pad(k), G, refs, b, do_t, u, dr, dP, dL, saved.states,
                                    dstates, dtype=dtype, masks=masks, interpret=interpret, grams=grams)
     dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C)
     dbeta = jnp.swapaxes(dbeta_v + dbeta_k, 1, 2)[:, :T].astype(beta.dtype)

@@ -255,8 +255,8 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
     dos = pad(do.astype(F32) * scale)
     masks = None if segment_ids is None else segment_vectors(segment_ids, C, T_pad)
     t = prep.ChunkTensors(qg=saved.qg, kd=None, w=None, u=None, p=None, decay=saved.decay)
-    dstates, dh0 = walk.backward_states(t, prep.to_chunks(dos, C, T_pad), dfinal, interpret=interpret,
-                                        sequence_pieces=sequence_pieces, transitions=saved.transitions)
+    dstates, dh0 = walk.backward_states(t, dos, dfinal, interpret=interpret, sequence_pieces=sequence_pieces,
+                                        transitions=saved.transitions, token_do=True)
     dq, dk, dv, dG = chunk_grads(qp, kp, vp, G, refs, saved.states, dstates, dos, dtype=dtype,
                                  masks=masks, interpret=interpret, grams=grams)
     dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C)

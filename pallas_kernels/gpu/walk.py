@@ -222,14 +222,16 @@ def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, i
 
 
 def backward_states(t: ChunkTensors, do, dfinal, *, interpret=None, block_v: int = BLOCK_V,
-                    sequence_pieces: int | None = None, transitions=None):
+                    sequence_pieces: int | None = None, transitions=None, token_do: bool = False):
   """The reverse walk: `(dstates [B, H, NC, V, K] in the operand dtype, dh0 [B, H, K, V] float32)`,
   `dstates[n]` the (transposed) gradient of the state leaving chunk n.
 
   `do: [B, H, NC, C, V]` (any float dtype; cast to the operand dtype), `dfinal` None or `[B, H, K, V]`.
   sequence_pieces: as in `forward` (a first reverse walk of every piece from zero gives the gradient at
   its start, `D`; then `dS_start = A^T dS_end + D` chains the pieces backwards). transitions: the
-  pieces' `A` if `forward` returned them (else they are computed here).
+  pieces' `A` if `forward` returned them (else they are computed here). token_do: `do` is given in the
+  op's token layout `[B, NC * C, H, V]` (as the forward's `token_o` writes o), read there by the kernel:
+  no transpose before the walk.
   """
   B, H, NC, C, K = t.qg.shape
   V = do.shape[-1]
@@ -237,28 +239,33 @@ def backward_states(t: ChunkTensors, do, dfinal, *, interpret=None, block_v: int
   S = pieces(B * H * (V // bv), NC, sequence_pieces)
   if NC % S:
     raise ValueError(f"sequence_pieces={S} must divide the number of chunks, {NC}")
-  do = flat(do.astype(t.qg.dtype))
+  do = do.astype(t.qg.dtype) if token_do else flat(do.astype(t.qg.dtype))
   df = None if dfinal is None else jnp.swapaxes(dfinal.astype(F32), -1, -2)[:, :, None]
   if S > 1:
     A = transitions if transitions is not None else piece_maps(t, S, interpret=interpret,
                                                                block_v=block_v, with_offsets=False)[0]
-    _, starts = _reverse_kernel(t, do, None, S=S, with_dstates=False, interpret=interpret, bv=bv)
+    _, starts = _reverse_kernel(t, do, None, S=S, with_dstates=False, interpret=interpret, bv=bv,
+                                token_do=token_do)
     # transposed: dS_end^T[p - 1] = dS_end^T[p] A[p] + D^T[p]
     mm = functools.partial(jnp.einsum, "bhvk,bhkj->bhvj", precision=lax.Precision.HIGHEST)
     df = chain_pieces(None if df is None else df[:, :, 0], starts, lambda x, p: mm(x, A[:, :, p]),
                       reverse=True)
-  dstates, starts = _reverse_kernel(t, do, df, S=S, with_dstates=True, interpret=interpret, bv=bv)
+  dstates, starts = _reverse_kernel(t, do, df, S=S, with_dstates=True, interpret=interpret, bv=bv,
+                                    token_do=token_do)
   return dstates, jnp.swapaxes(starts[:, :, 0], -1, -2)
 
 
-def _reverse_kernel(t: ChunkTensors, do, df, *, S, with_dstates, interpret, bv):
-  """The reverse walk of `S` pieces in parallel; `do` flat `[B, H, NC * C, V]` in the operand dtype,
+def _reverse_kernel(t: ChunkTensors, do, df, *, S, with_dstates, interpret, bv, token_do=False):
+  """The reverse walk of `S` pieces in parallel; `do` flat `[B, H, NC * C, V]` (token_do: `[B, NC * C,
+  H, V]`) in the operand dtype,
   `df` None or the transposed gradient leaving each piece `[B, H, S, V, K]`. Returns `(dstates | None,
   the transposed gradient at each piece's start [B, H, S, V, K])`."""
   B, H, NC, C, K = t.qg.shape
   V = do.shape[-1]
   dtype = t.qg.dtype
   NCs = NC // S
+  do_rows = (lambda do_r, b, h, rows, vs: do_r.at[b, rows, h, vs]) if token_do else (
+      lambda do_r, b, h, rows, vs: do_r.at[b, h, rows, vs])
   delta = t.w is not None
   has_df = df is not None
   # the additive family's reverse walk reads qg and decay only (kd, u, p may be None)
@@ -291,7 +298,7 @@ def _reverse_kernel(t: ChunkTensors, do, df, *, S, with_dstates, interpret, bv):
       n = piece * NCs + n
       rows, bar = pl.ds(n * C, C), in_bar.at[slot]
       plgpu.copy_gmem_to_smem(qg_r.at[b, h, rows], qg_s.at[slot], bar)
-      plgpu.copy_gmem_to_smem(do_r.at[b, h, rows, vs], do_s.at[slot], bar)
+      plgpu.copy_gmem_to_smem(do_rows(do_r, b, h, rows, vs), do_s.at[slot], bar)
       plgpu.copy_gmem_to_smem(decay_r.at[b, h, n], decay_s.at[slot], bar)
       if delta:
         plgpu.copy_gmem_to_smem(kd_r.at[b, h, rows], kd_s.at[slot], bar)
