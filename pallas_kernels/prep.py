@@ -57,8 +57,10 @@ LOG_DECAY_FLOOR = -20.0
 
 
 def floor_log_decay(g):
-  """`max(g, LOG_DECAY_FLOOR)` elementwise (None stays None); the gradient is 0 below the floor."""
-  return None if g is None else jnp.maximum(g, LOG_DECAY_FLOOR)
+  """`max(g, LOG_DECAY_FLOOR)` elementwise (None stays None; NaN stays NaN); the gradient is 0 below
+  the floor and passes whole at and above it. A `where`, not `jnp.maximum`: the latter's derivative
+  splits ties (0.5 at the floor), which costs the backward a mask and two selects over every gate."""
+  return None if g is None else jnp.where(g < LOG_DECAY_FLOOR, jnp.asarray(LOG_DECAY_FLOOR, g.dtype), g)
 
 
 def padded_length(T: int, chunk_size: int, chunk_multiple: int = 1) -> int:
