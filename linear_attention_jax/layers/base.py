@@ -15,7 +15,6 @@ layer dtype.
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import jax
@@ -25,7 +24,7 @@ from flax import nnx
 from linear_attention_jax import ops
 from linear_attention_jax.layers.cache import LinearCache
 from linear_attention_jax.layers.conv import ShortConvolution
-from linear_attention_jax.sharding import current_rules, for_current_rules
+from linear_attention_jax.sharding import for_current_rules
 from linear_attention_jax.sharding.rules import axes as logical_axes
 
 
@@ -52,35 +51,6 @@ def linear(width_in, width_out, *, use_bias=False, axes=None, dtype, param_dtype
                                       bias_metadata=logical_axes(axes[1]))
   return nnx.Linear(width_in, width_out, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
                     rngs=rngs, **meta)
-
-
-def project(x, *projections: nnx.Linear) -> tuple[jax.Array, ...]:
-  """Each `linear` projection of the same `x`, as one matmul over their kernels side by side.
-
-  One product `x [.., d] @ [d, n_1 + n_2 + ...]` and its two backward products replace one per
-  projection, and the sum of their input gradients (a pass over `[.., d]` per projection) with it.
-  Every output column is the same dot product as its own projection's (dtype promotion as
-  `nnx.Linear`'s). Under `sharding.use_rules` the projections run apart: their kernels split over
-  mesh axes, and a concatenation along a split axis would move them between devices.
-  """
-  if len(projections) == 1 or current_rules() is not None:
-    return tuple(p(x) for p in projections)
-  dtype = projections[0].dtype
-  for p in projections:
-    if not isinstance(p, nnx.Linear) or p.dtype != dtype or p.in_features != x.shape[-1]:
-      raise ValueError(f"project takes nnx.Linear projections of x's {x.shape[-1]} features in one "
-                       f"dtype; got {type(p).__name__}")
-  kernel = jnp.concatenate([p.kernel[...] for p in projections], axis=1)
-  biases = [p.bias[...] if p.bias is not None else jnp.zeros((p.out_features,), p.kernel.dtype)
-            for p in projections]
-  bias = None if all(p.bias is None for p in projections) else jnp.concatenate(biases)
-  x, kernel, bias = nnx.nn.dtypes.promote_dtype((x, kernel, bias), dtype=dtype)
-  y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
-                          precision=projections[0].precision)
-  if bias is not None:
-    y = y + bias
-  ends = list(itertools.accumulate(p.out_features for p in projections))
-  return tuple(jnp.split(y, ends[:-1], axis=-1))
 
 
 _NO_CONV_ACTIVATIONS = {"identity": lambda x: x, "silu": jax.nn.silu}
@@ -163,16 +133,14 @@ class LinearMixer(nnx.Module):
       raise ValueError(f"cache holds B={cache.state.shape[0]} sequences; x has B={x.shape[0]}")
     return x.shape[0], x.shape[1]
 
-  def _project(self, x, cache, *extra: nnx.Linear):
-    """Projections and short convolutions; `extra`: the mixer's other projections of x, taken in the
-    same matmul (`project`).
+  def _project(self, x, cache):
+    """Projections and short convolutions.
 
     Returns `(q [B, T, H, K], k [B, T, H, K], v [B, T, H_v, V], windows)`, where `windows` is the tuple
-    of new conv windows (empty without convs; Nones when `cache` is None), then the extra projections'
-    outputs in order.
+    of new conv windows (empty without convs; Nones when `cache` is None).
     """
     B, T, _ = x.shape
-    q, k, v, *rest = project(x, self.q_proj, self.k_proj, self.v_proj, *extra)
+    q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
     windows = ()
     if self.q_conv is not None:
       old = (None, None, None) if cache is None else cache.conv
@@ -183,7 +151,7 @@ class LinearMixer(nnx.Module):
       q, k, v = act(q), act(k), act(v)
     H, Hv = self.num_heads, self.num_v_heads
     return (q.reshape(B, T, H, self.head_dim), k.reshape(B, T, H, self.head_dim),
-            v.reshape(B, T, Hv, self.head_v_dim), windows, *rest)
+            v.reshape(B, T, Hv, self.head_v_dim), windows)
 
   def _recur(self, op, step, q, k, v, gates, cache, **kwargs):
     """Runs the op (training, prefill) or its step (decode; see the module docstring).

@@ -67,13 +67,11 @@ class GatedDeltaNet(LinearMixer):
 
   def gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`(g, beta)`, each `[B, T, H_v]` float32, for `x: [B, T, width]`."""
-    return self._gates(self.a_proj(x), self.b_proj(x))
-
-  def _gates(self, a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`gates` from the a and b projections of x."""
+    a = self.a_proj(x).astype(jnp.float32)
     A = jnp.exp(self.A_log[...].astype(jnp.float32))
-    g = -A * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
-    return g, jax.nn.sigmoid(b.astype(jnp.float32))
+    g = -A * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
+    beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+    return g, beta
 
   def __call__(self, x: jax.Array, cache: LinearCache | None = None):
     """Mixes `x: [B, T, width]` along T.
@@ -83,10 +81,10 @@ class GatedDeltaNet(LinearMixer):
     """
     B, T = self._check_input(x, cache)
     Hv, V = self.num_v_heads, self.head_v_dim
-    q, k, v, windows, a, b, z = self._project(x, cache, self.a_proj, self.b_proj, self.g_proj)
-    g, beta = self._gates(a, b)
+    q, k, v, windows = self._project(x, cache)
+    g, beta = self.gates(x)
     o, state = self._recur(ops.gated_delta_rule, ops.gated_delta_rule_step, q, k, v, (g, beta), cache,
                            use_qk_l2norm=True)
-    o = self.o_norm(o, z.reshape(B, T, Hv, V))
+    o = self.o_norm(o, self.g_proj(x).reshape(B, T, Hv, V))
     y = self.o_proj(o.reshape(B, T, -1))
     return y, self._advance(cache, state, windows, T)

@@ -72,20 +72,16 @@ class KimiDeltaAttention(LinearMixer):
 
   def gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`(g [B, T, H_v, K], beta [B, T, H_v])` float32 for `x: [B, T, width]`."""
-    return self._gates(self.f_down(x), self.b_proj(x))
-
-  def _gates(self, f_low: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`gates` from the f_down and b projections of x."""
-    B, T, _ = f_low.shape
+    B, T, _ = x.shape
     Hv, K = self.num_v_heads, self.head_dim
-    f = self.f_up(f_low).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+    f = self.f_up(self.f_down(x)).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
     A = jnp.exp(self.A_log[...].astype(jnp.float32))
     f = f.reshape(B, T, Hv, K)
     if self.gate_lower_bound is not None:
       g = self.gate_lower_bound * jax.nn.sigmoid(A[:, None] * f)
     else:
       g = -A[:, None] * jax.nn.softplus(f)
-    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
     return g, beta
 
   def __call__(self, x: jax.Array, cache: LinearCache | None = None):
@@ -96,9 +92,9 @@ class KimiDeltaAttention(LinearMixer):
     """
     B, T = self._check_input(x, cache)
     Hv, V = self.num_v_heads, self.head_v_dim
-    q, k, v, windows, f_low, b, g_low = self._project(x, cache, self.f_down, self.b_proj, self.g_down)
-    g, beta = self._gates(f_low, b)
+    q, k, v, windows = self._project(x, cache)
+    g, beta = self.gates(x)
     o, state = self._recur(ops.kda, ops.kda_step, q, k, v, (g, beta), cache, use_qk_l2norm=True)
-    o = self.o_norm(o, self.g_up(g_low).reshape(B, T, Hv, V))
+    o = self.o_norm(o, self.g_up(self.g_down(x)).reshape(B, T, Hv, V))
     y = self.o_proj(o.reshape(B, T, -1))
     return y, self._advance(cache, state, windows, T)

@@ -125,39 +125,3 @@ def test_linear_state_size_formula():
   no_conv = layers.GatedDeltaNet(32, 2, head_dim=8, head_v_dim=16, use_short_conv=False,
                                  rngs=nnx.Rngs(0))
   assert no_conv.state_size() == 2 * 8 * 16
-
-
-def test_projections_of_one_input_run_as_one_matmul():
-  # Given three projections of the same x (one with a bias)
-  from jax.sharding import AbstractMesh, AxisType
-
-  from linear_attention_jax.layers.base import linear, project
-  from linear_attention_jax.sharding import use_rules
-  rngs = nnx.Rngs(3)
-  ps = [linear(32, n, use_bias=n == 3, dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs)
-        for n in (16, 8, 3)]
-  ps[2].bias[...] = jax.random.normal(jax.random.key(1), (3,))
-  x = jax.random.normal(jax.random.key(2), (2, 5, 32))
-  cots = [jax.random.normal(jax.random.key(4 + i), (2, 5, p.out_features)) for i, p in enumerate(ps)]
-  graphdef, params = nnx.split(ps)
-
-  def loss(params, x, fused):
-    mods = nnx.merge(graphdef, params)
-    ys = project(x, *mods) if fused else tuple(p(x) for p in mods)
-    return sum(jnp.sum(y * c) for y, c in zip(ys, cots)), ys
-
-  # When they run as one product, and apart
-  (_, fused), g_fused = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x, True)
-  (_, apart), g_apart = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x, False)
-  # Then every output and every gradient (x, kernels, bias) agrees, from one dot_general
-  for a, b in zip(fused, apart):
-    assert a.shape == b.shape and rel_rms(a, b) < 1e-6
-  for a, b in zip(jax.tree.leaves(g_fused), jax.tree.leaves(g_apart)):
-    assert a.shape == b.shape and rel_rms(a, b) < 1e-6
-  assert str(jax.make_jaxpr(lambda x: project(x, *ps))(x)).count("dot_general") == 1
-  # and under sharding rules they run apart (their kernels split over mesh axes)
-  mesh = AbstractMesh((1, 1), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
-  with use_rules(mesh, "tp"):
-    assert str(jax.make_jaxpr(lambda x: project(x, *ps))(x)).count("dot_general") == 3
-  with pytest.raises(ValueError, match="nnx.Linear"):
-    project(x, ps[0], nnx.LayerNorm(32, rngs=rngs))
