@@ -65,19 +65,18 @@ def _scratch(C, K, bv, dtype, partial_dtype, dv_dtype, slots, has_seg):
 
 def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, interpret=None,
                 block_v: int = BLOCK_V, dv_dtype=F32, partial_dtype=F32, blocks_per_program: int = 1,
-                qk_l2norm: bool = False, token_do: bool = False):
+                qk_l2norm: bool = False):
   """Per-chunk gradients (module docstring). q, k `[B, T_pad, H, K]`, v `[B, T_pad, H_v, V]` (operand
   dtype); G, b `[B, H_v, T_pad]` float32 (chunk-local cumulative log-decay, beta); X `[B, H_v, T_pad, C]`,
-  states, dstates `[B, H_v, NC, V, K]`, do `[B, H_v, T_pad, V]` (gradient of the unscaled o, chunk
-  order); masks: None or `segment_vectors`. Returns `(dq, dk [NVB, B, T_pad, H_v, K], dv [B, T_pad, H_v,
+  states, dstates `[B, H_v, NC, V, K]`, do `[B, T_pad, H_v, V]` (gradient of the unscaled o, in o's
+  token layout); masks: None or `segment_vectors`. Returns `(dq, dk [NVB, B, T_pad, H_v, K], dv [B, T_pad, H_v,
   V] in dv_dtype, dG, dbeta, kdv [NVB, B, H_v, T_pad])`, NVB = V / block_v partial sums (each block
   owns its columns of dv): dq, dk in partial_dtype (16-bit halves their bytes; the caller adds them in
   float32), dG, dbeta, kdv float32. kdv's sum over a chunk is the last token's extra dG term,
   `sum(dkd * kd) + e^(G_C) sum(S * dS)` (per-token terms of the first, row sums of the block's S * dS
   for the second). blocks_per_program: value blocks per program (a divisor of NVB). qk_l2norm: q and k
   are l2-normalised on load (as `delta_prep.prepare(..., qk_l2norm=True)`) and dq, dk are the gradients
-  of the raw q, k (the norm's gradient applied to each partial sum: it is linear). token_do: do is
-  `[B, T_pad, H_v, V]`, the op's token layout (no transpose before the kernel)."""
+  of the raw q, k (the norm's gradient applied to each partial sum: it is linear)."""
   B, T_pad, H, K = q.shape
   Hv, V = v.shape[2:]
   NC = states.shape[2]
@@ -120,8 +119,7 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
       plgpu.copy_gmem_to_smem(st_r.at[bi, h, n, vs], st_s.at[slot], early.at[slot])
       if with_q:
         plgpu.copy_gmem_to_smem(q_r.at[bi, rows_t, hk], q_s, q_bar)
-      plgpu.copy_gmem_to_smem(do_r.at[bi, rows_t, h, vs] if token_do else do_r.at[bi, h, rows_t, vs],
-                              do_s.at[slot], late.at[slot])
+      plgpu.copy_gmem_to_smem(do_r.at[bi, rows_t, h, vs], do_s.at[slot], late.at[slot])
       plgpu.copy_gmem_to_smem(dst_r.at[bi, h, n, vs], dst_s.at[slot], late.at[slot])
 
     fetch(0, with_q=True)
@@ -312,12 +310,11 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
   grads_args = (pad(q), pad(k), pad(v), G, b, flat(X), states, dstates, do_t)
   if warpgroups == 2 and pair_serves(V, C, v.dtype, dtype):
     dq, dk, dv, dG, dbeta, kdv = chunk_grads_pair(*grads_args, dtype=dtype, masks=masks, interpret=interpret,
-                                                  qk_l2norm=qk_l2norm, token_do=True)
+                                                  qk_l2norm=qk_l2norm)
     dq, dk, dG, dbeta, kdv = (x[0] for x in (dq, dk, dG, dbeta, kdv))   # summed in the kernel
   else:
     dq, dk, dv, dG, dbeta, kdv = chunk_grads(*grads_args, dtype=dtype, masks=masks, interpret=interpret,
-                                             dv_dtype=v.dtype, partial_dtype=dtype, qk_l2norm=qk_l2norm,
-                                             token_do=True)
+                                             dv_dtype=v.dtype, partial_dtype=dtype, qk_l2norm=qk_l2norm)
     dq, dk, dG, dbeta, kdv = (x.astype(F32).sum(0) for x in (dq, dk, dG, dbeta, kdv))
   last = jnp.sum(kdv.reshape(B, Hv, NC, C), axis=-1)   # with e^(G_C) sum(S dS) (chunk_grads)
   dG = dG.reshape(B, Hv, NC, C).at[..., -1].add(last)

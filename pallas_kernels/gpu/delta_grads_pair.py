@@ -41,7 +41,7 @@ def _pair_scratch(C, K, bv, dtype, has_seg):
 
 
 def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, interpret=None,
-                     qk_l2norm: bool = False, token_do: bool = False):
+                     qk_l2norm: bool = False):
   """`delta_grads.chunk_grads` for two value blocks (V = 2 x 64) in one program of two warpgroups, one
   per block, sharing q, k and X: while one warpgroup waits on its tensor-core products or shared-memory
   fences the other computes (one warpgroup alone leaves half of an SM's registers unused, and
@@ -96,8 +96,7 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
 
     plgpu.copy_gmem_to_smem(v_r.at[bi, rows_t, h, vs], v_b, early.at[wg])
     plgpu.copy_gmem_to_smem(st_r.at[bi, h, n, vs], st_b, early.at[wg])
-    plgpu.copy_gmem_to_smem(do_r.at[bi, rows_t, h, vs] if token_do else do_r.at[bi, h, rows_t, vs], do_b,
-                            late.at[wg])
+    plgpu.copy_gmem_to_smem(do_r.at[bi, rows_t, h, vs], do_b, late.at[wg])
     plgpu.copy_gmem_to_smem(dst_r.at[bi, h, n, vs], dst_b, late.at[wg])
     plgpu.barrier_wait(bar)
 

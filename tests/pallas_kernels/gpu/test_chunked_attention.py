@@ -450,7 +450,7 @@ def test_delta_gradient_programs_over_several_value_blocks_change_no_bit():
   G = jnp.cumsum(jnp.asarray(-r.uniform(0, 0.3, (B, Hv, NC, C)), jnp.float32), -1).reshape(B, Hv, T)
   args = (f16(B, T, H, K), f16(B, T, H, K), f16(B, T, Hv, V), G,
           jnp.asarray(r.uniform(0, 1, (B, Hv, T)), jnp.float32), f16(B, Hv, T, C),
-          f16(B, Hv, NC, V, K), f16(B, Hv, NC, V, K), f16(B, Hv, T, V))
+          f16(B, Hv, NC, V, K), f16(B, Hv, NC, V, K), f16(B, T, Hv, V))
   run = lambda n, out=jnp.float16: delta_grads.chunk_grads(*args, dtype=jnp.float16, interpret=PARAMS,
                                                            blocks_per_program=n, dv_dtype=out,
                                                            partial_dtype=out)

@@ -24,7 +24,7 @@ def _grads_args(r, *, B=1, T=128, H=1, Hv=2, K=64, C=64):
   G = jnp.cumsum(jnp.asarray(-r.uniform(0, 0.3, (B, Hv, NC, C)), jnp.float32), -1).reshape(B, Hv, T)
   return (f16(B, T, H, K, s=1.0), f16(B, T, H, K, s=1.0), f16(B, T, Hv, V), G,
           jnp.asarray(r.uniform(0, 1, (B, Hv, T)), jnp.float32), f16(B, Hv, T, C, s=0.2),
-          f16(B, Hv, NC, V, K), f16(B, Hv, NC, V, K), f16(B, Hv, T, V))
+          f16(B, Hv, NC, V, K), f16(B, Hv, NC, V, K), f16(B, T, Hv, V))
 
 
 @pytest.mark.parametrize("l2,packed", [(False, False), (True, True)])
