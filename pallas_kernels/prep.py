@@ -63,6 +63,28 @@ def floor_log_decay(g):
   return None if g is None else jnp.where(g < LOG_DECAY_FLOOR, jnp.asarray(LOG_DECAY_FLOOR, g.dtype), g)
 
 
+def local_cumsum(x, axis: int, *, reverse: bool = False, block: int = 8):
+  """The cumulative sum of `x` along `axis` (a chunk's tokens; from the end where `reverse`), as two
+  short scans: within blocks of `block` tokens, then over the blocks' sums, shifted one block (the sums
+  before a block, exactly, not the inclusive sums less the block's own). The same sums as `lax.cumsum`
+  up to float32 rounding. XLA on GPU turns one scan longer than 16 into a tree of 16-token
+  reduce-windows and a transposed add (0.30 ms for kda's g `[8, 4096, 8, 128]` on the H200, NOTES.md
+  v48); scans of 8 stay single fused reduce-windows."""
+  axis = axis % x.ndim
+  n = x.shape[axis]
+  if n % block or n <= block:
+    return lax.cumsum(x, axis, reverse=reverse)
+  xb = x.reshape(x.shape[:axis] + (n // block, block) + x.shape[axis + 1:])
+  within = lax.cumsum(xb, axis + 1, reverse=reverse)
+  sums = jnp.sum(xb, axis=axis + 1)
+  edge = [(0, 0)] * sums.ndim
+  edge[axis] = (0, 1) if reverse else (1, 0)
+  start = 1 if reverse else 0
+  shifted = lax.slice_in_dim(jnp.pad(lax.cumsum(sums, axis, reverse=reverse), edge), start,
+                             start + n // block, axis=axis)
+  return (within + jnp.expand_dims(shifted, axis + 1)).reshape(x.shape)
+
+
 def padded_length(T: int, chunk_size: int, chunk_multiple: int = 1) -> int:
   """T rounded up to whole groups of `chunk_multiple` chunks."""
   step = chunk_size * chunk_multiple
@@ -176,7 +198,7 @@ def chunk_tensors(qc, kc, vc, gc, bc, seg=None, seg_before=None, *, dtype=jnp.fl
     if carry_last is not None:
       decay = carry_last.astype(jnp.float32)
   else:
-    G = jnp.cumsum(gc, axis=3)
+    G = local_cumsum(gc, 3)
     G_last = G[:, :, :, -1]
     if gc.ndim == 4:  # scalar gate: G [B, H, NC, C]
       diff = G[..., :, None] - G[..., None, :]
