@@ -264,8 +264,9 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
 
 
 def pair_serves(V: int, chunk_size: int, v_dtype, dtype) -> bool:
-  """`chunk_grads_pair` covers the call: two value blocks of the chunk size, 16-bit v and operands."""
-  return (V == 2 * BLOCK_V and chunk_size == BLOCK_V and jnp.dtype(v_dtype).itemsize == 2
+  """`chunk_grads_pair` covers the call: two (or four: two programs) value blocks of the chunk size,
+  16-bit v and operands."""
+  return (V in (2 * BLOCK_V, 4 * BLOCK_V) and chunk_size == BLOCK_V and jnp.dtype(v_dtype).itemsize == 2
           and jnp.dtype(dtype).itemsize == 2)
 
 
@@ -311,7 +312,9 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
   if warpgroups == 2 and pair_serves(V, C, v.dtype, dtype):
     dq, dk, dv, dG, dbeta, kdv = chunk_grads_pair(*grads_args, dtype=dtype, masks=masks, interpret=interpret,
                                                   qk_l2norm=qk_l2norm)
-    dq, dk, dG, dbeta, kdv = (x[0] for x in (dq, dk, dG, dbeta, kdv))   # summed in the kernel
+    # each program's pair summed in the kernel; V = 256: two pairs' partial sums
+    dq, dk, dG, dbeta, kdv = (x[0] if x.shape[0] == 1 else x.astype(F32).sum(0)
+                              for x in (dq, dk, dG, dbeta, kdv))
   else:
     dq, dk, dv, dG, dbeta, kdv = chunk_grads(*grads_args, dtype=dtype, masks=masks, interpret=interpret,
                                              dv_dtype=v.dtype, partial_dtype=dtype, qk_l2norm=qk_l2norm)

@@ -47,8 +47,9 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
   fences the other computes (one warpgroup alone leaves half of an SM's registers unused, and
   `chunk_grads` fits one program per SM). The two blocks' partial dq, dk, dG, dbeta and kdv are added
   inside the program (warpgroup 1 stages its partial, warpgroup 0 adds its own and writes the sum), so
-  no partial sums reach device memory. Same inputs and outputs as `chunk_grads` with one partial
-  (leading dimension 1); dv in the operand dtype. The column sums of `A = dP P + dM M` come from
+  no partial sums reach device memory. V = 256 (V = 4 x 64): one program per pair of blocks, each
+  writing its pair's partial sums (the leading dimension, V / 128: the caller adds them). Same inputs
+  and outputs as `chunk_grads` otherwise; dv in the operand dtype. The column sums of `A = dP P + dM M` come from
   transposed products (as rows), not cross-warp reductions, whose scratch the two warpgroups would share.
 
   In the Mosaic GPU interpreter the two warpgroups run as separate computations on XLA's CPU thread
@@ -60,8 +61,9 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
   NC = states.shape[2]
   C = T_pad // NC
   bv = BLOCK_V
-  if V != 2 * bv or C != bv:
-    raise ValueError(f"chunk_grads_pair serves V = {2 * bv} in chunks of {bv}; got V={V}, C={C}")
+  if V not in (2 * bv, 4 * bv) or C != bv:
+    raise ValueError(f"chunk_grads_pair serves V = {2 * bv} or {4 * bv} in chunks of {bv}; got V={V}, C={C}")
+  NP = V // (2 * bv)   # pairs of value blocks: one program each, partial sums of dq, dk and the vectors
   if jnp.dtype(v.dtype).itemsize != 2 or jnp.dtype(dtype).itemsize != 2:
     raise ValueError(f"chunk_grads_pair needs 16-bit operands; got v {v.dtype}, dtype {jnp.dtype(dtype)}")
   group = Hv // H
@@ -77,10 +79,10 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
     q_r, k_r, v_r, g_r, b_r, x_r, st_r, dst_r, do_r = refs[:9]
     m_r = refs[9] if has_seg else None
     dq_r, dk_r, dv_r, dg_r, db_r, kdv_r = refs[9 + has_seg:]
-    bi, h, n, wg = (lax.axis_index(a) for a in ("b", "h", "n", "wg"))
+    bi, h, n, pv, wg = (lax.axis_index(a) for a in ("b", "h", "n", "v", "wg"))
     hk = lax.div(h, group)
     rows_t = pl.ds(n * C, C)
-    vs = pl.ds(wg * bv, bv)
+    vs = pl.ds((2 * pv + wg) * bv, bv)
     first, second = wg == 0, wg == 1
     v_b, do_b, st_b, dst_b = v_s.at[wg], do_s.at[wg], st_s.at[wg], dst_s.at[wg]
     buf, p_b, a_b, du_b = buf_s.at[wg], p_s.at[wg], a_s.at[wg], du_s.at[wg]
@@ -185,7 +187,7 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
     dq = dqg * rows(e_q, ck) + matmul(a_b, k_s, ck)
     if qk_l2norm:
       dq = l2_normalize_grad(dq, q_s, fresh(plgpu.load(norm_s.at[0], layout=ROWS)))
-    write_sum(dq, DQ_STAGED, dq_r.at[0, bi, rows_t, h])
+    write_sum(dq, DQ_STAGED, dq_r.at[pv, bi, rows_t, h])
     # du = P^T do + kd dS
     du_p, kdS = matmuls((cv, [(p_b.T, do_b)]), (cv, [(k_s, dst_b.T)]))
     _, _, e_k = vectors()
@@ -229,7 +231,7 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
     dk = dk + dm_k(dM, a_b, k_s, decay, dtype, ck)
     if qk_l2norm:
       dk = l2_normalize_grad(dk, k_s, fresh(plgpu.load(norm_s.at[1], layout=ROWS)))
-    write_sum(dk, DK_STAGED, dk_r.at[0, bi, rows_t, h], done=OUT_FREE)
+    write_sum(dk, DK_STAGED, dk_r.at[pv, bi, rows_t, h], done=OUT_FREE)
     # the vectors: warpgroup 1 stages its own, warpgroup 0 adds them to its own and writes the sums
     @pl.when(second)
     def _():
@@ -245,18 +247,18 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
         vec_s.at[0, idx][...] = x + plgpu.load(vec_s.at[1, idx], layout=ROWS)
       plgpu.commit_smem()
       for idx, dst in enumerate((dg_r, db_r, kdv_r)):
-        plgpu.copy_smem_to_gmem(vec_s.at[0, idx], dst.at[0, bi, h, rows_t])
+        plgpu.copy_smem_to_gmem(vec_s.at[0, idx], dst.at[pv, bi, h, rows_t])
 
     plgpu.wait_smem_to_gmem(0)
     plgpu.barrier_arrive(done)   # neither warpgroup exits while the other still issues products
     plgpu.barrier_wait(done)
 
   args = [q, k, v, G, b, X, states, dstates, do] + ([masks] if has_seg else [])
-  vec = jax.ShapeDtypeStruct((1, B, Hv, T_pad), F32)
-  partial_k = jax.ShapeDtypeStruct((1, B, T_pad, Hv, K), dtype)
+  vec = jax.ShapeDtypeStruct((NP, B, Hv, T_pad), F32)
+  partial_k = jax.ShapeDtypeStruct((NP, B, T_pad, Hv, K), dtype)
   out_type = (partial_k, partial_k, jax.ShapeDtypeStruct((B, T_pad, Hv, V), v.dtype), vec, vec, vec)
   outs = plgpu.kernel(
-      body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
+      body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC, NP), grid_names=("b", "h", "n", "v"),
       num_threads=2, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret, kernel_name="chunk_grads_delta_pair")(*args)
   return vary_like(outs, args)

@@ -40,6 +40,9 @@ from .tiles import (F32, ROWS, WGMMA, l2_normalize_rows, matmul, smem, unit_lowe
                                       vary_like)
 
 
+VALUE_BLOCK = 128   # u's columns a product
+
+
 def serves(g, beta, segment_ids) -> bool:
   """True for the calls this kernel prepares: delta family, no or scalar decay (packed or not)."""
   del segment_ids  # packed rows are served (`masks.segment_vectors`)
@@ -55,6 +58,10 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
   qk_l2norm: q and k are l2-normalised in the kernel (over K, in float32) before anything reads them."""
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
+  vb = min(V, VALUE_BLOCK)   # u's columns a product: V = 256 as two blocks (one [64, 256] float32 tile
+  nvb = V // vb              # would take half the registers)
+  if V % vb:
+    raise ValueError(f"V must be at most {VALUE_BLOCK} or a multiple of it; got {V}")
   C = chunk_size
   T_pad = prep.padded_length(T, C, chunk_multiple)
   NC = T_pad // C
@@ -67,12 +74,12 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
   masks = segment_vectors(segment_ids, C, T_pad) if has_seg else None
 
   scratch = dict(
-      q_s=smem((C, K), dtype), k_s=smem((C, K), dtype), v_s=smem((C, V), dtype),
+      q_s=smem((C, K), dtype), k_s=smem((C, K), dtype), v_s=smem((nvb, C, vb), dtype),
       g_s=plgpu.SMEM((C,), F32), gc_s=plgpu.SMEM((C,), F32), b_s=plgpu.SMEM((C,), F32),
       x_s=smem((C, C), dtype), e_s=smem((C, C), dtype), y_s=smem((C, C), dtype), p_s=smem((C, C), dtype),
       l_s=smem((C, C), dtype),
-      out_s={n: smem((C, n), dtype) for n in {K, V}},   # staging tiles, one per width (TMA: whole tiles)
-      bar=plgpu.Barrier(num_arrivals=6 + SEG_ROWS * has_seg))
+      out_s={n: smem((C, n), dtype) for n in {K, vb}},   # staging tiles, one per width (TMA: whole tiles)
+      bar=plgpu.Barrier(num_arrivals=5 + nvb + SEG_ROWS * has_seg))
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
 
@@ -85,8 +92,9 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
     hk = lax.div(h, group)
     rows_t = pl.ds(n * C, C)
     for src, dst in ((q_r.at[bi, rows_t, hk], q_s), (k_r.at[bi, rows_t, hk], k_s),
-                     (v_r.at[bi, rows_t, h], v_s), (g_r.at[bi, h, rows_t], g_s),
-                     (g_r.at[bi, h, rows_t], gc_s), (b_r.at[bi, h, rows_t], b_s)) + tuple(
+                     (g_r.at[bi, h, rows_t], g_s), (g_r.at[bi, h, rows_t], gc_s),
+                     (b_r.at[bi, h, rows_t], b_s)) + tuple(
+                         (v_r.at[bi, rows_t, h, pl.ds(j * vb, vb)], v_s.at[j]) for j in range(nvb)) + tuple(
                          (m_r.at[bi, r, rows_t], m_s.at[r]) for r in range(SEG_ROWS if has_seg else 0)):
       plgpu.copy_gmem_to_smem(src, dst, bar)
     plgpu.barrier_wait(bar)
@@ -98,7 +106,7 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
     # not held as float32 across the inversion but read again, L waits in shared memory (it is rounded
     # to the operand dtype for its matmuls anyway), and one index tile (i XOR j) serves the loop.
     rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
-    sq, ck, cv = (C, C), (C, K), (C, V)
+    sq, ck, cv = (C, C), (C, K), (C, vb)
     beta_rows = lambda: lax.optimization_barrier(plgpu.load(b_s, layout=ROWS))
     decay = lambda strict: decay_tile(g_s, gc_s, m_s, C, strict=strict)
 
@@ -127,10 +135,12 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
     # beta k e^G and beta v replace k and v in shared memory (k's other uses are done)
     beta, (q_scale, _) = beta_rows(), row_scales(g_s, m_s, C)
     k_s[...] = (load(k_s) * rows(beta * q_scale, ck)).astype(dtype)
-    v_s[...] = (load(v_s) * rows(beta, cv)).astype(dtype)
+    for j in range(nvb):
+      v_s.at[j][...] = (load(v_s.at[j]) * rows(beta, cv)).astype(dtype)
     plgpu.commit_smem()
     emit(matmul(x_s, k_s, ck), w_r.at[bi, h, rows_t])
-    emit(matmul(x_s, v_s, cv), u_r.at[bi, h, rows_t])
+    for j in range(nvb):
+      emit(matmul(x_s, v_s.at[j], cv), u_r.at[bi, h, rows_t, pl.ds(j * vb, vb)])
     plgpu.wait_smem_to_gmem(0)
 
   args = (q, k, v, G, b) + ((masks,) if has_seg else ())

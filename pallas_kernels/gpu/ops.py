@@ -111,7 +111,7 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
   if jnp.dtype(out_dtype) not in SIXTEEN_BIT:
     raise ValueError(f"out_dtype must be bfloat16 or float16 (o leaves the kernels through a 16-bit "
                      f"tile; cast it afterwards); got {jnp.dtype(out_dtype).name}")
-  if plans.head_blocks(K, V) != (K, V):
+  if plans.head_blocks(K, V, delta=beta is not None, decay=decay_kind(g)) != (K, V):
     return _by_head_blocks(q, k, v, g, beta, scale=K ** -0.5 if scale is None else scale,
                            initial_state=initial_state, segment_ids=segment_ids, chunk_size=chunk_size,
                            compute_dtype=dtype, out_dtype=out_dtype, qk_l2norm=qk_l2norm, config=config,
@@ -139,7 +139,7 @@ def _by_head_blocks(q, k, v, g, beta, *, scale, initial_state, segment_ids, out_
   block is differentiable, so the gradients add up through the slices. q and k are l2-normalised over
   the whole K before any key split."""
   K, V = q.shape[-1], v.shape[-1]
-  kb, vb = plans.head_blocks(K, V)
+  kb, vb = plans.head_blocks(K, V, delta=beta is not None, decay=decay_kind(g))
   if qk_l2norm and kb != K:
     q, k = common.l2_normalize(q.astype(jnp.float32)), common.l2_normalize(k.astype(jnp.float32))
     qk_l2norm = False

@@ -243,14 +243,17 @@ def walked_columns(V: int, appended: int) -> int:
   return V - appended
 
 
-def head_blocks(K: int, V: int) -> tuple[int, int]:
+def head_blocks(K: int, V: int, *, delta: bool = False, decay: str = "none") -> tuple[int, int]:
   """The (key, value) block of a call's state that one kernel call walks: the head dim itself where a
-  program walks it (`KERNEL_DIMS`), else 128. Every value column walks independently in both families,
-  so V = 256 runs as two value heads of 128 columns in one call (each repeats the key side's work, as a
-  program per value block would); in the additive family the state and the read-out are sums over key channels, so K = 256
-  is two calls whose outputs add. The delta family's update `(I - beta k k^T)` mixes every key channel:
-  its K does not split."""
-  return (K if K in KERNEL_DIMS else KERNEL_DIMS[-1]), (V if V in KERNEL_DIMS else KERNEL_DIMS[-1])
+  program walks it (`KERNEL_DIMS`, and V = 256 in the delta family without per-channel decay, whose
+  preparation forms u in blocks of 128 columns and whose gradient programs take pairs of 64-column
+  blocks: the key side once per chunk, not once per value block), else 128. Every value column walks
+  independently in both families, so elsewhere V = 256 runs as two value heads of 128 columns in one
+  call (each repeats the key side's work); in the additive family the state and the read-out are sums
+  over key channels, so K = 256 is two calls whose outputs add. The delta family's update
+  `(I - beta k k^T)` mixes every key channel: its K does not split."""
+  native_v = KERNEL_DIMS + ((256,) if delta and decay != "channel" else ())
+  return (K if K in KERNEL_DIMS else KERNEL_DIMS[-1]), (V if V in native_v else KERNEL_DIMS[-1])
 
 
 def supports(*, K: int, V: int, chunk_size: int, dtype=jnp.bfloat16, packing: str = "none",

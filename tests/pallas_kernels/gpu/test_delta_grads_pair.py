@@ -17,23 +17,24 @@ from tests.ops.conftest import rel_rms
 RACES = plgpu.InterpretGPUParams(detect_races=True)
 
 
-def _grads_args(r, *, B=1, T=128, H=1, Hv=2, K=64, C=64):
-  """chunk_grads' inputs (float16 operands): T a multiple of C, V = 2 value blocks of C."""
+def _grads_args(r, *, B=1, T=128, H=1, Hv=2, K=64, C=64, blocks=2):
+  """chunk_grads' inputs (float16 operands): T a multiple of C, V = `blocks` value blocks of C."""
   f16 = lambda *shape, s=0.5: jnp.asarray(r.normal(size=shape) * s, jnp.float16)
-  NC, V = T // C, 2 * C
+  NC, V = T // C, blocks * C
   G = jnp.cumsum(jnp.asarray(-r.uniform(0, 0.3, (B, Hv, NC, C)), jnp.float32), -1).reshape(B, Hv, T)
   return (f16(B, T, H, K, s=1.0), f16(B, T, H, K, s=1.0), f16(B, T, Hv, V), G,
           jnp.asarray(r.uniform(0, 1, (B, Hv, T)), jnp.float32), f16(B, Hv, T, C, s=0.2),
           f16(B, Hv, NC, V, K), f16(B, Hv, NC, V, K), f16(B, T, Hv, V))
 
 
-@pytest.mark.parametrize("l2,packed", [(False, False), (True, True)])
-def test_pair_equals_one_warpgroup_per_block_with_no_race(l2, packed):
+@pytest.mark.parametrize("l2,packed,blocks", [(False, False, 2), (True, True, 2), (True, False, 4)])
+def test_pair_equals_one_warpgroup_per_block_with_no_race(l2, packed, blocks):
   # The two warpgroups share q, k, X (and normalise q, k once, for both) and hand their partial dq, dk,
   # dG, dbeta, kdv over in shared memory: the same gradients as one warpgroup per value block with the
   # partials added outside, and the race detector finds no unsynchronised access to shared memory.
+  # V = 256 (four blocks): one program per pair of blocks, each pair's partial sums apart.
   r = np.random.default_rng(5)
-  args = _grads_args(r)
+  args = _grads_args(r, blocks=blocks)
   masks = None
   if packed:
     from linear_attention_jax.pallas_kernels.gpu.masks import segment_vectors
@@ -48,8 +49,8 @@ def test_pair_equals_one_warpgroup_per_block_with_no_race(l2, packed):
   for name, a, b in zip(names, one, pair):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     if name != "dv":
-      assert b.shape[0] == 1
-      a = a.sum(0, keepdims=True)
+      assert b.shape[0] == blocks // 2
+      a = a.reshape((blocks // 2, 2) + a.shape[1:]).sum(1)
     assert a.shape == b.shape and np.isfinite(b).all(), name
     # dq, dk: float16 once (the second block's partial rounded before the sum); dG: its column sums
     # from transposed products with a float16 operand, against cross-warp reductions
@@ -59,12 +60,13 @@ def test_pair_equals_one_warpgroup_per_block_with_no_race(l2, packed):
 def test_pair_rejects_what_it_cannot_serve():
   r = np.random.default_rng(0)
   args = list(_grads_args(r))
-  with pytest.raises(ValueError, match="V = 128"):
+  with pytest.raises(ValueError, match="V = 128 or 256"):
     chunk_grads_pair(*args[:2], args[2][..., :64], *args[3:6], args[6][..., :64, :],
                      args[7][..., :64, :], args[8][..., :64], dtype=jnp.float16)
   with pytest.raises(ValueError, match="16-bit"):
     chunk_grads_pair(*args[:2], args[2].astype(jnp.float32), *args[3:], dtype=jnp.float16)
   assert delta_grads.pair_serves(128, 64, jnp.bfloat16, jnp.bfloat16)
+  assert delta_grads.pair_serves(256, 64, jnp.bfloat16, jnp.bfloat16)
   assert not delta_grads.pair_serves(64, 64, jnp.bfloat16, jnp.bfloat16)
   assert not delta_grads.pair_serves(128, 64, jnp.float32, jnp.bfloat16)
 

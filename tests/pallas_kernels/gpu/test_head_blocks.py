@@ -2,9 +2,12 @@
 key blocks summed in the additive family, in the Mosaic GPU interpreter against the float64 loop (o, the
 final state and every gradient, initial state included) and through the public ops."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from linear_attention_jax.pallas_kernels import gpu
 from linear_attention_jax.pallas_kernels.gpu import plan
@@ -16,6 +19,11 @@ def test_head_blocks_and_what_the_kernels_take():
   assert plan.head_blocks(128, 256) == (128, 128)
   assert plan.head_blocks(256, 64) == (128, 64)
   assert plan.head_blocks(64, 128) == (64, 128)
+  # the delta family without per-channel decay walks V = 256 in one program per value block and chunk,
+  # the key side once per chunk (the preparation's u in two blocks, the gradients' pairs of blocks)
+  assert plan.head_blocks(128, 256, delta=True, decay="scalar") == (128, 256)
+  assert plan.head_blocks(64, 256, delta=True) == (64, 256)
+  assert plan.head_blocks(128, 256, delta=True, decay="channel") == (128, 128)
   for K, V in [(64, 256), (128, 256), (256, 256), (256, 64)]:
     assert gpu.supports(K=K, V=V, chunk_size=64, backend="hopper") is None, (K, V)
   for K, V in [(64, 256), (128, 256)]:
@@ -25,11 +33,16 @@ def test_head_blocks_and_what_the_kernels_take():
   assert "K and V in (64, 128, 256)" in gpu.supports(K=128, V=512, chunk_size=64, backend="hopper")
 
 
-def test_value_blocks_of_the_delta_family():
-  # V = 256 = two value heads of 128 columns in one call: each repeats the key side; packed runs, an
-  # initial state (the gates, scalar or per key channel, go whole to every value block)
-  inp = make_inputs("gated_delta_rule", B=1, T=120, H=1, Hv=2, K=64, V=256, seed=41)
-  check("gated_delta_rule", inp, seg=packed_runs(120), config=KERNELS)
+@pytest.mark.parametrize("warpgroups", [1, 2])
+def test_value_blocks_of_the_delta_family(warpgroups):
+  # V = 256 in one call: the preparation forms u in two blocks of 128 columns, the walks take four
+  # blocks of 64, the gradients one program per block (partial sums added outside) or, the default, one
+  # per pair of blocks; packed runs, an initial state
+  inp = make_inputs("gated_delta_rule", B=1, T=120 + warpgroups, H=1, Hv=2, K=64, V=256, seed=41)
+  config = dataclasses.replace(KERNELS, delta_warpgroups=warpgroups)
+  assert gpu.call_plan(*(jnp.zeros(inp[n].shape, jnp.float16) for n in "qkv"), jnp.asarray(inp["g"]),
+                       jnp.asarray(inp["beta"]), config=config).grads_warpgroups == warpgroups
+  check("gated_delta_rule", inp, seg=packed_runs(120 + warpgroups), config=config)
 
 
 def test_key_blocks_of_the_additive_family():

@@ -199,12 +199,13 @@ def test_per_channel_gradient_kernels_export_for_hopper(kind, D, group, packed, 
   assert "chunk_walk_bwd" in bwd
 
 
-@pytest.mark.parametrize("l2,packed", [(True, False), (False, True)])
-def test_delta_gradients_in_two_warpgroups_export_for_hopper(l2, packed):
-  # delta_warpgroups=2 (V = 128): the gradients come from the two-warpgroup kernel, not chunk_grads_delta
+@pytest.mark.parametrize("l2,packed,V", [(True, False, 128), (False, True, 128), (True, False, 256)])
+def test_delta_gradients_in_two_warpgroups_export_for_hopper(l2, packed, V):
+  # delta_warpgroups=2 (V = 128): the gradients come from the two-warpgroup kernel, not chunk_grads_delta;
+  # V = 256 (Gated DeltaNet's V = 2K) in one call: u in two blocks, one pair program per two blocks
   D = 128
-  args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, dtype=jnp.float32),
-          _spec(B, T, H, dtype=jnp.float32), _spec(B, H, D, D, dtype=jnp.float32))
+  args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, V), _spec(B, T, H, dtype=jnp.float32),
+          _spec(B, T, H, dtype=jnp.float32), _spec(B, H, D, V, dtype=jnp.float32))
   seg = jnp.zeros((B, T), jnp.int32).at[:, T // 3:].set(1) if packed else None
 
   def loss(q, k, v, g, beta, h0):
