@@ -43,16 +43,6 @@ def l2_normalize(x):
   return (x32 * lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + L2_EPS)).astype(x.dtype)
 
 
-def l2_normalize_grad(x, dy):
-  """The gradient of `l2_normalize` at `x` for the cotangent `dy` of its output, in x's dtype:
-  `r (dy - y rowsum(y dy))` with `y = x r`, `r = rsqrt(sum(x^2) + L2_EPS)` recomputed from x in float32
-  (what the kernels that normalise on load but return the normalised q, k's gradients leave to XLA)."""
-  x32, dy32 = x.astype(jnp.float32), dy.astype(jnp.float32)
-  r = lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + L2_EPS)
-  y = x32 * r
-  return (r * (dy32 - y * jnp.sum(y * dy32, axis=-1, keepdims=True))).astype(x.dtype)
-
-
 def cast_tensors(t: prep.ChunkTensors, dtype) -> prep.ChunkTensors:
   """The chunk tensors that are matmul operands (qg, kd, w, u, p) in `dtype`; `decay` as it is."""
   cast = lambda x: None if x is None else x.astype(dtype)

@@ -47,27 +47,23 @@ def _pieces(static: Static) -> int:
 
 
 def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
-                    chunk_multiple: int = 1, cumsum=None, with_inverse: bool = False, beyond: str = "chunk",
-                    qk_l2norm: bool = False):
+                    chunk_multiple: int = 1, cumsum=None, with_inverse: bool = False, beyond: str = "chunk"):
   """The per-channel forward's chunk tensors (the plan's "channel_prep" stage and its `forward_beyond`),
   arguments as `channel_prep.prepare`'s: the preparation kernel with one reference per chunk and channel
   where every chunk's decay fits that bound, else with the 8-token groups' products (groups.py; one
   `lax.cond`). Float16 operands beyond the groups' bound take XLA's merge form one (batch row, value
   head) at a time (a second `lax.cond`; bfloat16 operands always fit). `beyond`: the kernel's grams
   beyond the bound (the plan's `forward_beyond`: "chunk", each chunk its own form, or "groups").
-  `with_inverse` returns `(tensors, X)`, X zeros in the merge-form branch (whose backward recomputes).
-  `qk_l2norm`: the kernel normalises q, k on load (the merge form's branch in XLA first)."""
+  `with_inverse` returns `(tensors, X)`, X zeros in the merge-form branch (whose backward recomputes)."""
   C = chunk_size
   if cumsum is None:
     cumsum = channel.chunk_cumsum(g, prep.padded_length(q.shape[1], C, chunk_multiple), C)
   kernel = lambda grams: lambda: channel_prep.prepare(
       q, k, v, g, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids, interpret=interpret,
-      chunk_multiple=chunk_multiple, cumsum=cumsum, with_inverse=with_inverse, grams=grams,
-      qk_l2norm=qk_l2norm)
+      chunk_multiple=chunk_multiple, cumsum=cumsum, with_inverse=with_inverse, grams=grams)
 
   def per_head():
-    qn, kn = (common.l2_normalize(q), common.l2_normalize(k)) if qk_l2norm else (q, k)
-    t = prepared.merge_tensors_per_head(qn, kn, v, prep.floor_log_decay(g), beta, segment_ids, chunk_size=C,
+    t = prepared.merge_tensors_per_head(q, k, v, prep.floor_log_decay(g), beta, segment_ids, chunk_size=C,
                                         chunk_multiple=chunk_multiple, dtype=dtype)
     return (t, jnp.zeros(t.qg.shape[:3] + (C, C), dtype)) if with_inverse else t
 
@@ -117,8 +113,7 @@ def _forward(static: Static, q, k, v, g, beta, h0, segment_ids, *, keep: bool):
       inverse = saves and plan.backward == "channel_delta_grads"
       out = channel_tensors(q, k, v, g, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
                             interpret=interpret, chunk_multiple=_pieces(static), cumsum=cumsum,
-                            with_inverse=inverse, beyond=plan.forward_beyond,
-                            qk_l2norm=plan.l2 == "on_load")
+                            with_inverse=inverse, beyond=plan.forward_beyond)
       t, X = out if inverse else (out, None)
       o, states, final = _walk(static, t, h0, with_states=saves)
       if not saves:
@@ -155,14 +150,7 @@ def _backward(static: Static, q, k, v, g, beta, h0, segment_ids, saved, do, dfin
     case "channel_delta_grads":
       kernels = lambda grams: lambda: channel_delta_grads.backward(
           q, k, v, g, beta, h0, do, dfinal, **kw, sequence_pieces=_sequence_pieces(static),
-          scale=static.scale, saved=saved, grams=grams, qk_l2norm=plan.l2 == "on_load")
-      if plan.l2 == "on_load":   # every branch returns the normalised q, k's gradients
-        qn, kn = common.l2_normalize(q), common.l2_normalize(k)
-        per_head = lambda: prepared.backward_per_head(static, qn, kn, v, g, beta, h0, segment_ids, do,
-                                                      dfinal)
-        dq, dk, *rest = _by_bound(saved.G, static.chunk_size, static.compute_dtype, kernels("one"),
-                                  kernels(plan.backward_beyond), per_head)
-        return (common.l2_normalize_grad(q, dq), common.l2_normalize_grad(k, dk), *rest)
+          scale=static.scale, saved=saved, grams=grams)
     case other:
       raise ValueError(f"no backward stage {other!r}")
   # the kernels sum their gradients over the mesh axes their primals do not vary over, as the per-head

@@ -47,7 +47,7 @@ from .. import common, prep
 from . import channel, groups, walk
 from .channel import HALF, fits, key_grads
 from .masks import SEG_ROWS, segment_masks, segment_vectors
-from .tiles import COLS, F32, ROWS, WGMMA, flat, l2_normalize_blocks, matmul, matmuls, smem, vary_like
+from .tiles import COLS, F32, ROWS, WGMMA, flat, matmul, matmuls, smem, vary_like
 
 
 def serves(g, beta, segment_ids) -> bool:
@@ -162,7 +162,7 @@ def value_side(t: prep.ChunkTensors, X, states, dstates, do, v, b, *, dtype, mas
 
 
 def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, masks=None, interpret=None,
-             grams: str = "one", qk_l2norm: bool = False):
+             grams: str = "one"):
   """The key side of every chunk (module docstring), one program per chunk of one value head.
 
   Args: q, k `[B, T_pad, H, K]`; G, refs as `channel.chunk_cumsum` returns them; b `[B, H_v,
@@ -175,9 +175,6 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
     references, dP and dM kept on each product's entries in turn), "halves" (the same with 32-token
     diagonal blocks) or "chunk" (each chunk the first of one, halves, groups that fits it,
     `channel.chunk_forms`: a `lax.cond` in the kernel on `channel.form_tokens`).
-  qk_l2norm: q, k are l2-normalised over K on load (both halves' sums, as `channel_prep.prepare(...,
-    qk_l2norm=True)` normalised them) and dq, dk are the gradients of the normalised q, k
-    (`common.l2_normalize_grad` takes them to the raw q, k).
   """
   if grams not in ("one", "halves", "groups", "chunk"):
     raise ValueError(f"grams must be 'one', 'halves', 'groups' or 'chunk'; got {grams!r}")
@@ -227,9 +224,6 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
     for src, dst in copies:   # one arrival each
       plgpu.copy_gmem_to_smem(src, dst, bar)
     plgpu.barrier_wait(bar)
-    if qk_l2norm:
-      l2_normalize_blocks(q_s)
-      l2_normalize_blocks(k_s)
 
     ck, sq = (C, HALF), (C, C)
     rows = lambda x, shape=ck: lax.broadcast_in_dim(x, shape, [0])
@@ -377,15 +371,13 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
 
 
 def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None,
-             interpret=None, sequence_pieces=None, scale: float = 1.0, saved: Saved, grams: str = "one",
-             qk_l2norm: bool = False):
+             interpret=None, sequence_pieces=None, scale: float = 1.0, saved: Saved, grams: str = "one"):
   """`(dq, dk, dv, dg, dbeta, dh0)` of kda's prepared forward (`o` scaled by `scale`; in q, k, v, g,
   beta's dtypes, dh0 float32) for `do: [B, T, H_v, V]` and `dfinal` None or `[B, H_v, K, V]`, from what
   the forward `saved`: the reverse walk over the saved tensors, then `value_side` and `key_side`; XLA
   takes dG's reverse cumsum within the chunks and, for grouped heads, adds the value heads' dq, dk.
   `grams`: `key_side`'s; the caller's `lax.cond` (`vjp.py`) takes "one" where every chunk's decay fits the
-  one-reference bound, else "groups" (or XLA's vjp, for float16 beyond the groups' bound). qk_l2norm:
-  `key_side`'s (dq, dk are then the normalised q, k's gradients)."""
+  one-reference bound, else "groups" (or XLA's vjp, for float16 beyond the groups' bound)."""
   del h0   # the state entering each chunk is saved
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
@@ -407,8 +399,7 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
     u, dr, dP, dL, dv, dbeta_v = value_side(saved.t, saved.X, saved.states, dstates, do_t, pad(v), b,
                                             dtype=dtype, masks=masks, interpret=interpret)
     dq, dk, dG, dbeta_k = key_side(pad(q), pad(k), G, refs, b, do_t, u, dr, dP, dL, saved.states,
-                                   dstates, dtype=dtype, masks=masks, interpret=interpret, grams=grams,
-                                   qk_l2norm=qk_l2norm)
+                                   dstates, dtype=dtype, masks=masks, interpret=interpret, grams=grams)
     dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C)
     dbeta = jnp.swapaxes(dbeta_v + dbeta_k, 1, 2)[:, :T].astype(beta.dtype)
     grads = (dq, dk, dv[:, :T].astype(v.dtype), dg, dbeta)

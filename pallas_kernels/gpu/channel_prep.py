@@ -35,8 +35,8 @@ from . import groups
 from . import channel
 from .channel import chunk_cumsum
 from .masks import SEG_ROWS, segment_masks, segment_vectors
-from .tiles import (COLS, F32, ROWS, WGMMA, l2_normalize_rows, matmul, matmuls, smem,
-                    unit_lower_inverse, vary_like)
+from .tiles import (COLS, F32, ROWS, WGMMA, matmul, matmuls, smem, unit_lower_inverse,
+                                      vary_like)
 
 
 GRAMS = ("one", "halves", "groups", "chunk")
@@ -49,8 +49,7 @@ def serves(g, beta, segment_ids) -> bool:
 
 
 def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
-            chunk_multiple: int = 1, cumsum=None, with_inverse: bool = False, grams: str = "one",
-            qk_l2norm: bool = False):
+            chunk_multiple: int = 1, cumsum=None, with_inverse: bool = False, grams: str = "one"):
   """`prep.prepare(q, k, v, g, beta, segment_ids, ...)` for per-channel `g: [B, T, H_v, K]` whose every
   chunk fits the one-reference bound (`channel_grads.fits`; the caller takes XLA's merge form for the
   others), with every matmul operand in `dtype` (16-bit), the tensors in `dtype` and `decay` float32;
@@ -62,8 +61,7 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
   decay within `groups.group_bound`), "halves" (the same with diagonal blocks of 32 tokens: one level
   and two diagonal products, for chunks whose halves each fit that bound) or "chunk" (each chunk the
   first of one, halves, groups that fits it, `channel.chunk_forms`: a call with a few strong chunks
-  pays the extra products only there). qk_l2norm: q and k are l2-normalised in the kernel (over K, in
-  float32, rounded to `dtype`) before anything reads them, as `delta_prep.prepare`'s."""
+  pays the extra products only there)."""
   if grams not in GRAMS:
     raise ValueError(f"grams must be one of {GRAMS}; got {grams!r}")
   T = q.shape[1]
@@ -75,11 +73,11 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
   if with_inverse and beta is None:
     raise ValueError("with_inverse is for the delta family (kda): beta must be given")
   return _prepare_kernel(q, k, v, G, refs, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
-                         interpret=interpret, with_inverse=with_inverse, grams=grams, qk_l2norm=qk_l2norm)
+                         interpret=interpret, with_inverse=with_inverse, grams=grams)
 
 
 def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_ids, interpret,
-                    with_inverse: bool = False, grams: str = "one", qk_l2norm: bool = False):
+                    with_inverse: bool = False, grams: str = "one"):
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
   C = chunk_size
@@ -130,9 +128,6 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
     for src, dst in copies:
       plgpu.copy_gmem_to_smem(src, dst, bar)
     plgpu.barrier_wait(bar)
-    if qk_l2norm:
-      l2_normalize_rows(q_s, C)
-      l2_normalize_rows(k_s, C)
 
     rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
     sq, ck, cv = (C, C), (C, K), (C, V)

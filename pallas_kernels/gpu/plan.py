@@ -29,7 +29,7 @@ for a call without it).
     | delta_rule, gated_delta_rule            | kernel   | xla_vjp  | delta_prep   | inputs                           | xla_vjp             | -                  | -                | xla     |
     | delta_rule, gated_delta_rule            | xla_prep | kernel   | xla_prep     | inputs                           | delta_grads         | -                  | -                | xla     |
     | delta_rule, gated_delta_rule            | xla_prep | xla_vjp  | xla_prep     | inputs                           | xla_vjp             | -                  | -                | xla     |
-    | kda                                     | kernel   | kernel   | channel_prep | tensors, inverse, states, cumsum | channel_delta_grads | chunk              | chunk            | on_load |
+    | kda                                     | kernel   | kernel   | channel_prep | tensors, inverse, states, cumsum | channel_delta_grads | chunk              | chunk            | xla     |
     | kda                                     | kernel   | xla_vjp  | channel_prep | inputs                           | xla_vjp             | chunk              | xla_vjp          | xla     |
     | kda                                     | xla_prep | xla_vjp  | xla_prep     | inputs                           | xla_vjp             | xla_prep           | xla_vjp          | xla     |
 
@@ -168,9 +168,6 @@ def cell(delta: bool, decay: str) -> str:
 _FORWARD = {"fused": "fused", "channel": "channel_prep", "delta": "delta_prep", "channel_delta": "channel_prep"}
 _BACKWARD = {"fused": "fused", "channel": "channel_grads", "delta": "delta_grads",
              "channel_delta": "channel_delta_grads"}
-# the kernel pairs that normalise q, k as they load them (`qk_l2norm`): delta_grads returns the raw q, k's
-# gradients, channel_delta_grads the normalised ones (XLA's `common.l2_normalize_grad` takes them on)
-_ON_LOAD = {("delta_prep", "delta_grads"), ("channel_prep", "channel_delta_grads")}
 _KEEPS = {("fused", "fused"): "states", ("channel_prep", "channel_grads"): "states, qg, decay, cumsum",
           ("xla_prep", "channel_grads"): "states, qg, decay, cumsum",
           ("delta_prep", "delta_grads"): "tensors, inverse, states",
@@ -202,7 +199,7 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
   return Plan(cell=c, forward=forward, keeps=_KEEPS.get((forward, backward), "inputs"), backward=backward,
               forward_beyond=forward_beyond, backward_beyond=backward_beyond,
               l2=("none" if not qk_l2norm else
-                  "on_load" if (forward, backward) in _ON_LOAD else "xla"),
+                  "on_load" if (forward, backward) == ("delta_prep", "delta_grads") else "xla"),
               forward_warpgroups=config.forward_warpgroups if forward == "fused" else 1,
               grads_warpgroups=2 if pair else 1, sequence_pieces=config.sequence_pieces,
               gram_method=config.gram_method,

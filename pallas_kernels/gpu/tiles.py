@@ -97,17 +97,6 @@ def l2_normalize_grad(dy, y_ref, r):
   return rows(r) * (dy - y * rows(dot))
 
 
-def l2_normalize_blocks(ref):
-  """Normalises in place the rows of the 16-bit `[KB, C, W]` shared-memory tile `ref` that holds each
-  row's K = KB W channels as KB column blocks (float32 sums over all of them, then rounded to the tile's
-  dtype, as `l2_normalize_rows` over the whole row)."""
-  xs = [plgpu.load(ref.at[i], layout=WGMMA).astype(jnp.float32) for i in range(ref.shape[0])]
-  r = lax.rsqrt(sum(jnp.sum(x * x, axis=1) for x in xs) + L2_EPS)
-  for i, x in enumerate(xs):
-    ref.at[i][...] = (x * lax.broadcast_in_dim(r, x.shape, [0])).astype(ref.dtype)
-  plgpu.commit_smem()
-
-
 def unit_lower_inverse(l_s, x_s, e_s, y_s):
   """`X = (I + L)^-1` of the strictly lower `[C, C]` tile `l_s` into `x_s` (the operand dtype) by block
   doubling on whole tiles (delta_prep.py's docstring); `e_s`, `y_s` are scratch tiles of the same shape.

@@ -164,9 +164,7 @@ def test_per_channel_preparation_kernel_exports_for_hopper(kind, D, packed):
   args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D, dtype=jnp.float32),
           _spec(B, T, H, dtype=jnp.float32) if delta else None)
   seg = jnp.zeros((B, T), jnp.int32).at[:, T // 3:].set(1) if packed else None
-  # kda at K = 128 with q, k l2-normalised in the kernel on load (the layer's default)
-  fn = lambda q, k, v, g, beta: gpu.chunked_attention(q, k, v, g, beta, segment_ids=seg,
-                                                      qk_l2norm=delta and D == 128)
+  fn = lambda q, k, v, g, beta: gpu.chunked_attention(q, k, v, g, beta, segment_ids=seg)
   with jax.sharding.use_abstract_mesh(H200):
     fwd = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
   assert fwd.count("custom_call @mosaic_gpu") == 3
@@ -188,10 +186,8 @@ def test_per_channel_gradient_kernels_export_for_hopper(kind, D, group, packed, 
   seg = jnp.zeros((B, T), jnp.int32).at[:, T // 3:].set(1) if packed else None
 
   def loss(q, k, v, g, beta, h0):
-    # kda at K = 128: q, k normalised on load in both kernels (the layer's default)
     o, final = gpu.chunked_attention(q, k, v, g, beta, initial_state=h0, segment_ids=seg,
-                                     config=gpu.GpuConfig(sequence_pieces=pieces),
-                                     qk_l2norm=delta and D == 128)
+                                     config=gpu.GpuConfig(sequence_pieces=pieces))
     return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
 
   argnums = tuple(i for i, a in enumerate(args) if a is not None)
