@@ -198,7 +198,9 @@ def chunk_tensors(qc, kc, vc, gc, bc, seg=None, seg_before=None, *, dtype=jnp.fl
     if carry_last is not None:
       decay = carry_last.astype(jnp.float32)
   else:
-    G = local_cumsum(gc, 3)
+    # per-channel gates: two short scans (`local_cumsum`); scalar gates (1 / K of the elements) keep
+    # one scan, the sums the kernels' own `decay.local_cumsum` forms
+    G = local_cumsum(gc, 3) if gc.ndim == 5 else jnp.cumsum(gc, axis=3)
     G_last = G[:, :, :, -1]
     if gc.ndim == 4:  # scalar gate: G [B, H, NC, C]
       diff = G[..., :, None] - G[..., None, :]
