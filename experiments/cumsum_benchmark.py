@@ -5,8 +5,10 @@ gla kernels' XLA glue pays for G = cumsum(g) within each chunk and for dg = the 
 
 Forms (`--forms`), each over the tokens of chunks of `--C` of a float32 `[B, T / C, C, H, K]` tensor:
   cumsum:  `lax.cumsum` over the chunk's C tokens (what the library ran before NOTES.md v49);
-  blocks:  `prep.local_cumsum`: a scan within blocks of 8 tokens plus the sums of the blocks before;
-  matmul:  a lower-triangular ones matrix times the chunk, float32 at HIGHEST precision.
+  blocks:  `prep.local_cumsum(..., method="blocks")`: a scan within blocks of 8 tokens plus the sums
+           of the blocks before;
+  matmul:  `prep.local_cumsum(..., method="matmul")`: the triangle of ones times the chunk, float32 at
+           HIGHEST precision (what kda's and gla's kernel glue takes, NOTES.md v49).
 Each row: one call waited for alone and `--stream` calls back to back (medians over `--iters` rounds),
 the ratio to `cumsum`, and the largest difference from `cumsum` relative to its scale. Writes
 `{workdir}/cumsum.json` and `cumsum.md`.
@@ -23,7 +25,6 @@ if __package__ in (None, ""):  # run as a file: put the repository root on the p
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 from jax import lax
 
@@ -50,14 +51,7 @@ def form(name: str, reverse: bool):
   if name == "blocks":
     return lambda x: prep.local_cumsum(x, 2, reverse=reverse)
   if name == "matmul":
-    def f(x):
-      C = x.shape[2]
-      tri = np.tril(np.ones((C, C), np.float32)) if not reverse else np.triu(np.ones((C, C), np.float32))
-      ones = jnp.broadcast_to(jnp.asarray(tri), x.shape[:2] + (C, C))
-      y = lax.dot_general(ones, x.reshape(x.shape[:3] + (-1,)), (((3,), (2,)), ((0, 1), (0, 1))),
-                          precision=lax.Precision.HIGHEST)
-      return y.reshape(x.shape)
-    return f
+    return lambda x: prep.local_cumsum(x, 2, reverse=reverse, method="matmul")
   raise ValueError(f"form must be one of {FORMS}; got {name!r}")
 
 

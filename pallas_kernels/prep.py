@@ -63,15 +63,29 @@ def floor_log_decay(g):
   return None if g is None else jnp.where(g < LOG_DECAY_FLOOR, jnp.asarray(LOG_DECAY_FLOOR, g.dtype), g)
 
 
-def local_cumsum(x, axis: int, *, reverse: bool = False, block: int = 8):
-  """The cumulative sum of `x` along `axis` (a chunk's tokens; from the end where `reverse`), as two
-  short scans: within blocks of `block` tokens, then over the blocks' sums, shifted one block (the sums
-  before a block, exactly, not the inclusive sums less the block's own). The same sums as `lax.cumsum`
-  up to float32 rounding. XLA on GPU turns one scan longer than 16 into a tree of 16-token
-  reduce-windows and a transposed add (0.30 ms for kda's g `[8, 4096, 8, 128]` on the H200, NOTES.md
-  v48); scans of 8 stay single fused reduce-windows."""
+def local_cumsum(x, axis: int, *, reverse: bool = False, block: int = 8, method: str = "blocks"):
+  """The cumulative sum of `x` along `axis` (a chunk's tokens; from the end where `reverse`), the same
+  sums as `lax.cumsum` up to float32 rounding. XLA on GPU turns one scan longer than 16 into a tree of
+  16-token reduce-windows and a transposed add (0.22 ms alone for kda's g `[8, 4096, 8, 128]` on the
+  H200, 0.30 ms in its layer: NOTES.md v48, v49).
+
+  method: "blocks", two short scans: within blocks of `block` tokens, then over the blocks' sums,
+  shifted one block (the sums before a block, exactly, not the inclusive sums less the block's own);
+  scans of 8 stay single reduce-windows (0.18 ms alone). "matmul", one batched product with the
+  triangle of ones over the axis, float32 at HIGHEST precision (every dimension before the axis a
+  batch, those after it one free dimension: no transpose; 0.13 ms alone)."""
   axis = axis % x.ndim
   n = x.shape[axis]
+  if method == "matmul":
+    ones = np.tril(np.ones((n, n), np.float32)) if not reverse else np.triu(np.ones((n, n), np.float32))
+    lead = x.shape[:axis]
+    tri = jnp.broadcast_to(jnp.asarray(ones, x.dtype), lead + (n, n))
+    batch = tuple(range(axis))
+    y = lax.dot_general(tri, x.reshape(lead + (n, -1)), (((axis + 1,), (axis,)), (batch, batch)),
+                        precision=lax.Precision.HIGHEST, preferred_element_type=x.dtype)
+    return y.reshape(x.shape)
+  if method != "blocks":
+    raise ValueError(f"method must be 'blocks' or 'matmul'; got {method!r}")
   if n % block or n <= block:
     return lax.cumsum(x, axis, reverse=reverse)
   xb = x.reshape(x.shape[:axis] + (n // block, block) + x.shape[axis + 1:])

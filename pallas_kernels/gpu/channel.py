@@ -22,7 +22,7 @@ def chunk_cumsum(g, T_pad: int, C: int):
   8-token group (`groups.ref_rows`)."""
   B, T, Hv, K = g.shape
   g = jnp.pad(prep.floor_log_decay(g.astype(F32)), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
-  G = prep.local_cumsum(g.reshape(B, T_pad // C, C, Hv, K), 2)
+  G = prep.local_cumsum(g.reshape(B, T_pad // C, C, Hv, K), 2, method="matmul")
   refs = [prep.reference(G, axis=2), G[:, :, -1:], lax.stop_gradient(groups.ref_rows(G))]
   return G.reshape(B, T_pad, Hv, K), jnp.concatenate(refs, axis=2)
 
@@ -81,7 +81,7 @@ def key_grads(dq, dk, dG, q, k, g, C: int):
   T_pad, Hv = dG.shape[1:3]
   group = Hv // H
   dG = dG.reshape(B, T_pad // C, C, Hv, K)
-  dg = prep.local_cumsum(dG, 2, reverse=True).reshape(B, T_pad, Hv, K)[:, :T]
+  dg = prep.local_cumsum(dG, 2, reverse=True, method="matmul").reshape(B, T_pad, Hv, K)[:, :T]
   dg = jnp.where(g >= prep.LOG_DECAY_FLOOR, dg, 0.0)   # the floor's gradient (chunk_cumsum)
   per_head = lambda x: (x[:, :T].astype(F32).reshape(B, T, H, group, K).sum(3) if group > 1
                         else x[:, :T])
