@@ -36,8 +36,8 @@ class GatedDeltaNet(LinearMixer):
     head_dim: K (default d / H).  head_v_dim: V (default K, as `LMConfig` builds it; the paper's V = 2K
       is `head_v_dim=2 * head_dim`). K is the default because the layer built alone should be the
       layer an LM builds, because the released hybrids (Qwen3-Next, Qwen3.5) use V = K with more value
-      heads (`num_v_heads`) rather than wider ones. Both run on the GPU kernels (V = 256 as two
-      value blocks of 128, `pallas_kernels.gpu.plan.head_blocks`).
+      heads (`num_v_heads`) rather than wider ones. Both run on the GPU kernels (V = 256 in one
+      call, the key side once per chunk, `pallas_kernels.gpu.plan.head_blocks`).
     norm_eps: epsilon of the gated output RMSNorm.
     use_short_conv, conv_size: causal depthwise convolutions (SiLU) on q, k, v; on by default.
     impl, chunk_size: passed to `ops.gated_delta_rule` in training and prefill.

@@ -69,7 +69,7 @@ from .tiles import BLOCK_V, SMEM_BYTES
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 KERNEL_DIMS = (64, 128)   # the head dims one kernel program walks
-HEAD_DIMS = (64, 128, 256)  # a call's; 256 runs as blocks of 128 (`head_blocks`)
+HEAD_DIMS = (64, 128, 256)  # a call's; 256 runs as blocks of 128 where `head_blocks` says so
 CHUNK_SIZES = (64,)
 FORWARDS = ("kernel", "xla_prep")
 BACKWARDS = ("kernel", "xla_vjp")
@@ -262,7 +262,7 @@ def supports(*, K: int, V: int, chunk_size: int, dtype=jnp.bfloat16, packing: st
 
   Args:
     K, V: head dims of the state (V: the columns the kernels walk, `walked_columns`), each in
-      `HEAD_DIMS`; 256 runs as blocks of 128 (`head_blocks`), and K = 256 in the additive family only.
+      `HEAD_DIMS`; 256 as `head_blocks` splits it, and K = 256 in the additive family only.
       chunk_size: C. dtype: the matmul operand dtype (bfloat16 or float16; the state is float32).
       packing: "none", "segments" or "cu_seqlens". delta: the call is of the delta family.
     backend: None is the running backend (a Hopper GPU, or any inside `interpret_kernels`);
