@@ -91,6 +91,7 @@ def main(argv):
   with open(os.path.join(f.workdir, "cumsum.md"), "w") as fh:
     fh.write("\n".join(lines) + "\n")
   print("\n".join(lines))
+  print(f"wrote {os.path.join(f.workdir, 'cumsum.json')}")
 
 
 if __name__ == "__main__":

@@ -161,6 +161,7 @@ def test_gate_recipes_give_the_documented_values():
      "conv.json"),
     ("embedding_grad.py", ["--vocabs=64", "--tokens=2,32", "--width=16", "--iters=1", "--stream=2"],
      "embedding_grad.json"),
+    ("cumsum_benchmark.py", ["--B=1", "--T=128", "--H=2", "--K=16", "--iters=1", "--stream=1"], "cumsum.json"),
     ("compile_time.py", ["--pattern=G", "--impl=chunk", "--width=32", "--depth=1", "--num_heads=2",
                          "--batch_size=1", "--seq_len=64", "--chunk_size=16", "--steps=1",
                          "--unrolls=1,4"], "compile_time.json"),
@@ -208,6 +209,12 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
       rows = json.load(f)["rows"]
     assert [r["form"] for r in rows] == ["sum", "pallas:auto", "pallas:8x128", "vjp", "xlaconv"]
     assert all(err < 1e-5 for r in rows for err in r["max_rel_diff"].values()), rows
+  if script == "cumsum_benchmark.py":  # every form, both directions, the same sums
+    with open(tmp_path / output, encoding="utf-8") as f:
+      rows = json.load(f)
+    assert [(r["form"], r["reverse"]) for r in rows] == [(n, d) for d in (False, True)
+                                                         for n in ("cumsum", "blocks", "matmul")]
+    assert all(r["rel_err"] < 1e-5 for r in rows), rows
   if script == "compile_time.py":  # the unroll changes the program, not what it computes
     with open(tmp_path / output, encoding="utf-8") as f:
       runs = json.load(f)["results"]
