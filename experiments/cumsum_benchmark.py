@@ -16,7 +16,6 @@ the ratio to `cumsum`, and the largest difference from `cumsum` relative to its 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -28,6 +27,7 @@ import jax.numpy as jnp
 from absl import app, flags
 from jax import lax
 
+from experiments import common
 from experiments.layer_benchmark import time_it
 from linear_attention_jax.pallas_kernels import prep
 
@@ -58,7 +58,6 @@ def form(name: str, reverse: bool):
 def main(argv):
   del argv
   f = FLAGS
-  os.makedirs(f.workdir, exist_ok=True)
   # gates as kda's layer draws them: -A softplus(.), A in [1, 16], floored at -20
   key_a, key_b = jax.random.split(jax.random.key(0))
   A = jax.random.uniform(key_a, (f.H, f.K), minval=1.0, maxval=16.0)
@@ -86,12 +85,11 @@ def main(argv):
     ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
     lines.append(f"| {r['form']} | {r['reverse']} | {r['single_ms']:.3f} | {r['stream_ms']:.3f} | {ratio} | "
                  f"{r['rel_err']:.1e} |")
-  with open(os.path.join(f.workdir, "cumsum.json"), "w") as fh:
-    json.dump(rows, fh, indent=1)
+  path = common.write_json(f.workdir, "cumsum.json", rows)
   with open(os.path.join(f.workdir, "cumsum.md"), "w") as fh:
     fh.write("\n".join(lines) + "\n")
   print("\n".join(lines))
-  print(f"wrote {os.path.join(f.workdir, 'cumsum.json')}")
+  print(f"wrote {path}")
 
 
 if __name__ == "__main__":
