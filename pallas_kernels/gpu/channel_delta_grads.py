@@ -47,7 +47,7 @@ from .. import common, prep
 from . import channel, groups, walk
 from .channel import HALF, fits, key_grads
 from .masks import SEG_ROWS, segment_masks, segment_vectors
-from .tiles import COLS, F32, ROWS, WGMMA, flat, matmul, matmuls, smem, vary_like
+from .tiles import COLS, F32, ROWS, WGMMA, compiler_params, flat, matmul, matmuls, phase, smem, vary_like
 
 
 def serves(g, beta, segment_ids) -> bool:
@@ -156,7 +156,7 @@ def value_side(t: prep.ChunkTensors, X, states, dstates, do, v, b, *, dtype, mas
               jax.ShapeDtypeStruct((B, Hv, T_pad), F32))
   outs = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
-      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
+      compiler_params=compiler_params(approx_math=True), interpret=interpret,
       kernel_name="chunk_grads_channel_delta_v")(*args)
   return vary_like(outs, args)
 
@@ -223,7 +223,8 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
       copies.append((fit_r.at[bi, h, rows_t], vec_s))
     for src, dst in copies:   # one arrival each
       plgpu.copy_gmem_to_smem(src, dst, bar)
-    plgpu.barrier_wait(bar)
+    with phase("keys.loads"):
+      plgpu.barrier_wait(bar)
 
     ck, sq = (C, HALF), (C, C)
     rows = lambda x, shape=ck: lax.broadcast_in_dim(x, shape, [0])
@@ -278,12 +279,13 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
       return lax.cond(form < 0.5, one, lambda: lax.cond(form < 1.5, lambda: grouped(groups.HALVES),
                                                          lambda: grouped(groups.GROUP)))
 
-    M = by_form(one_m, group_m)
-    dL = load(dl_s)
-    # above the diagonal the factors do not cancel (they may overflow): the where drops them
-    dbeta = jnp.sum(jnp.where(strict, M, 0.0) * dL, axis=1)
-    dl_s[...] = (dL * rows(beta_rows(), sq)).astype(dtype)
-    plgpu.commit_smem()
+    with phase("keys.m"):
+      M = by_form(one_m, group_m)
+      dL = load(dl_s)
+      # above the diagonal the factors do not cancel (they may overflow): the where drops them
+      dbeta = jnp.sum(jnp.where(strict, M, 0.0) * dL, axis=1)
+      dl_s[...] = (dL * rows(beta_rows(), sq)).astype(dtype)
+      plgpu.commit_smem()
 
     def one_terms(i):
       Gt, R = fresh(load(g_s.at[i])), colv(0, i)
@@ -322,40 +324,43 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
       return dqg, dkd, dBk, dq_p, minus, plus
 
     for i in range(KH):
-      dqg, dkd, dBk, dq_p, minus, plus = by_form(lambda: one_terms(i), lambda b: group_terms(i, b))
-      Gt = fresh(load(g_s.at[i]))
-      qt = load(q_s.at[i])
-      e_q = jnp.exp(Gt)
-      if carry is not None:
-        e_q = e_q * rows(carry)
-      dq = e_q * dqg + dq_p
-      dG = qt * dq
-      q_s.at[i][...] = dq.astype(dtype)
-      Gt, Gc = fresh(load(g_s.at[i])), colv(1, i)
-      e_q, e_k = jnp.exp(Gt), jnp.exp(Gc - Gt)
-      if carry is not None:
-        e_q, e_k = e_q * rows(carry), e_k * rows(to_last)
-      kt = load(k_s.at[i])
-      bk = kt * e_q                       # B_k / beta
-      dbeta = dbeta - jnp.sum(dBk * bk, axis=1)
-      minus = e_k * dkd + minus
-      plus = plus - rows(beta_rows()) * e_q * dBk
-      dG = dG + kt * (plus - minus)
-      # the last token: colsum(kd (u dS^T)) + e^(G_C) colsum(S dS), S and dS `[V, 64]` tiles
-      s_ds = jnp.sum(load(st_s.at[i]) * load(dst_s.at[i]), axis=0)
-      s_decay = plgpu.load(r_s.at[1, cols(i)], layout=COLS)
-      term = jnp.sum(kt * e_k * dkd, axis=0) + jnp.exp(s_decay) * carry_last * s_ds
-      dG = dG + jnp.where(last_row, lax.broadcast_in_dim(term, ck, [1]), 0.0)
-      k_s.at[i][...] = (plus + minus).astype(dtype)
-      g_s.at[i][...] = dG
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_s.at[i], dq_r.at[bi, rows_t, h, cols(i)])
-      plgpu.copy_smem_to_gmem(k_s.at[i], dk_r.at[bi, rows_t, h, cols(i)])
-      plgpu.copy_smem_to_gmem(g_s.at[i], dg_r.at[bi, rows_t, h, cols(i)])
+      with phase(f"keys.terms_{i}"):
+        dqg, dkd, dBk, dq_p, minus, plus = by_form(lambda: one_terms(i), lambda b: group_terms(i, b))
+      with phase(f"keys.tail_{i}"):
+        Gt = fresh(load(g_s.at[i]))
+        qt = load(q_s.at[i])
+        e_q = jnp.exp(Gt)
+        if carry is not None:
+          e_q = e_q * rows(carry)
+        dq = e_q * dqg + dq_p
+        dG = qt * dq
+        q_s.at[i][...] = dq.astype(dtype)
+        Gt, Gc = fresh(load(g_s.at[i])), colv(1, i)
+        e_q, e_k = jnp.exp(Gt), jnp.exp(Gc - Gt)
+        if carry is not None:
+          e_q, e_k = e_q * rows(carry), e_k * rows(to_last)
+        kt = load(k_s.at[i])
+        bk = kt * e_q                       # B_k / beta
+        dbeta = dbeta - jnp.sum(dBk * bk, axis=1)
+        minus = e_k * dkd + minus
+        plus = plus - rows(beta_rows()) * e_q * dBk
+        dG = dG + kt * (plus - minus)
+        # the last token: colsum(kd (u dS^T)) + e^(G_C) colsum(S dS), S and dS `[V, 64]` tiles
+        s_ds = jnp.sum(load(st_s.at[i]) * load(dst_s.at[i]), axis=0)
+        s_decay = plgpu.load(r_s.at[1, cols(i)], layout=COLS)
+        term = jnp.sum(kt * e_k * dkd, axis=0) + jnp.exp(s_decay) * carry_last * s_ds
+        dG = dG + jnp.where(last_row, lax.broadcast_in_dim(term, ck, [1]), 0.0)
+        k_s.at[i][...] = (plus + minus).astype(dtype)
+        g_s.at[i][...] = dG
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_s.at[i], dq_r.at[bi, rows_t, h, cols(i)])
+        plgpu.copy_smem_to_gmem(k_s.at[i], dk_r.at[bi, rows_t, h, cols(i)])
+        plgpu.copy_smem_to_gmem(g_s.at[i], dg_r.at[bi, rows_t, h, cols(i)])
     vec_s[...] = dbeta
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(vec_s, db_r.at[bi, h, rows_t])
-    plgpu.wait_smem_to_gmem(0)
+    with phase("keys.exit"):
+      plgpu.wait_smem_to_gmem(0)
 
   args = [q.astype(dtype), k.astype(dtype), G, refs, b, do.astype(dtype), u, dr, dP, dL,
           states.astype(dtype), dstates.astype(dtype)] + ([masks] if has_seg else [])
@@ -365,7 +370,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
               jax.ShapeDtypeStruct((B, T_pad, Hv, K), F32), jax.ShapeDtypeStruct((B, Hv, T_pad), F32))
   outs = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
-      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
+      compiler_params=compiler_params(approx_math=True), interpret=interpret,
       kernel_name="chunk_grads_channel_delta_k" + ("" if grams == "one" else "_" + grams))(*args)
   return vary_like(outs, args)
 

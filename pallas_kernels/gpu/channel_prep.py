@@ -35,8 +35,8 @@ from . import groups
 from . import channel
 from .channel import chunk_cumsum
 from .masks import SEG_ROWS, segment_masks, segment_vectors
-from .tiles import (COLS, F32, ROWS, WGMMA, matmul, matmuls, smem, unit_lower_inverse,
-                                      vary_like)
+from .tiles import (COLS, F32, ROWS, WGMMA, compiler_params, matmul, matmuls, phase, smem,
+                    unit_lower_inverse, vary_like)
 
 
 GRAMS = ("one", "halves", "groups", "chunk")
@@ -127,7 +127,8 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
     copies += [(m_r.at[bi, r, rows_t], m_s.at[r]) for r in range(SEG_ROWS if has_seg else 0)]
     for src, dst in copies:
       plgpu.copy_gmem_to_smem(src, dst, bar)
-    plgpu.barrier_wait(bar)
+    with phase("cprep.loads"):
+      plgpu.barrier_wait(bar)
 
     rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
     sq, ck, cv = (C, C), (C, K), (C, V)
@@ -174,12 +175,13 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
 
     forms = {"one": one_grams, "halves": lambda: group_grams(groups.HALVES),
              "groups": lambda: group_grams(groups.GROUP)}
-    if grams in forms:
-      P, M = forms[grams]()
-    else:   # "chunk": this chunk's own form (`channel.chunk_forms`), by its refs row `channel.form_row`
-      form = r_s[channel.form_row(C), 0]
-      P, M = lax.cond(form < 0.5, forms["one"],
-                      lambda: lax.cond(form < 1.5, forms["halves"], forms["groups"]))
+    with phase("cprep.grams"):
+      if grams in forms:
+        P, M = forms[grams]()
+      else:   # "chunk": this chunk's own form (`channel.chunk_forms`), by its refs row `channel.form_row`
+        form = r_s[channel.form_row(C), 0]
+        P, M = lax.cond(form < 0.5, forms["one"],
+                        lambda: lax.cond(form < 1.5, forms["halves"], forms["groups"]))
 
     same = carry = to_last = None
     if has_seg:
@@ -199,14 +201,15 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
 
     # qg = q e^G (rows reading the carried state); kd = k e^(G_C - G) (rows whose write reaches the
     # chunk's end)
-    e_q = jnp.exp(load_G())
-    if carry is not None:
-      e_q = e_q * rows(carry, ck)
-    emit(load(q_s) * e_q, a_s, qg_r.at[bi, h, rows_t])
-    e_k = jnp.exp(col(1) - load_G())
-    if to_last is not None:
-      e_k = e_k * rows(to_last, ck)
-    emit(load(k_s) * e_k, bk_s, kd_r.at[bi, h, rows_t])
+    with phase("cprep.qg_kd"):
+      e_q = jnp.exp(load_G())
+      if carry is not None:
+        e_q = e_q * rows(carry, ck)
+      emit(load(q_s) * e_q, a_s, qg_r.at[bi, h, rows_t])
+      e_k = jnp.exp(col(1) - load_G())
+      if to_last is not None:
+        e_k = e_k * rows(to_last, ck)
+      emit(load(k_s) * e_k, bk_s, kd_r.at[bi, h, rows_t])
     if not delta:
       plgpu.wait_smem_to_gmem(0)
       return
@@ -214,21 +217,24 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
     # kda: L = Diag(beta) M (strict, one run), X = (I + L)^-1 by block doubling (delta_prep.py)
     beta_rows = lambda: fresh(plgpu.load(b_s, layout=ROWS))
     keep = (i_sq > j_sq) if same is None else (i_sq > j_sq) & same
-    l_s[...] = (jnp.where(keep, M, 0.0) * rows(beta_rows(), sq)).astype(dtype)
-    plgpu.commit_smem()
-    unit_lower_inverse(l_s, x_s, e_s, y_s)
-    if with_inverse:
-      plgpu.copy_smem_to_gmem(x_s, x_r.at[bi, h, rows_t])
+    with phase("cprep.inverse"):
+      l_s[...] = (jnp.where(keep, M, 0.0) * rows(beta_rows(), sq)).astype(dtype)
+      plgpu.commit_smem()
+      unit_lower_inverse(l_s, x_s, e_s, y_s)
+      if with_inverse:
+        plgpu.copy_smem_to_gmem(x_s, x_r.at[bi, h, rows_t])
     # beta k e^G and beta v replace k and v (their other uses are done); w = X (beta k e^G), u = X (beta v)
-    e_q = jnp.exp(load_G())
-    if carry is not None:
-      e_q = e_q * rows(carry, ck)
-    k_s[...] = (load(k_s) * e_q * rows(beta_rows(), ck)).astype(dtype)
-    v_s[...] = (load(v_s) * rows(beta_rows(), cv)).astype(dtype)
-    plgpu.commit_smem()
-    emit(matmul(x_s, k_s, ck), ak_s, w_r.at[bi, h, rows_t])
-    emit(matmul(x_s, v_s, cv), out_v, u_r.at[bi, h, rows_t])
-    plgpu.wait_smem_to_gmem(0)
+    with phase("cprep.w_u"):
+      e_q = jnp.exp(load_G())
+      if carry is not None:
+        e_q = e_q * rows(carry, ck)
+      k_s[...] = (load(k_s) * e_q * rows(beta_rows(), ck)).astype(dtype)
+      v_s[...] = (load(v_s) * rows(beta_rows(), cv)).astype(dtype)
+      plgpu.commit_smem()
+      emit(matmul(x_s, k_s, ck), ak_s, w_r.at[bi, h, rows_t])
+      emit(matmul(x_s, v_s, cv), out_v, u_r.at[bi, h, rows_t])
+    with phase("cprep.exit"):
+      plgpu.wait_smem_to_gmem(0)
 
   args = (q, k, G, refs) + ((v, b) if delta else ()) + ((masks,) if has_seg else ())
   shape = lambda d: jax.ShapeDtypeStruct((B, Hv, T_pad, d), dtype)
@@ -236,7 +242,7 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
               + ((shape(C),) if with_inverse else ()))
   outs = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
-      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
+      compiler_params=compiler_params(approx_math=True), interpret=interpret,
       kernel_name="chunk_prep_channel" + ("" if grams == "one" else "_" + grams))(*args)
   outs = [x.reshape(B, Hv, NC, C, x.shape[-1]) for x in vary_like(outs, args)]
   qg, kd, p = outs[:3]

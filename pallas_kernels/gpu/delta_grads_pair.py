@@ -14,8 +14,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from .decay import decay_tile, last_state_term, row_scales
 from .delta_terms import dbk_term, dl_and_m, dm_k
 from .masks import SEG_ROWS
-from .tiles import (BLOCK_V, COLS, F32, ROWS, SMEM_BYTES, WGMMA, l2_normalize_grad,
-                                      l2_normalize_rows, matmul, matmuls, scratch_bytes, smem, vary_like)
+from .tiles import (BLOCK_V, COLS, F32, ROWS, SMEM_BYTES, WGMMA, compiler_params, l2_normalize_grad,
+                    l2_normalize_rows, matmul, matmuls, phase, phase_bytes, scratch_bytes, smem,
+                    vary_like)
 
 
 def _pair_scratch(C, K, bv, dtype, has_seg):
@@ -69,8 +70,8 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
   group = Hv // H
   has_seg = masks is not None
   scratch = _pair_scratch(C, K, bv, dtype, has_seg)
-  if scratch_bytes(scratch) > SMEM_BYTES:
-    raise ValueError(f"chunk_grads_pair needs {scratch_bytes(scratch)} bytes of shared memory "
+  if scratch_bytes(scratch) + phase_bytes(2) > SMEM_BYTES:
+    raise ValueError(f"chunk_grads_pair needs {scratch_bytes(scratch) + phase_bytes(2)} bytes of shared memory "
                      f"(at most {SMEM_BYTES})")
   K_NORMED, Q_NORMED, DQ_STAGED, OUT_FREE, DK_STAGED, VEC_STAGED = range(6)
 
@@ -100,7 +101,8 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
     plgpu.copy_gmem_to_smem(st_r.at[bi, h, n, vs], st_b, early.at[wg])
     plgpu.copy_gmem_to_smem(do_r.at[bi, rows_t, h, vs], do_b, late.at[wg])
     plgpu.copy_gmem_to_smem(dst_r.at[bi, h, n, vs], dst_b, late.at[wg])
-    plgpu.barrier_wait(bar)
+    with phase("pair.wait_shared"):
+      plgpu.barrier_wait(bar)
 
     def normalised(tile, idx, flag):
       """q or k l2-normalised in place by warpgroup 0 (its reciprocal norms kept for the gradient); the
@@ -117,7 +119,8 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
       def _():
         plgpu.barrier_wait(sync.at[flag])
 
-    normalised(k_s, 1, K_NORMED)
+    with phase("pair.normalise_k"):
+      normalised(k_s, 1, K_NORMED)
     rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
     cols = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])
     sq, ck, cv = (C, C), (C, K), (C, bv)
@@ -162,96 +165,112 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           plgpu.barrier_arrive(sync.at[OUT_FREE])
 
-    plgpu.barrier_wait(early.at[wg])
-    form_r()
-    un = matmul(x_s, buf, cv)            # u = X r; buf then holds u
-    buf[...] = un.astype(dtype)
-    plgpu.commit_smem()
-    plgpu.barrier_wait(late.at[wg])
-    plgpu.barrier_wait(q_bar)
-    normalised(q_s, 0, Q_NORMED)
-    # P, dP; rowsum(dP P) now, and its column sums from the transposed products
-    P, dP = matmuls((sq, [(q_s, k_s.T)]), (sq, [(do_b, buf.T)]))
-    D = decay(True, False)
-    P = P * D
-    p_b[...] = P.astype(dtype)
-    a_b[...] = (dP * D).astype(dtype)
-    plgpu.commit_smem()
-    dG = jnp.sum(dP * P, axis=1)
-    ud, kq = matmuls((sq, [(buf, do_b.T)]), (sq, [(k_s, q_s.T)]))
-    dG = dG - jnp.sum(ud * kq * decay(False, False), axis=1)
-    # dq = e^G (do S^T) + (dP D) k, summed over the two blocks
-    _, e_q, _ = vectors()
-    dqg = matmul(do_b, st_b, ck)
-    dG = dG + e_q * jnp.sum(plgpu.load(q_s, layout=WGMMA).astype(F32) * dqg, axis=1)
-    dq = dqg * rows(e_q, ck) + matmul(a_b, k_s, ck)
-    if qk_l2norm:
-      dq = l2_normalize_grad(dq, q_s, fresh(plgpu.load(norm_s.at[0], layout=ROWS)))
-    write_sum(dq, DQ_STAGED, dq_r.at[pv, bi, rows_t, h])
-    # du = P^T do + kd dS
-    du_p, kdS = matmuls((cv, [(p_b.T, do_b)]), (cv, [(k_s, dst_b.T)]))
-    _, _, e_k = vectors()
-    du_b[...] = (du_p + rows(e_k, cv) * kdS).astype(dtype)
-    plgpu.commit_smem()
-    # dk, first terms: (dP D)^T q + e^(G_C - G) dkd, dkd = u dS^T; the last token's S dS term while dS
-    # is at hand
-    dkd = matmul(buf, dst_b, ck)
-    _, _, e_k = vectors()
-    kd_term = e_k * jnp.sum(dkd * load_k(), axis=1)
-    kdv = kd_term + last_state_term(g_s, m_s, st_b, dst_b, C)
-    dk = matmul(a_b.T, q_s, ck, init=dkd * rows(e_k, ck))
-    dG = dG - kd_term
-    # r again (buf held u); dX = du r^T and dB_v = X^T du (issued together) into du's and buf's tiles
-    form_r()
-    dX, dBv = matmuls((sq, [(du_b, buf.T)]), (cv, [(x_s.T, du_b)]))
-    du_b[...] = dX.astype(dtype)
-    buf[...] = dBv.astype(dtype)
-    beta, _, _ = vectors()
-    dbeta = jnp.sum(dBv * plgpu.load(v_b, layout=WGMMA).astype(F32), axis=1)
-    v_b[...] = (dBv * rows(beta, cv)).astype(dtype)        # dv, staged in v's tile
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(v_b, dv_r.at[bi, rows_t, h, vs])
-    dBk, beta, e_q, r = dbk_term(buf, st_b, k_s, vectors, ck)
-    dk = dk + dBk * rows(beta * e_q, ck)
-    dG = dG + beta * r
-    dbeta = dbeta + r
-    # column sums of dM M from the transposed products: (dM M)^T = beta_j dL^T (k k^T D_excl)^T,
-    # dL^T = -X dX^T X
-    p_b[...] = matmul(x_s, du_b.T, sq).astype(dtype)
-    plgpu.commit_smem()
-    dLt, kk = matmuls((sq, [(p_b, x_s)]), (sq, [(k_s, k_s.T)]))
-    beta_cols = fresh(plgpu.load(bc_s, layout=COLS))
-    dG = dG + jnp.sum(dLt * cols(beta_cols, sq) * kk * decay(False, True), axis=1)
-    # dM = beta dL (du's tile holds dX)
-    dL, M = dl_and_m(x_s, du_b, k_s, p_b, decay, dtype, sq)
-    dbeta = dbeta + jnp.sum(dL * M, axis=1)
-    beta, _, _ = vectors()
-    dM = dL * rows(beta, sq)
-    dG = dG + jnp.sum(dM * M, axis=1)
-    dk = dk + dm_k(dM, a_b, k_s, decay, dtype, ck)
-    if qk_l2norm:
-      dk = l2_normalize_grad(dk, k_s, fresh(plgpu.load(norm_s.at[1], layout=ROWS)))
-    write_sum(dk, DK_STAGED, dk_r.at[pv, bi, rows_t, h], done=OUT_FREE)
-    # the vectors: warpgroup 1 stages its own, warpgroup 0 adds them to its own and writes the sums
-    @pl.when(second)
-    def _():
-      for idx, x in enumerate((dG, dbeta, kdv)):
-        vec_s.at[1, idx][...] = x
+    with phase("pair.wait_v_s"):
+      plgpu.barrier_wait(early.at[wg])
+    with phase("pair.r_u"):
+      form_r()
+      un = matmul(x_s, buf, cv)            # u = X r; buf then holds u
+      buf[...] = un.astype(dtype)
       plgpu.commit_smem()
-      plgpu.barrier_arrive(sync.at[VEC_STAGED])
-
-    @pl.when(first)
-    def _():
-      plgpu.barrier_wait(sync.at[VEC_STAGED])
-      for idx, x in enumerate((dG, dbeta, kdv)):
-        vec_s.at[0, idx][...] = x + plgpu.load(vec_s.at[1, idx], layout=ROWS)
+    with phase("pair.wait_do_ds"):
+      plgpu.barrier_wait(late.at[wg])
+      plgpu.barrier_wait(q_bar)
+      normalised(q_s, 0, Q_NORMED)
+    with phase("pair.p_dp"):
+      # P, dP; rowsum(dP P) now, and its column sums from the transposed products
+      P, dP = matmuls((sq, [(q_s, k_s.T)]), (sq, [(do_b, buf.T)]))
+      D = decay(True, False)
+      P = P * D
+      p_b[...] = P.astype(dtype)
+      a_b[...] = (dP * D).astype(dtype)
       plgpu.commit_smem()
-      for idx, dst in enumerate((dg_r, db_r, kdv_r)):
-        plgpu.copy_smem_to_gmem(vec_s.at[0, idx], dst.at[pv, bi, h, rows_t])
+      dG = jnp.sum(dP * P, axis=1)
+      ud, kq = matmuls((sq, [(buf, do_b.T)]), (sq, [(k_s, q_s.T)]))
+      dG = dG - jnp.sum(ud * kq * decay(False, False), axis=1)
+    with phase("pair.dq"):
+      # dq = e^G (do S^T) + (dP D) k, summed over the two blocks
+      _, e_q, _ = vectors()
+      dqg = matmul(do_b, st_b, ck)
+      dG = dG + e_q * jnp.sum(plgpu.load(q_s, layout=WGMMA).astype(F32) * dqg, axis=1)
+      dq = dqg * rows(e_q, ck) + matmul(a_b, k_s, ck)
+      if qk_l2norm:
+        dq = l2_normalize_grad(dq, q_s, fresh(plgpu.load(norm_s.at[0], layout=ROWS)))
+    with phase("pair.dq_out"):
+      write_sum(dq, DQ_STAGED, dq_r.at[pv, bi, rows_t, h])
+    with phase("pair.du"):
+      # du = P^T do + kd dS
+      du_p, kdS = matmuls((cv, [(p_b.T, do_b)]), (cv, [(k_s, dst_b.T)]))
+      _, _, e_k = vectors()
+      du_b[...] = (du_p + rows(e_k, cv) * kdS).astype(dtype)
+      plgpu.commit_smem()
+    with phase("pair.dk_first"):
+      # dk, first terms: (dP D)^T q + e^(G_C - G) dkd, dkd = u dS^T; the last token's S dS term while dS
+      # is at hand
+      dkd = matmul(buf, dst_b, ck)
+      _, _, e_k = vectors()
+      kd_term = e_k * jnp.sum(dkd * load_k(), axis=1)
+      kdv = kd_term + last_state_term(g_s, m_s, st_b, dst_b, C)
+      dk = matmul(a_b.T, q_s, ck, init=dkd * rows(e_k, ck))
+      dG = dG - kd_term
+    with phase("pair.dx_dbv"):
+      # r again (buf held u); dX = du r^T and dB_v = X^T du (issued together) into du's and buf's tiles
+      form_r()
+      dX, dBv = matmuls((sq, [(du_b, buf.T)]), (cv, [(x_s.T, du_b)]))
+      du_b[...] = dX.astype(dtype)
+      buf[...] = dBv.astype(dtype)
+      beta, _, _ = vectors()
+      dbeta = jnp.sum(dBv * plgpu.load(v_b, layout=WGMMA).astype(F32), axis=1)
+      v_b[...] = (dBv * rows(beta, cv)).astype(dtype)        # dv, staged in v's tile
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(v_b, dv_r.at[bi, rows_t, h, vs])
+    with phase("pair.dbk"):
+      dBk, beta, e_q, r = dbk_term(buf, st_b, k_s, vectors, ck)
+      dk = dk + dBk * rows(beta * e_q, ck)
+      dG = dG + beta * r
+      dbeta = dbeta + r
+    with phase("pair.dl_cols"):
+      # column sums of dM M from the transposed products: (dM M)^T = beta_j dL^T (k k^T D_excl)^T,
+      # dL^T = -X dX^T X
+      p_b[...] = matmul(x_s, du_b.T, sq).astype(dtype)
+      plgpu.commit_smem()
+      dLt, kk = matmuls((sq, [(p_b, x_s)]), (sq, [(k_s, k_s.T)]))
+      beta_cols = fresh(plgpu.load(bc_s, layout=COLS))
+      dG = dG + jnp.sum(dLt * cols(beta_cols, sq) * kk * decay(False, True), axis=1)
+    with phase("pair.dl_m"):
+      # dM = beta dL (du's tile holds dX)
+      dL, M = dl_and_m(x_s, du_b, k_s, p_b, decay, dtype, sq)
+      dbeta = dbeta + jnp.sum(dL * M, axis=1)
+      beta, _, _ = vectors()
+      dM = dL * rows(beta, sq)
+      dG = dG + jnp.sum(dM * M, axis=1)
+    with phase("pair.dm_k"):
+      dk = dk + dm_k(dM, a_b, k_s, decay, dtype, ck)
+      if qk_l2norm:
+        dk = l2_normalize_grad(dk, k_s, fresh(plgpu.load(norm_s.at[1], layout=ROWS)))
+    with phase("pair.dk_out"):
+      write_sum(dk, DK_STAGED, dk_r.at[pv, bi, rows_t, h], done=OUT_FREE)
+    with phase("pair.vectors_out"):
+      # the vectors: warpgroup 1 stages its own, warpgroup 0 adds them to its own and writes the sums
+      @pl.when(second)
+      def _():
+        for idx, x in enumerate((dG, dbeta, kdv)):
+          vec_s.at[1, idx][...] = x
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(sync.at[VEC_STAGED])
 
-    plgpu.wait_smem_to_gmem(0)
-    plgpu.barrier_arrive(done)   # neither warpgroup exits while the other still issues products
-    plgpu.barrier_wait(done)
+      @pl.when(first)
+      def _():
+        plgpu.barrier_wait(sync.at[VEC_STAGED])
+        for idx, x in enumerate((dG, dbeta, kdv)):
+          vec_s.at[0, idx][...] = x + plgpu.load(vec_s.at[1, idx], layout=ROWS)
+        plgpu.commit_smem()
+        for idx, dst in enumerate((dg_r, db_r, kdv_r)):
+          plgpu.copy_smem_to_gmem(vec_s.at[0, idx], dst.at[pv, bi, h, rows_t])
+
+    with phase("pair.exit"):
+      plgpu.wait_smem_to_gmem(0)
+      plgpu.barrier_arrive(done)   # neither warpgroup exits while the other still issues products
+      plgpu.barrier_wait(done)
 
   args = [q, k, v, G, b, X, states, dstates, do] + ([masks] if has_seg else [])
   vec = jax.ShapeDtypeStruct((NP, B, Hv, T_pad), F32)
@@ -259,6 +278,6 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
   out_type = (partial_k, partial_k, jax.ShapeDtypeStruct((B, T_pad, Hv, V), v.dtype), vec, vec, vec)
   outs = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC, NP), grid_names=("b", "h", "n", "v"),
-      num_threads=2, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+      num_threads=2, thread_name="wg", compiler_params=compiler_params(approx_math=True),
       interpret=interpret, kernel_name="chunk_grads_delta_pair")(*args)
   return vary_like(outs, args)

@@ -36,8 +36,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from .. import prep
 from .decay import decay_tile, local_cumsum, row_scales
 from .masks import SEG_ROWS, segment_vectors
-from .tiles import (F32, ROWS, WGMMA, l2_normalize_rows, matmul, smem, unit_lower_inverse,
-                                      vary_like)
+from .tiles import (F32, ROWS, WGMMA, compiler_params, l2_normalize_rows, matmul, phase, smem,
+                    unit_lower_inverse, vary_like)
 
 
 VALUE_BLOCK = 128   # u's columns a product
@@ -97,10 +97,12 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
                          (v_r.at[bi, rows_t, h, pl.ds(j * vb, vb)], v_s.at[j]) for j in range(nvb)) + tuple(
                          (m_r.at[bi, r, rows_t], m_s.at[r]) for r in range(SEG_ROWS if has_seg else 0)):
       plgpu.copy_gmem_to_smem(src, dst, bar)
-    plgpu.barrier_wait(bar)
+    with phase("prep.loads"):
+      plgpu.barrier_wait(bar)
     if qk_l2norm:
-      l2_normalize_rows(q_s, C)
-      l2_normalize_rows(k_s, C)
+      with phase("prep.l2"):
+        l2_normalize_rows(q_s, C)
+        l2_normalize_rows(k_s, C)
 
     # Register budget (one warpgroup, 255 registers a thread; a float32 [64, 128] tile takes 64): k is
     # not held as float32 across the inversion but read again, L waits in shared memory (it is rounded
@@ -110,10 +112,11 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
     beta_rows = lambda: lax.optimization_barrier(plgpu.load(b_s, layout=ROWS))
     decay = lambda strict: decay_tile(g_s, gc_s, m_s, C, strict=strict)
 
-    p_s[...] = (matmul(q_s, k_s.T, sq) * decay(False)).astype(dtype)
-    l_s[...] = (matmul(k_s, k_s.T, sq) * decay(True) * rows(beta_rows(), sq)).astype(dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(p_s, p_r.at[bi, h, rows_t])
+    with phase("prep.grams"):
+      p_s[...] = (matmul(q_s, k_s.T, sq) * decay(False)).astype(dtype)
+      l_s[...] = (matmul(k_s, k_s.T, sq) * decay(True) * rows(beta_rows(), sq)).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(p_s, p_r.at[bi, h, rows_t])
 
     def emit(x, dst):
       """Stages the float32 tile `x` in the operand dtype and copies it to `dst`."""
@@ -124,24 +127,28 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
       plgpu.copy_smem_to_gmem(tile, dst)
 
     load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
-    q_scale, k_scale = row_scales(g_s, m_s, C)
-    emit(load(q_s) * rows(q_scale, ck), qg_r.at[bi, h, rows_t])
-    emit(load(k_s) * rows(k_scale, ck), kd_r.at[bi, h, rows_t])
+    with phase("prep.qg_kd"):
+      q_scale, k_scale = row_scales(g_s, m_s, C)
+      emit(load(q_s) * rows(q_scale, ck), qg_r.at[bi, h, rows_t])
+      emit(load(k_s) * rows(k_scale, ck), kd_r.at[bi, h, rows_t])
 
-    unit_lower_inverse(l_s, x_s, e_s, y_s)
-    if with_inverse:
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(x_s, x_r.at[bi, h, rows_t])
+    with phase("prep.inverse"):
+      unit_lower_inverse(l_s, x_s, e_s, y_s)
+      if with_inverse:
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(x_s, x_r.at[bi, h, rows_t])
     # beta k e^G and beta v replace k and v in shared memory (k's other uses are done)
-    beta, (q_scale, _) = beta_rows(), row_scales(g_s, m_s, C)
-    k_s[...] = (load(k_s) * rows(beta * q_scale, ck)).astype(dtype)
-    for j in range(nvb):
-      v_s.at[j][...] = (load(v_s.at[j]) * rows(beta, cv)).astype(dtype)
-    plgpu.commit_smem()
-    emit(matmul(x_s, k_s, ck), w_r.at[bi, h, rows_t])
-    for j in range(nvb):
-      emit(matmul(x_s, v_s.at[j], cv), u_r.at[bi, h, rows_t, pl.ds(j * vb, vb)])
-    plgpu.wait_smem_to_gmem(0)
+    with phase("prep.w_u"):
+      beta, (q_scale, _) = beta_rows(), row_scales(g_s, m_s, C)
+      k_s[...] = (load(k_s) * rows(beta * q_scale, ck)).astype(dtype)
+      for j in range(nvb):
+        v_s.at[j][...] = (load(v_s.at[j]) * rows(beta, cv)).astype(dtype)
+      plgpu.commit_smem()
+      emit(matmul(x_s, k_s, ck), w_r.at[bi, h, rows_t])
+      for j in range(nvb):
+        emit(matmul(x_s, v_s.at[j], cv), u_r.at[bi, h, rows_t, pl.ds(j * vb, vb)])
+    with phase("prep.exit"):
+      plgpu.wait_smem_to_gmem(0)
 
   args = (q, k, v, G, b) + ((masks,) if has_seg else ())
   shape = lambda d: jax.ShapeDtypeStruct((B, Hv, T_pad, d), dtype)
@@ -150,7 +157,7 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
       out_type=(shape(K), shape(K), shape(K), shape(V), shape(C)) + ((shape(C),) if with_inverse else ()),
       scratch_types=scratch,
       grid=(B, Hv, NC), grid_names=("b", "h", "n"),
-      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
+      compiler_params=compiler_params(approx_math=True), interpret=interpret,
       kernel_name="chunk_prep_delta")(*args)
   qg, kd, w, u, p, *inverse = (x.reshape(B, Hv, NC, C, x.shape[-1]) for x in vary_like(outs, args))
   G_last = G.reshape(B, Hv, NC, C)[..., -1]

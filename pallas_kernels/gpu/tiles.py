@@ -5,8 +5,11 @@ plumbing of a kernel's outputs (flat chunk layout, mesh variance).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas as pl
@@ -20,6 +23,48 @@ COLS = plgpu.Layout.WGMMA.reduce(0)   # one value per column of a WGMMA-layout t
 ROWS = plgpu.Layout.WGMMA.reduce(1)   # one value per row of a WGMMA-layout tile
 BLOCK_V = 64          # value columns per program: the WGMMA M dimension of the state
 SMEM_BYTES = 227 * 1024   # an H100/H200 block's dynamic shared memory
+
+
+_PHASES = {"on": None}   # (directory, ranges) while `phase_trace` is in force
+
+
+@contextlib.contextmanager
+def phase_trace(directory: str, ranges: int = 64):
+  """Inside: the Mosaic GPU kernels traced from here on record, per warpgroup, the SM clock at the
+  start and end of each `jax.named_scope` in their bodies (Mosaic GPU's on-device profiler), and every
+  call writes one Chrome trace `{time}-trace.json` into `directory` (`experiments/kernel_phases.py`
+  reads them). `ranges`: the scopes a warpgroup may record in one program (later ones are dropped);
+  the record takes `16 ranges` bytes of shared memory a warpgroup. Off the device, and for kernels
+  whose jit caches already hold a trace, it has no effect. For measurement only: the records cost a
+  few cycles each."""
+  previous = _PHASES["on"]
+  os.makedirs(directory, exist_ok=True)
+  _PHASES["on"] = (directory, ranges)
+  try:
+    yield
+  finally:
+    _PHASES["on"] = previous
+
+
+def phase(name: str):
+  """A named phase of a kernel body (`with phase("grams"): ...`): what `phase_trace` times; nothing
+  otherwise."""
+  return jax.named_scope(name)
+
+
+def compiler_params(**options) -> plgpu.CompilerParams:
+  """`plgpu.CompilerParams(**options)`, with the phase records of `phase_trace` where it is in force."""
+  if _PHASES["on"] is not None:
+    directory, ranges = _PHASES["on"]
+    options.update(profile_space=ranges, profile_dir=directory, profile_bounds_check=True)
+  return plgpu.CompilerParams(**options)
+
+
+def phase_bytes(warpgroups: int = 1) -> int:
+  """Shared memory that `phase_trace`'s records take in a kernel of `warpgroups` (0 when off)."""
+  if _PHASES["on"] is None:
+    return 0
+  return 16 * _PHASES["on"][1] * warpgroups
 
 
 def scratch_bytes(scratch) -> int:

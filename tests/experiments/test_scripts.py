@@ -291,3 +291,42 @@ def test_layer_benchmark_merges_the_rows_of_several_processes(tmp_path):
   bad = subprocess.run(cmd[:-2] + ["--impl=chunk", cmd[-1]], cwd=tmp_path, capture_output=True, text=True,
                        timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert bad.returncode != 0 and "impl" in bad.stderr
+
+
+def test_kernel_phases_reads_the_profilers_traces(tmp_path):
+  # Given a trace in Mosaic GPU's own dump format: 2 SMs x 2 programs each, 2 warpgroups a program,
+  # phases "pair.a" (100 cycles, with a nested record), "pair.b" (300 on warpgroup 0, 500 on 1) and 50
+  # cycles outside any phase; programs start 2000 ns apart on their SM
+  from jax.experimental.mosaic.gpu import profiler
+  from experiments import kernel_phases
+  spec = profiler.ProfilerSpec(64)
+  a, b, inner = (spec.intern_name(n) for n in ("pair.a", "pair.b", "pair.a.inner"))
+  buffer = np.zeros((4, 2, 64), np.uint32)
+  for block in range(4):
+    sm, start = block % 2, 10_000 + 2000 * (block // 2)
+    for wg in range(2):
+      long_b = 300 if wg == 0 else 500
+      events = [(a, 0), (inner, 10), (inner | spec.EXIT, 20), (a | spec.EXIT, 100),
+                (b, 150), (b | spec.EXIT, 150 + long_b)]
+      buffer[block, wg, :3] = (start + wg, sm, 2 * len(events))
+      for i, (tag, clock) in enumerate(events):
+        buffer[block, wg, 3 + 2 * i: 5 + 2 * i] = (tag, 1_000 + clock)
+  path = tmp_path / "1-trace.json"
+  with open(path, "w") as f:
+    spec.dump(buffer.reshape(-1), f, grid=(4, 1, 1), block=(256, 1, 1))
+  # When the script reads and summarises it
+  kernel, programs = kernel_phases.read_trace(str(path))
+  s = kernel_phases.summarise(programs)
+  # Then the kernel is named by its phases' prefix, the nested record is inside its phase, and the
+  # cycles, shares and program times are what the records say (the profiler's own overhead estimate,
+  # the smallest step between records less one, is 9 cycles a record here)
+  assert kernel == "pair" and len(programs) == 8
+  rows = {r["phase"]: r for r in s["rows"]}
+  assert set(rows) == {"pair.a", "pair.b", "outside"}
+  overhead = 9
+  assert rows["pair.a"]["cycles"] == pytest.approx(100 - 3 * overhead)
+  assert rows["pair.b"]["cycles"] == pytest.approx(400 - overhead)
+  span = np.mean([450, 650]) - 5 * overhead
+  assert rows["outside"]["cycles"] == pytest.approx(span - (100 - 3 * overhead) - (400 - overhead))
+  assert sum(r["share"] for r in s["rows"]) == pytest.approx(1.0)
+  assert s["programs"] == 4 and s["sms"] == 2 and s["program_ns"] == pytest.approx(2000)
