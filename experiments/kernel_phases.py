@@ -77,7 +77,8 @@ def read_trace(path: str):
         if not open_:   # outermost only: a phase's nested records (its products' scopes) are inside it
           phases.append((begin["name"], (e["ts"] - begin["ts"]) * 1e3))
     span = (evs[-1]["ts"] - start_ts) * 1e3
-    kernel = kernel or evs[0]["name"].split(".")[0]
+    named = [e["name"] for e in evs if "." in e["name"]]   # the profiler's own records ("Init") have none
+    kernel = kernel or (named[0].split(".")[0] if named else None)
     programs.append((sm, start_ts * 1e3, phases, span))
   return kernel, programs
 
@@ -181,6 +182,8 @@ def main(argv):
       kernel, programs = read_trace(path)
       if kernel is None:
         continue
+      while kernel in kernels:   # a kernel called twice (e.g. the forward's and the backward's)
+        kernel += "'"
       kernels[kernel] = summarise(programs)
       print(variant, kernel, json.dumps(kernels[kernel]["rows"]), flush=True)
     results["variants"][variant] = kernels
