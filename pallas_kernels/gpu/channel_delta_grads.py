@@ -196,13 +196,13 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
       do_s=smem((C, V), dtype), u_s=smem((C, V), dtype), dr_s=smem((C, V), dtype),
       dp_s=smem((C, C), dtype), dl_s=smem((C, C), dtype), qr_s=smem((C, HALF), dtype),
       kr_s=smem((C, HALF), dtype), ar_s=smem((C, HALF), dtype), r_s=plgpu.SMEM((refs.shape[2], K), F32),
-      b_s=plgpu.SMEM((C,), F32), vec_s=plgpu.SMEM((C,), F32), sds_s=plgpu.SMEM((K,), F32),
+      b_s=plgpu.SMEM((C,), F32), vec_s=plgpu.SMEM((C,), F32),
       bar=plgpu.Barrier(num_arrivals=5 * KH + 7 + SEG_ROWS * has_seg + chunkwise))
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
 
   def body(*refs_, q_s, k_s, st_s, dst_s, g_s, do_s, u_s, dr_s, dp_s, dl_s, qr_s, kr_s, ar_s, r_s, b_s,
-           vec_s, sds_s, bar, m_s=None):
+           vec_s, bar, m_s=None):
     q_r, k_r, g_r, ref_r, b_r, do_r, u_r, dr_r, dp_r, dl_r, st_r, dst_r = refs_[:12]
     m_r = refs_[12] if has_seg else None
     fit_r = refs_[12 + has_seg] if chunkwise else None
@@ -234,17 +234,6 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
     beta_rows = lambda: fresh(plgpu.load(b_s, layout=ROWS))
     clamp = lambda x: jnp.exp(jnp.minimum(x, prep.ref_bound(dtype)))
     same, carry, to_last, carry_last = _masks_of(m_s, C)
-    # the carried state's term of the last token's dG, e^(G_C) colsum(S dS) a key channel, before any
-    # of the terms' tiles is live (formed in the halves' tails, its [V, 64] float32 tiles took the
-    # program past 255 registers: ptxas spilled), the S and dS tiles read C rows at a time
-    with phase("keys.state_term"):
-      step = C if V % C == 0 else V
-      for i in range(KH):
-        s_ds = sum(jnp.sum(load(st_s.at[i, pl.ds(r, step)]) * load(dst_s.at[i, pl.ds(r, step)]), axis=0)
-                   for r in range(0, V, step))
-        s_decay = plgpu.load(r_s.at[1, cols(i)], layout=COLS)
-        sds_s[cols(i)] = jnp.exp(s_decay) * carry_last * s_ds
-      plgpu.commit_smem()
     i_sq = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
     j_sq = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
     strict = i_sq > j_sq if same is None else (i_sq > j_sq) & same
@@ -353,12 +342,13 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
         kt = load(k_s.at[i])
         bk = kt * e_q                       # B_k / beta
         dbeta = dbeta - jnp.sum(dBk * bk, axis=1)
-        # the last token: colsum(kd (u dS^T)) + e^(G_C) colsum(S dS) (`sds_s`), dkd's last use
-        kd_dkd = e_k * dkd
-        term = jnp.sum(kt * kd_dkd, axis=0) + plgpu.load(sds_s.at[cols(i)], layout=COLS)
-        minus = kd_dkd + minus
+        minus = e_k * dkd + minus
         plus = plus - rows(beta_rows()) * e_q * dBk
         dG = dG + kt * (plus - minus)
+        # the last token: colsum(kd (u dS^T)) + e^(G_C) colsum(S dS), S and dS `[V, 64]` tiles
+        s_ds = jnp.sum(load(st_s.at[i]) * load(dst_s.at[i]), axis=0)
+        s_decay = plgpu.load(r_s.at[1, cols(i)], layout=COLS)
+        term = jnp.sum(kt * e_k * dkd, axis=0) + jnp.exp(s_decay) * carry_last * s_ds
         dG = dG + jnp.where(last_row, lax.broadcast_in_dim(term, ck, [1]), 0.0)
         k_s.at[i][...] = (plus + minus).astype(dtype)
         g_s.at[i][...] = dG

@@ -174,9 +174,6 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
       plgpu.commit_smem()
     with phase("pair.wait_do_ds"):
       plgpu.barrier_wait(late.at[wg])
-      # the last token's S dS term now, while few tiles are live: its two [64, 128] float32 tiles at
-      # dk's first terms, with dk and dkd, took the program past 255 registers (ptxas spilled)
-      state_term = last_state_term(g_s, m_s, st_b, dst_b, C)
       plgpu.barrier_wait(q_bar)
       normalised(q_s, 0, Q_NORMED)
     with phase("pair.p_dp"):
@@ -212,7 +209,7 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
       dkd = matmul(buf, dst_b, ck)
       _, _, e_k = vectors()
       kd_term = e_k * jnp.sum(dkd * load_k(), axis=1)
-      kdv = kd_term + state_term
+      kdv = kd_term + last_state_term(g_s, m_s, st_b, dst_b, C)
       dk = matmul(a_b.T, q_s, ck, init=dkd * rows(e_k, ck))
       dG = dG - kd_term
     with phase("pair.dx_dbv"):
