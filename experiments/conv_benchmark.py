@@ -14,18 +14,9 @@ in x and the kernel:
           the library's `ShortConvolution` keeps autodiff's;
   xlaconv: `lax.conv_general_dilated` with one group per channel (cuDNN's depthwise convolution on a
           GPU) in the input dtype with float32 accumulation, differentiated by autodiff.
-Forms of a mixer's three convolutions, q and k `[B, T, D]` and v `[B, T, D_v]` (`--D_v`, default D), each
-with its own taps (not in the default `--forms`):
-  apart:  three `ShortConvolution(impl="pallas")` modules, each its own call: three kernel launches
-          forward and three backward (what a mixer runs with a cache, or where the joint call is refused);
-  joint:  the same three modules through `linear_attention_jax.layers.conv.convolve_together` (what
-          `LinearMixer._project` runs in training): one launch forward (`short_conv_many`), one backward.
 Each row: one call waited for alone and `--stream` calls back to back (medians over `--iters`
-rounds), the ratio to `sum` (three-input forms: to the first of them), and the largest difference of y,
-dx and dkernel from `sum`'s (the first three-input form's, over the three inputs) relative to its scale.
-Writes `{workdir}/conv.json` and `conv.md`.
-
-    python experiments/conv_benchmark.py --forms=apart,joint --B=8 --T=4096 --D=1024 --D_v=2048
+rounds), the ratio to `sum`, and the largest difference of y, dx and dkernel from `sum`'s relative to
+its scale. Writes `{workdir}/conv.json` and `conv.md`.
 """
 
 from __future__ import annotations
@@ -47,19 +38,16 @@ from flax import nnx
 
 from experiments.layer_benchmark import time_it
 from linear_attention_jax.layers import ShortConvolution
-from linear_attention_jax.layers import conv as conv_layers
 from linear_attention_jax.pallas_kernels import gpu
 from linear_attention_jax.pallas_kernels.gpu import conv as conv_kernels
 
 FORMS = ("sum", "pallas", "vjp", "xlaconv")
-THREE_FORMS = ("apart", "joint")   # q, k, v: three inputs a call
-flags.DEFINE_list("forms", list(FORMS), f"Forms to time: {FORMS + THREE_FORMS}.")
+flags.DEFINE_list("forms", list(FORMS), f"Forms to time: {FORMS}.")
 flags.DEFINE_list("blocks", ["auto"], "The pallas form's program blocks: 'auto' or 'BTxBD' (e.g. 64x256).")
 flags.DEFINE_bool("interpret", False, "Run the pallas form in the Mosaic GPU interpreter (CPU smoke runs).")
 flags.DEFINE_integer("B", 8, "Batch.")
 flags.DEFINE_integer("T", 4096, "Sequence length.")
-flags.DEFINE_integer("D", 1024, "Channels (of q and k in the three-input forms).")
-flags.DEFINE_integer("D_v", None, "Channels of v in the three-input forms (default D).")
+flags.DEFINE_integer("D", 1024, "Channels.")
 flags.DEFINE_integer("W", 4, "Taps.")
 flags.DEFINE_string("dtype", "bfloat16", "Input and output dtype (the kernel is float32).")
 flags.DEFINE_integer("iters", 5, "Timed rounds; medians reported.")
@@ -147,28 +135,6 @@ def step(form: str):
   return jax.jit(run)
 
 
-def three_step(form: str, W: int, Ds, dtype):
-  """A jitted `(xs, kernels, dys) -> (ys, dxs, dkernels)` (tuples over q, k, v) of three
-  `ShortConvolution(impl="pallas")` modules with widths `Ds`: each its own call ("apart") or
-  `convolve_together` ("joint")."""
-  def conv_all(xs, kernels):
-    convs = tuple(ShortConvolution(D, W, dtype=dtype, impl="pallas", rngs=nnx.Rngs(0)) for D in Ds)
-    for conv, kernel in zip(convs, kernels):
-      conv.kernel.value = kernel
-    if form == "apart":
-      return tuple(conv(x)[0] for conv, x in zip(convs, xs))
-    why = conv_layers.joint_reason(convs, xs, (None,) * len(xs))
-    if why is not None:   # the joint form would time the modules' own calls
-      raise app.UsageError(f"--forms=joint: the kernels do not serve the three jointly here: {why}")
-    return tuple(y for y, _ in conv_layers.convolve_together(convs, xs))
-
-  def run(xs, kernels, dys):
-    ys, pull = jax.vjp(conv_all, xs, kernels)
-    return (ys, *pull(dys))
-
-  return jax.jit(run)
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -179,10 +145,10 @@ def main(argv):
   kernel = jax.random.uniform(keys[1], (f.W, f.D), jnp.float32, -0.5, 0.5)
   dy = jax.random.normal(keys[2], (f.B, f.T, f.D), jnp.float32).astype(dtype)
   rows, ref = [], None
-  bad = [form for form in f.forms if form not in FORMS + THREE_FORMS]
+  bad = [form for form in f.forms if form not in FORMS]
   if bad:
-    raise app.UsageError(f"--forms: unknown {bad}; known {FORMS + THREE_FORMS}")
-  forms = [x for form in f.forms if form in FORMS
+    raise app.UsageError(f"--forms: unknown {bad}; known {FORMS}")
+  forms = [x for form in f.forms
            for x in ([f"pallas:{b}" for b in f.blocks] if form == "pallas" else [form])]
   for form in forms:
     with (gpu.interpret_kernels() if f.interpret else contextlib.nullcontext()):
@@ -194,58 +160,24 @@ def main(argv):
       ref = outs
     err = {name: float(np.max(np.abs(o - r)) / max(float(np.max(np.abs(r))), 1e-30))
            for name, o, r in zip(("y", "dx", "dkernel"), outs, ref)}
-    rows.append(dict(form=form, inputs=1, single_ms=single, stream_ms=stream, max_rel_diff=err))
+    rows.append(dict(form=form, single_ms=single, stream_ms=stream, max_rel_diff=err))
     print(json.dumps(rows[-1]), flush=True)
-  D_v = f.D if f.D_v is None else f.D_v
-  rows += three_rows([form for form in f.forms if form in THREE_FORMS], (f.D, f.D, D_v), dtype)
+  base = rows[0]
   lines = [f"Short convolution fwd+bwd, x [{f.B}, {f.T}, {f.D}] {dtype.name}, W = {f.W}, "
-           f"{jax.devices()[0].device_kind}, jax {jax.__version__}"]
-  for inputs, title in ((1, None), (3, f"q, k, v: x [{f.B}, {f.T}, {f.D}] twice and [{f.B}, {f.T}, {D_v}]")):
-    part = [r for r in rows if r["inputs"] == inputs]
-    if not part:
-      continue
-    base = part[0]
-    lines += ["", *([title, ""] if title else []),
-              f"| form | single ms | stream ms | / {base['form']} (stream) | max diff y, dx, dkernel |",
-              "| --- | --- | --- | --- | --- |"]
-    for r in part:
-      e = r["max_rel_diff"]
-      lines.append(f"| {r['form']} | {r['single_ms']:.3f} | {r['stream_ms']:.3f} | "
-                   f"{r['stream_ms'] / base['stream_ms']:.2f} | "
-                   f"{e['y']:.1e}, {e['dx']:.1e}, {e['dkernel']:.1e} |")
+           f"{jax.devices()[0].device_kind}, jax {jax.__version__}", "",
+           f"| form | single ms | stream ms | / {base['form']} (stream) | max diff y, dx, dkernel |",
+           "| --- | --- | --- | --- | --- |"]
+  for r in rows:
+    e = r["max_rel_diff"]
+    lines.append(f"| {r['form']} | {r['single_ms']:.3f} | {r['stream_ms']:.3f} | "
+                 f"{r['stream_ms'] / base['stream_ms']:.2f} | {e['y']:.1e}, {e['dx']:.1e}, {e['dkernel']:.1e} |")
   os.makedirs(f.workdir, exist_ok=True)
   with open(os.path.join(f.workdir, "conv.json"), "w") as fh:
-    json.dump(dict(B=f.B, T=f.T, D=f.D, D_v=D_v, W=f.W, dtype=dtype.name, rows=rows), fh, indent=1)
+    json.dump(dict(B=f.B, T=f.T, D=f.D, W=f.W, dtype=dtype.name, rows=rows), fh, indent=1)
   with open(os.path.join(f.workdir, "conv.md"), "w") as fh:
     fh.write("\n".join(lines) + "\n")
   print("\n".join(lines))
   print(f"wrote {os.path.join(f.workdir, 'conv.json')}")
-
-
-def three_rows(forms, Ds, dtype):
-  """The rows of the three-input forms (`THREE_FORMS`) at widths `Ds`; differences from the first's."""
-  f = FLAGS
-  keys = jax.random.split(jax.random.key(1), 3 * len(Ds))
-  xs = tuple(jax.random.normal(k, (f.B, f.T, D), jnp.float32).astype(dtype) for k, D in zip(keys, Ds))
-  kernels = tuple(jax.random.uniform(k, (f.W, D), jnp.float32, -0.5, 0.5)
-                  for k, D in zip(keys[len(Ds):], Ds))
-  dys = tuple(jax.random.normal(k, (f.B, f.T, D), jnp.float32).astype(dtype)
-              for k, D in zip(keys[2 * len(Ds):], Ds))
-  rows, ref = [], None
-  for form in forms:
-    with (gpu.interpret_kernels() if f.interpret else contextlib.nullcontext()):
-      fn = three_step(form, f.W, Ds, dtype)
-      outs = jax.block_until_ready(fn(xs, kernels, dys))
-      single, stream = time_it(fn, (xs, kernels, dys), iters=f.iters, stream=f.stream)
-    outs = [[np.asarray(o, np.float32) for o in out] for out in outs]   # y, dx, dkernel: one each input
-    if ref is None:
-      ref = outs
-    err = {name: max(float(np.max(np.abs(o - r)) / max(float(np.max(np.abs(r))), 1e-30))
-                     for o, r in zip(out, want))
-           for name, out, want in zip(("y", "dx", "dkernel"), outs, ref)}
-    rows.append(dict(form=form, inputs=len(Ds), single_ms=single, stream_ms=stream, max_rel_diff=err))
-    print(json.dumps(rows[-1]), flush=True)
-  return rows
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from flax import nnx
 
 from linear_attention_jax import ops
 from linear_attention_jax.layers.cache import LinearCache
-from linear_attention_jax.layers.conv import ShortConvolution, convolve_together
+from linear_attention_jax.layers.conv import ShortConvolution
 from linear_attention_jax.sharding import for_current_rules
 from linear_attention_jax.sharding.rules import axes as logical_axes
 
@@ -144,8 +144,7 @@ class LinearMixer(nnx.Module):
     windows = ()
     if self.q_conv is not None:
       old = (None, None, None) if cache is None else cache.conv
-      # one kernel launch for the three where they serve it (training), else each module's call
-      (q, wq), (k, wk), (v, wv) = convolve_together(self.convs, (q, k, v), old)
+      (q, wq), (k, wk), (v, wv) = (conv(z, w) for conv, z, w in zip(self.convs, (q, k, v), old))
       windows = (wq, wk, wv)
     else:
       act = _NO_CONV_ACTIVATIONS[self.no_conv_activation]

@@ -15,11 +15,6 @@ not serve the call, saying why) or "auto" (the kernels where they serve the call
 The mixers pass "auto" when their own impl is "pallas" or "auto", else "xla". Under
 `sharding.use_rules` the kernels run per device (`jax.shard_map` over batch rows and channels); a
 sequence split takes the shifted sum, which XLA partitions.
-
-`convolve_together` runs a mixer's q, k and v convolutions (three modules, each with its own params) in
-one forward and one backward kernel launch (`conv_kernels.short_conv_many`) where the kernels serve each
-of them alone and all of them jointly (training: no cache, no sharding rules; one width, activation,
-output dtype; x's of one B, T and dtype); else each module runs its own call. Both give the same numbers.
 """
 
 from __future__ import annotations
@@ -152,51 +147,3 @@ class ShortConvolution(nnx.Module):
     return jax.shard_map(call, mesh=mesh, out_specs=rows,
                          in_specs=(rows, jax.sharding.PartitionSpec(None, d),
                                    jax.sharding.PartitionSpec(d), rows))
-
-
-def convolve_together(convs, xs, caches=None):
-  """`[conv(x, cache) for conv, x, cache in zip(convs, xs, caches)]` (`(y, new_window)` pairs; `caches`
-  None: no cache for any), with the kernels of all the calls in one launch (forward and backward) where
-  `joint_reason` finds none against it, else each module's own call. The params stay in the modules."""
-  convs, xs = tuple(convs), tuple(xs)
-  caches = (None,) * len(convs) if caches is None else tuple(caches)
-  if len(caches) != len(convs) or len(xs) != len(convs):
-    raise ValueError(f"one x and one cache a convolution: got {len(convs)} convolutions, {len(xs)} "
-                     f"inputs and {len(caches)} caches")
-  if joint_reason(convs, xs, caches) is not None:
-    return [conv(x, cache) for conv, x, cache in zip(convs, xs, caches)]
-  first = convs[0]
-  kernels = tuple(c.kernel[...].astype(jnp.float32) for c in convs)
-  biases = tuple(jnp.zeros((c.features,), jnp.float32) if c.bias is None
-                 else c.bias[...].astype(jnp.float32) for c in convs)
-  B, _, _ = xs[0].shape
-  heads = tuple(jnp.zeros((B, first.kernel_size - 1, c.features), jnp.float32) for c in convs)
-  ys = conv_kernels.short_conv_many(xs, kernels, biases, heads, activation=first._kernel_activation,
-                                    out_dtype=first.dtype)
-  return [(y, None) for y in ys]
-
-
-def joint_reason(convs, xs, caches) -> str | None:
-  """None if `convolve_together` runs the modules `convs` on `xs` in one kernel launch: more than one
-  module, no cache, no sharding rules, each call one the module's own kernels would serve
-  (`_kernel_call`), one kernel size, activation and output dtype, and x's the kernels serve jointly
-  (`conv_kernels.reason_many`: one B, T and dtype); else why not. (A module of impl "pallas" that the
-  kernels cannot serve raises, as its own call does.)"""
-  if len(convs) < 2:
-    return "one convolution: its own call is the joint one"
-  if any(cache is not None for cache in caches):
-    return "a cache: the joint call keeps no windows (prefill and decoding take each module's call)"
-  if current_rules() is not None:
-    return "sharding rules: each module runs its kernels under its own shard_map"
-  if any(x.ndim != 3 or x.shape[-1] != c.features for c, x in zip(convs, xs)):
-    return "an x that is not its module's [B, T, D] (its own call says why)"
-  first = convs[0]
-  for name, value in (("kernel_size", lambda c: c.kernel_size),
-                      ("activation", lambda c: c._kernel_activation),
-                      ("dtype", lambda c: jnp.dtype(c.dtype).name)):
-    if len({value(c) for c in convs}) > 1:
-      return f"the modules differ in {name}: {[value(c) for c in convs]}"
-  if any(c._kernel_call(x) is None for c, x in zip(convs, xs)):
-    return "a module takes the shifted sum (impl 'xla', or 'auto' where the kernels do not serve it)"
-  return conv_kernels.reason_many([x.shape for x in xs], first.kernel_size, first._kernel_activation,
-                                  [x.dtype for x in xs])

@@ -20,22 +20,11 @@ window before the sequence.
 
 Everything is float32 in registers (x, the window, pre, dpre), rounded once to the output dtype, as the
 XLA form computes it; the sum over taps runs in the same order (w = 0 first).
-
-`short_conv_many` convolves several inputs `x_i [B, T, D_i]` (a mixer's q, k and v: same B, T and dtype,
-each with its own taps, bias and head) in one forward and one backward launch: the grid's channel axis
-runs over the `bd`-blocks of all inputs in order (input i holds blocks `starts[i] <= c < starts[i + 1]`),
-a program copies its block of x (dy) from its input and writes y (dx) to its output, chosen by static
-ranges; the taps, bias and head of all inputs are one array each (concatenated over channels in XLA), as
-are the partial sums of dkernel and dbias and d(head). The loop over tokens is the one of `short_conv`,
-emitted once whatever the number of inputs, so each channel's numbers are the single-input kernel's.
-`short_conv` is its one-input case.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -89,24 +78,6 @@ def reason(x_shape, kernel_size: int, activation: str, dtype, backend: str | Non
   return None
 
 
-def reason_many(x_shapes, kernel_size: int, activation: str, dtypes,
-                backend: str | None = None) -> str | None:
-  """None if the kernels serve the convolutions of the inputs `x_i: [B, T, D_i]` (dtypes `dtypes`) in one
-  call (`short_conv_many`): each one alone (`reason`), and all of one B, T and dtype; else why not."""
-  x_shapes, dtypes = [tuple(s) for s in x_shapes], [jnp.dtype(d) for d in dtypes]
-  if not x_shapes or len(x_shapes) != len(dtypes):
-    return f"one dtype an input: got {len(x_shapes)} shapes and {len(dtypes)} dtypes"
-  for i, (shape, dtype) in enumerate(zip(x_shapes, dtypes)):
-    why = reason(shape, kernel_size, activation, dtype, backend)
-    if why is not None:
-      return f"input {i}: {why}"
-  if len({s[:2] for s in x_shapes}) > 1:
-    return f"the inputs of one call share B and T; got shapes {x_shapes}"
-  if len(set(dtypes)) > 1:
-    return f"the inputs of one call share a dtype; got {[d.name for d in dtypes]}"
-  return None
-
-
 def _act(activation, pre):
   if activation == "identity":
     return pre
@@ -125,70 +96,19 @@ def _params():
   return plgpu.CompilerParams(approx_math=False)
 
 
-def _staged(kernels, biases, heads):
-  """`(params [W + 1, sum D_i], head_rows [B, HALO, sum D_i])` float32: the taps and bias of all inputs
-  as one array (input i's channels after those of the inputs before it), and the windows before the
-  sequence as the HALO rows ending at its first token."""
-  W = kernels[0].shape[0]
-  cat = lambda arrays, axis: arrays[0] if len(arrays) == 1 else jnp.concatenate(arrays, axis=axis)
-  params = jnp.concatenate([cat([k.astype(F32) for k in kernels], 1),
-                            cat([b.astype(F32) for b in biases], 0)[None]], axis=0)
-  head = cat([h.astype(F32) for h in heads], 2)
-  return params, jnp.pad(head, [(0, 0), (HALO - (W - 1), 0), (0, 0)])
+def _staged(kernel, bias, head):
+  """`(params [W + 1, D], head_rows [B, HALO, D])` float32: the taps and bias as one array, and the window
+  before the sequence as the HALO rows ending at its first token."""
+  W = kernel.shape[0]
+  params = jnp.concatenate([kernel.astype(F32), bias.astype(F32)[None]], axis=0)
+  return params, jnp.pad(head.astype(F32), [(0, 0), (HALO - (W - 1), 0), (0, 0)])
 
 
-def _geometry(xs, kernels, block_t, block_d):
-  """`(B, T, Ds, W, bt, bd, NT, starts)`: the call's sizes, its program blocks, the token blocks and the
-  first channel block of each input (`starts[i]`; `starts[-1]`, the grid's channel blocks)."""
-  B, T, _ = xs[0].shape
-  Ds = tuple(x.shape[2] for x in xs)
-  bt, bd = blocks(T, math.gcd(*Ds), block_t, block_d)   # the largest block that divides every D_i
-  starts = (0, *itertools.accumulate(D // bd for D in Ds))
-  return B, T, Ds, kernels[0].shape[0], bt, bd, T // bt, starts
-
-
-def _each_input(c, cols, starts, bd, fn):
-  """`fn(i, mine)` in the programs of input i's channel blocks (`starts[i] <= c < starts[i + 1]`), `mine`
-  its channels there (`cols`, the program's channels of all inputs, for the first input); with one input,
-  in every program."""
-  for i in range(len(starts) - 1):
-    mine = cols if i == 0 else pl.ds((c - starts[i]) * bd, bd)
-    if len(starts) == 2:
-      fn(i, mine)
-      continue
-    ours = c < starts[i + 1] if i == 0 else (c >= starts[i] if i == len(starts) - 2
-                                             else (c >= starts[i]) & (c < starts[i + 1]))
-    pl.when(ours)(functools.partial(fn, i, mine))
-
-
-def _check(xs, kernels, biases, heads):
-  """Raises ValueError, naming the argument, where the inputs are not one call's (`short_conv_many`)."""
-  n = len(xs)
-  if n < 1:
-    raise ValueError("xs must hold at least one input")
-  for name, arg in (("kernels", kernels), ("biases", biases), ("heads", heads)):
-    if len(arg) != n:
-      raise ValueError(f"{name} must hold one entry an input: {len(arg)} for {n} inputs in xs")
-  if any(getattr(x, "ndim", None) != 3 for x in xs):
-    i = next(i for i, x in enumerate(xs) if getattr(x, "ndim", None) != 3)
-    raise ValueError(f"xs[{i}] must be [B, T, D]; got shape {jnp.shape(xs[i])}")
-  B, T, _ = xs[0].shape
-  W = jnp.shape(kernels[0])[0] if jnp.ndim(kernels[0]) == 2 else None
-  for i, (x, kernel, bias, head) in enumerate(zip(xs, kernels, biases, heads)):
-    D = x.shape[2]
-    if x.shape[:2] != (B, T):
-      raise ValueError(f"xs[{i}] has B, T = {x.shape[:2]} and xs[0] {(B, T)}: the inputs of one call "
-                       f"share B and T")
-    if x.dtype != xs[0].dtype:
-      raise ValueError(f"xs[{i}] is {x.dtype} and xs[0] {xs[0].dtype}: the inputs of one call share a "
-                       f"dtype")
-    if W is None or jnp.shape(kernel) != (W, D):
-      raise ValueError(f"kernels[{i}] must be [W, D] = {(W, D)} (W: kernels[0]'s taps); got "
-                       f"{jnp.shape(kernel)}")
-    if jnp.shape(bias) != (D,):
-      raise ValueError(f"biases[{i}] must be [D] = {(D,)}; got {jnp.shape(bias)}")
-    if jnp.shape(head) != (B, W - 1, D):
-      raise ValueError(f"heads[{i}] must be [B, W - 1, D] = {(B, W - 1, D)}; got {jnp.shape(head)}")
+def _geometry(x, kernel, block_t, block_d):
+  """`(B, T, D, W, bt, bd, NT, ND)`: the call's sizes, its program blocks and the grid."""
+  B, T, D = x.shape
+  bt, bd = blocks(T, D, block_t, block_d)
+  return B, T, D, kernel.shape[0], bt, bd, T // bt, D // bd
 
 
 def _copy_rows_before(x_r, x_s, b, n, bt, cols, bar):
@@ -218,33 +138,28 @@ def _pre(taps, rows):
 # one traced jaxpr, which XLA's lowering emits once: each kernel's lowering costs seconds (NOTES v47)
 @functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "block_t", "block_d",
                                              "interpret"))
-def _forward(xs, kernels, biases, heads, *, activation: str, out_dtype, block_t=None, block_d=None,
+def _forward(x, kernel, bias, head, *, activation: str, out_dtype, block_t=None, block_d=None,
              interpret=None):
-  """The tuple of y_i `[B, T, D_i]` in `out_dtype`; `kernels[i] [W, D_i]`, `biases[i] [D_i]`,
-  `heads[i] [B, W - 1, D_i]` float32."""
-  B, T, Ds, W, bt, bd, NT, starts = _geometry(xs, kernels, block_t, block_d)
-  back, dtype, n_in = W - 1, xs[0].dtype, len(xs)
-  params, head_rows = _staged(kernels, biases, heads)
-  in_place = jnp.dtype(out_dtype) == dtype   # y of token i overwrites x of token i, once read
-  scratch = dict(x_s=plgpu.SMEM((HALO + bt, bd), dtype), p_s=plgpu.SMEM((W + 1, bd), F32),
+  """y `[B, T, D]` in `out_dtype`; `kernel [W, D]`, `bias [D]`, `head [B, W - 1, D]` float32."""
+  B, T, D, W, bt, bd, NT, ND = _geometry(x, kernel, block_t, block_d)
+  back = W - 1
+  params, head_rows = _staged(kernel, bias, head)
+  in_place = jnp.dtype(out_dtype) == x.dtype   # y of token i overwrites x of token i, once read
+  scratch = dict(x_s=plgpu.SMEM((HALO + bt, bd), x.dtype), p_s=plgpu.SMEM((W + 1, bd), F32),
                  h_s=plgpu.SMEM((HALO, bd), F32), bar=plgpu.Barrier(num_arrivals=3),
                  bar_halo=plgpu.Barrier(num_arrivals=1))
   if not in_place:
     scratch["y_s"] = plgpu.SMEM((bt, bd), out_dtype)
 
-  def body(*refs, x_s, p_s, h_s, bar, bar_halo, y_s=None):
-    x_rs, (p_r, h_r), y_rs = refs[:n_in], refs[n_in:n_in + 2], refs[n_in + 2:]
+  def body(x_r, p_r, h_r, y_r, x_s, p_s, h_s, bar, bar_halo, y_s=None):
     b, n, c = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("c")
-    cols = pl.ds(c * bd, bd)      # of all inputs' channels: the taps, bias and head
-    rows_t = pl.ds(n * bt, bt)
+    cols = pl.ds(c * bd, bd)
     out = x_s.at[pl.ds(HALO, bt)] if in_place else y_s
-    _each_input(c, cols, starts, bd, lambda i, mine: plgpu.copy_gmem_to_smem(
-        x_rs[i].at[b, rows_t, mine], x_s.at[pl.ds(HALO, bt)], bar))
+    plgpu.copy_gmem_to_smem(x_r.at[b, pl.ds(n * bt, bt), cols], x_s.at[pl.ds(HALO, bt)], bar)
     plgpu.copy_gmem_to_smem(p_r.at[:, cols], p_s, bar)
     plgpu.copy_gmem_to_smem(h_r.at[b, :, cols], h_s, bar)
 
-    _each_input(c, cols, starts, bd,
-                lambda i, mine: _copy_rows_before(x_rs[i], x_s, b, n, bt, mine, bar_halo))
+    _copy_rows_before(x_r, x_s, b, n, bt, cols, bar_halo)
     plgpu.barrier_wait(bar)
     taps = [p_s[w] for w in range(W)]
     bias_row = p_s[W]
@@ -263,66 +178,56 @@ def _forward(xs, kernels, biases, heads, *, activation: str, out_dtype, block_t=
 
     lax.fori_loop(0, bt // UNROLL, unrolled, window)
     plgpu.commit_smem()
-    _each_input(c, cols, starts, bd,
-                lambda i, mine: plgpu.copy_smem_to_gmem(out, y_rs[i].at[b, rows_t, mine]))
+    plgpu.copy_smem_to_gmem(out, y_r.at[b, pl.ds(n * bt, bt), cols])
     plgpu.wait_smem_to_gmem(0)
 
-  args = (*xs, params, head_rows)
-  out_type = tuple(jax.ShapeDtypeStruct((B, T, D), out_dtype) for D in Ds)
-  return tuple(vary_like(plgpu.kernel(
-      body, out_type=out_type, scratch_types=scratch, grid=(B, NT, starts[-1]),
-      grid_names=("b", "n", "c"), compiler_params=_params(), interpret=interpret,
-      kernel_name="short_conv_fwd")(*args), args))
+  args = (x, params, head_rows)
+  (y,) = vary_like([plgpu.kernel(
+      body, out_type=(jax.ShapeDtypeStruct((B, T, D), out_dtype),), scratch_types=scratch,
+      grid=(B, NT, ND), grid_names=("b", "n", "c"), compiler_params=_params(),
+      interpret=interpret, kernel_name="short_conv_fwd")(*args)[0]], args)
+  return y
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "block_t", "block_d", "interpret"))
-def _backward(xs, kernels, biases, heads, dys, *, activation: str, block_t=None, block_d=None,
+def _backward(x, kernel, bias, head, dy, *, activation: str, block_t=None, block_d=None,
               interpret=None):
-  """`(dxs, dkernels, dbiases, dheads)`, a tuple each: dx_i `[B, T, D_i]` in x's dtype, dkernel_i
-  `[W, D_i]`, dbias_i `[D_i]`, dhead_i `[B, W - 1, D_i]` float32."""
-  B, T, Ds, W, bt, bd, NT, starts = _geometry(xs, kernels, block_t, block_d)
-  back, dtype, n_in = W - 1, xs[0].dtype, len(xs)
-  params, head_rows = _staged(kernels, biases, heads)
+  """`(dx [B, T, D] in x's dtype, dkernel [W, D], dbias [D], dhead [B, W - 1, D])`, float32 but dx."""
+  B, T, D, W, bt, bd, NT, ND = _geometry(x, kernel, block_t, block_d)
+  back = W - 1
+  params, head_rows = _staged(kernel, bias, head)
   # dx of token i - W + 1 is complete after token i (whose dy is read): it overwrites that token's dy
-  in_place = dys[0].dtype == dtype
-  scratch = dict(x_s=plgpu.SMEM((HALO + bt + HALO, bd), dtype),
-                 dy_s=plgpu.SMEM((bt + HALO, bd), dys[0].dtype),
+  in_place = dy.dtype == x.dtype
+  scratch = dict(x_s=plgpu.SMEM((HALO + bt + HALO, bd), x.dtype),
+                 dy_s=plgpu.SMEM((bt + HALO, bd), dy.dtype),
                  p_s=plgpu.SMEM((W + 1, bd), F32), h_s=plgpu.SMEM((HALO, bd), F32),
                  bar=plgpu.Barrier(num_arrivals=4), bar_before=plgpu.Barrier(num_arrivals=1),
                  bar_after=plgpu.Barrier(num_arrivals=2))
   if not in_place:
-    scratch["dx_s"] = plgpu.SMEM((bt, bd), dtype)
+    scratch["dx_s"] = plgpu.SMEM((bt, bd), x.dtype)
 
-  def body(*refs, x_s, dy_s, p_s, h_s, bar, bar_before, bar_after, dx_s=None):
-    x_rs, dy_rs = refs[:n_in], refs[n_in:2 * n_in]
-    p_r, h_r = refs[2 * n_in:2 * n_in + 2]
-    dx_rs, (g_r, dh_r) = refs[2 * n_in + 2:3 * n_in + 2], refs[3 * n_in + 2:]
+  def body(x_r, dy_r, p_r, h_r, dx_r, g_r, dh_r, x_s, dy_s, p_s, h_s, bar, bar_before, bar_after,
+           dx_s=None):
     b, n, c = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("c")
-    cols = pl.ds(c * bd, bd)      # of all inputs' channels: the taps, bias, their sums and head
+    cols = pl.ds(c * bd, bd)
     rows_t = pl.ds(n * bt, bt)
     out = dy_s if in_place else dx_s
-
-    def load(i, mine):
-      plgpu.copy_gmem_to_smem(x_rs[i].at[b, rows_t, mine], x_s.at[pl.ds(HALO, bt)], bar)
-      plgpu.copy_gmem_to_smem(dy_rs[i].at[b, rows_t, mine], dy_s.at[pl.ds(0, bt)], bar)
-
-    _each_input(c, cols, starts, bd, load)
+    plgpu.copy_gmem_to_smem(x_r.at[b, rows_t, cols], x_s.at[pl.ds(HALO, bt)], bar)
+    plgpu.copy_gmem_to_smem(dy_r.at[b, rows_t, cols], dy_s.at[pl.ds(0, bt)], bar)
     plgpu.copy_gmem_to_smem(p_r.at[:, cols], p_s, bar)
     plgpu.copy_gmem_to_smem(h_r.at[b, :, cols], h_s, bar)
     first, last = n == 0, n == NT - 1
     first_v, last_v = lax.broadcast(first, (bd,)), lax.broadcast(last, (bd,))   # for select_n
 
-    def load_halos(i, mine):
-      _copy_rows_before(x_rs[i], x_s, b, n, bt, mine, bar_before)
+    _copy_rows_before(x_r, x_s, b, n, bt, cols, bar_before)
 
-      @pl.when(n < NT - 1)
-      def _():
-        after = pl.ds((n + 1) * bt, HALO)
-        plgpu.copy_gmem_to_smem(x_rs[i].at[b, after, mine], x_s.at[pl.ds(HALO + bt, HALO)], bar_after)
-        plgpu.copy_gmem_to_smem(dy_rs[i].at[b, after, mine], dy_s.at[pl.ds(bt, HALO)], bar_after)
-        plgpu.barrier_wait(bar_after)
+    @pl.when(n < NT - 1)
+    def _():
+      after = pl.ds((n + 1) * bt, HALO)
+      plgpu.copy_gmem_to_smem(x_r.at[b, after, cols], x_s.at[pl.ds(HALO + bt, HALO)], bar_after)
+      plgpu.copy_gmem_to_smem(dy_r.at[b, after, cols], dy_s.at[pl.ds(bt, HALO)], bar_after)
+      plgpu.barrier_wait(bar_after)
 
-    _each_input(c, cols, starts, bd, load_halos)
     plgpu.barrier_wait(bar)
     taps = [p_s[w] for w in range(W)]
     bias_row = p_s[W]
@@ -373,8 +278,7 @@ def _backward(xs, kernels, biases, heads, dys, *, activation: str, block_t=None,
     for j in range(back):
       h_s[HALO - back + j] = before[j]
     plgpu.commit_smem()
-    _each_input(c, cols, starts, bd, lambda i, mine: plgpu.copy_smem_to_gmem(
-        out.at[pl.ds(0, bt)], dx_rs[i].at[b, rows_t, mine]))
+    plgpu.copy_smem_to_gmem(out.at[pl.ds(0, bt)], dx_r.at[b, rows_t, cols])
     plgpu.copy_smem_to_gmem(p_s, g_r.at[b, n, :, cols])
 
     @pl.when(first)
@@ -383,18 +287,15 @@ def _backward(xs, kernels, biases, heads, dys, *, activation: str, block_t=None,
 
     plgpu.wait_smem_to_gmem(0)
 
-  args = (*xs, *dys, params, head_rows)
-  D_all = sum(Ds)
-  out_type = (*(jax.ShapeDtypeStruct((B, T, D), dtype) for D in Ds),
-              jax.ShapeDtypeStruct((B, NT, W + 1, D_all), F32), jax.ShapeDtypeStruct((B, HALO, D_all), F32))
-  *dxs, partial, dhead = vary_like(plgpu.kernel(
-      body, out_type=out_type, scratch_types=scratch, grid=(B, NT, starts[-1]),
-      grid_names=("b", "n", "c"), compiler_params=_params(), interpret=interpret,
+  args = (x, dy, params, head_rows)
+  out_type = (jax.ShapeDtypeStruct((B, T, D), x.dtype), jax.ShapeDtypeStruct((B, NT, W + 1, D), F32),
+              jax.ShapeDtypeStruct((B, HALO, D), F32))
+  dx, partial, dhead = vary_like(plgpu.kernel(
+      body, out_type=out_type, scratch_types=scratch, grid=(B, NT, ND), grid_names=("b", "n", "c"),
+      compiler_params=_params(), interpret=interpret,
       kernel_name="short_conv_bwd")(*args), args)
-  spans = [slice(s * bd, e * bd) for s, e in zip(starts[:-1], starts[1:])]   # input i's channels
-  sums = [jnp.sum(partial[..., cs], axis=(0, 1)) for cs in spans]   # each as its own call sums them
-  return (tuple(dxs), tuple(s[:W] for s in sums), tuple(s[W] for s in sums),
-          tuple(dhead[:, HALO - back:, cs] for cs in spans))
+  sums = jnp.sum(partial, axis=(0, 1))
+  return dx, sums[:W], sums[W], dhead[:, HALO - back:]
 
 
 def short_conv(x, kernel, bias, head, *, activation: str = "silu", out_dtype=None,
@@ -402,50 +303,30 @@ def short_conv(x, kernel, bias, head, *, activation: str = "silu", out_dtype=Non
   """The module docstring's y for x `[B, T, D]`, kernel `[W, D]`, bias `[D]` and head `[B, W - 1, D]`
   (the inputs before x), in `out_dtype` (default x's); differentiable in all four. block_t, block_d:
   the tokens and channels of a program (default `blocks`). Callers check `reason(...)` first."""
-  (y,) = short_conv_many((x,), (kernel,), (bias,), (head,), activation=activation, out_dtype=out_dtype,
-                         block_t=block_t, block_d=block_d)
-  return y
-
-
-def short_conv_many(xs, kernels, biases, heads, *, activation: str = "silu", out_dtype=None,
-                    block_t: int | None = None, block_d: int | None = None):
-  """The tuple of `short_conv(xs[i], kernels[i], biases[i], heads[i])` (the module docstring's y_i) in
-  one forward and one backward kernel launch: x_i `[B, T, D_i]` of one B, T and dtype, kernel_i
-  `[W, D_i]` of one W, bias_i `[D_i]`, head_i `[B, W - 1, D_i]`; every y_i `[B, T, D_i]` in `out_dtype`
-  (default the inputs' dtype: the programs share one loop, which writes one dtype). Differentiable in
-  every array; each channel's numbers are those of its own `short_conv`. block_t, block_d: as in
-  `short_conv`, the same for every input (block_d must divide every D_i). Raises ValueError, naming the
-  argument, where the inputs are not of one call; callers check `reason_many(...)` first."""
-  xs, kernels, biases, heads = (tuple(a) for a in (xs, kernels, biases, heads))
-  _check(xs, kernels, biases, heads)
-  out_dtype = xs[0].dtype if out_dtype is None else jnp.dtype(out_dtype)
+  out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
   # the interpreter switch is read here: the jitted kernels' caches key on it
-  return _short_conv_many(xs, kernels, biases, heads,
-                          (activation, out_dtype, block_t, block_d, interpreting()))
+  return _short_conv(x, kernel, bias, head, (activation, out_dtype, block_t, block_d, interpreting()))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _short_conv_many(xs, kernels, biases, heads, static):
+def _short_conv(x, kernel, bias, head, static):
   activation, out_dtype, block_t, block_d, interpret = static
-  return _forward(xs, kernels, biases, heads, activation=activation, out_dtype=out_dtype,
-                  block_t=block_t, block_d=block_d, interpret=interpret)
+  return _forward(x, kernel, bias, head, activation=activation, out_dtype=out_dtype, block_t=block_t,
+                  block_d=block_d, interpret=interpret)
 
 
-def _fwd(xs, kernels, biases, heads, static):
-  return _short_conv_many(xs, kernels, biases, heads, static), (xs, kernels, biases, heads)
+def _fwd(x, kernel, bias, head, static):
+  return _short_conv(x, kernel, bias, head, static), (x, kernel, bias, head)
 
 
-def _bwd(static, res, dys):
+def _bwd(static, res, dy):
   activation, _, block_t, block_d, interpret = static
-  xs, kernels, biases, heads = res
-  dxs, dkernels, dbiases, dheads = _backward(xs, kernels, biases, heads, tuple(dys),
-                                             activation=activation, block_t=block_t, block_d=block_d,
-                                             interpret=interpret)
+  x, kernel, bias, head = res
+  dx, dkernel, dbias, dhead = _backward(x, kernel, bias, head, dy, activation=activation,
+                                        block_t=block_t, block_d=block_d, interpret=interpret)
   # under shard_map, the taps' and bias' sums are this shard's rows only: add the other rows' shards
-  grads = (dxs, tuple(d.astype(k.dtype) for d, k in zip(dkernels, kernels)),
-           tuple(d.astype(b.dtype) for d, b in zip(dbiases, biases)),
-           tuple(d.astype(h.dtype) for d, h in zip(dheads, heads)))
-  return jax.tree.map(common.sum_over_extra_axes, grads, res)
+  grads = (dx, dkernel.astype(kernel.dtype), dbias.astype(bias.dtype), dhead.astype(head.dtype))
+  return tuple(common.sum_over_extra_axes(g, p) for g, p in zip(grads, res))
 
 
-_short_conv_many.defvjp(_fwd, _bwd)
+_short_conv.defvjp(_fwd, _bwd)

@@ -1,8 +1,7 @@
 """The short convolution's Mosaic GPU kernels (pallas_kernels/gpu/conv.py) in the interpreter against a
 float64 loop: y and the gradients of x, the taps, the bias and the window before the sequence, across
-blocks (halos before and after), channel blocks, widths 1 to 9 and both activations; the joint call of
-several inputs (`short_conv_many`: a mixer's q, k, v in one launch) against the same loop for each input,
-and its errors; the layer's `impl` choice; and the lowering for a Hopper GPU."""
+blocks (halos before and after), channel blocks, widths 1 to 9 and both activations; the layer's
+`impl` choice; and the lowering for a Hopper GPU."""
 
 import jax
 import jax.numpy as jnp
@@ -84,66 +83,6 @@ def test_kernels_match_the_float64_loop(case, dtype):
     assert np.sqrt(np.mean((got - ref) ** 2)) / np.sqrt(np.mean(ref ** 2) + 1e-30) < tol[1], name
 
 
-def joint_inputs(B, T, W, Ds, dtype):
-  """Per input of width D in `Ds`: `(x, kernel, bias, head, dy)`, a nonzero bias and head."""
-  out = []
-  for i, D in enumerate(Ds):
-    ks = jax.random.split(jax.random.key(10 + i), 5)
-    out.append((jax.random.normal(ks[0], (B, T, D)).astype(dtype),
-                jax.random.uniform(ks[1], (W, D), minval=-1, maxval=1), 0.3 * jax.random.normal(ks[2], (D,)),
-                jax.random.normal(ks[3], (B, W - 1, D)), jax.random.normal(ks[4], (B, T, D)).astype(dtype)))
-  return out
-
-
-# blocks of 8 tokens: three (halos before and after) in float32, two in bfloat16 (checked loosely)
-@pytest.mark.parametrize("dtype,T", [("float32", 24), ("bfloat16", 16)])
-def test_joint_call_matches_the_float64_loop_for_each_input(dtype, T):
-  # Given three inputs of one B, T and dtype and widths 128, 128, 256 (a mixer's q, k and v), each with
-  # its own taps, bias and window before the sequence
-  B, W, Ds = 1, 4, (128, 128, 256)
-  inputs = joint_inputs(B, T, W, Ds, jnp.dtype(dtype))
-  xs, kernels, biases, heads, dys = (tuple(a) for a in zip(*inputs))
-  # When they are convolved in one call and differentiated in every array
-  with gpu.interpret_kernels():
-    ys, pull = jax.vjp(lambda *a: conv.short_conv_many(*a, block_t=8), xs, kernels, biases, heads)
-    dxs, dkernels, dbiases, dheads = pull(dys)
-  # Then each output and gradient is its own input's: within float32 rounding of the loop (bfloat16:
-  # y and dx rounded once to bfloat16)
-  tol = dict(float32=2e-5, bfloat16=1e-2)[dtype]
-  for i, (x, kernel, bias, head, dy) in enumerate(inputs):
-    want = loop(x, kernel, bias, head, dy, "silu")
-    got = (ys[i], dxs[i], dkernels[i], dbiases[i], dheads[i])
-    assert ys[i].dtype == dxs[i].dtype == x.dtype
-    for name, g, ref in zip(("y", "dx", "dkernel", "dbias", "dhead"), got, want):
-      g = np.asarray(g, np.float64)
-      assert g.shape == ref.shape, (i, name)
-      err = np.max(np.abs(g - ref)) / max(np.max(np.abs(ref)), 1e-30)
-      assert err < tol, (i, name, err)
-
-
-def test_joint_call_says_which_argument_is_wrong():
-  x, kernel, bias, head = jnp.ones((1, 16, 128)), jnp.ones((4, 128)), jnp.ones((128,)), jnp.ones((1, 3, 128))
-  call = lambda xs, ks=(kernel, kernel), bs=(bias, bias), hs=(head, head): conv.short_conv_many(
-      xs, ks, bs, hs)
-  with pytest.raises(ValueError, match=r"xs\[1\] has B, T = \(1, 8\) and xs\[0\] \(1, 16\)"):
-    call((x, x[:, :8]))
-  with pytest.raises(ValueError, match=r"xs\[1\] is bfloat16 and xs\[0\] float32"):
-    call((x, x.astype(jnp.bfloat16)))
-  with pytest.raises(ValueError, match=r"kernels\[1\] must be \[W, D\] = \(4, 128\)"):
-    call((x, x), ks=(kernel, kernel[:3]))
-  with pytest.raises(ValueError, match=r"heads\[0\] must be \[B, W - 1, D\]"):
-    call((x, x), hs=(head[:, :2], head))
-  with pytest.raises(ValueError, match="biases must hold one entry an input"):
-    call((x, x), bs=(bias,))
-  # the layer's check: each input alone, then one B, T and dtype
-  with gpu.interpret_kernels():
-    assert conv.reason_many([(1, 16, 128), (1, 16, 256)], 4, "silu", [jnp.float32] * 2) is None
-    assert "input 1: the kernels need T a multiple" in conv.reason_many(
-        [(1, 16, 128), (1, 16, 96)], 4, "silu", [jnp.float32] * 2)
-    assert "share B and T" in conv.reason_many([(1, 16, 128), (1, 32, 128)], 4, "silu", [jnp.float32] * 2)
-    assert "share a dtype" in conv.reason_many([(1, 16, 128)] * 2, 4, "silu", [jnp.float32, jnp.bfloat16])
-
-
 def test_layer_takes_the_kernels_and_keeps_its_window():
   # Given a conv with bias whose impl is "pallas", and a nonzero window from an earlier call
   layer = ShortConvolution(128, 4, use_bias=True, impl="pallas", rngs=nnx.Rngs(0))
@@ -201,21 +140,6 @@ def test_kernels_export_for_hopper(dtype):
                             platforms=["cuda"])(*args).mlir_module()
   assert fwd.count("custom_call @mosaic_gpu") == 1 and "short_conv_fwd" in fwd
   assert bwd.count("custom_call @mosaic_gpu") == 2 and "short_conv_bwd" in bwd
-
-
-def test_joint_kernels_export_for_hopper():
-  # a layer's q, k, v: x [8, 4096, 1024] twice and [8, 4096, 2048], bfloat16: one launch each way
-  spec = jax.ShapeDtypeStruct
-  Ds = (1024, 1024, 2048)
-  args = tuple(tuple(spec(shape, dtype) for shape in shapes) for shapes, dtype in (
-      ([(8, 4096, D) for D in Ds], jnp.bfloat16), ([(4, D) for D in Ds], jnp.float32),
-      ([(D,) for D in Ds], jnp.float32), ([(8, 3, D) for D in Ds], jnp.float32)))
-  loss = lambda *a: sum(jnp.sum(y.astype(jnp.float32) ** 2) for y in conv.short_conv_many(*a))
-  with jax.sharding.use_abstract_mesh(H200):
-    bwd = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))),
-                            platforms=["cuda"])(*args).mlir_module()
-  assert bwd.count("custom_call @mosaic_gpu") == 2
-  assert "short_conv_fwd" in bwd and "short_conv_bwd" in bwd
 
 
 def test_layer_runs_the_kernels_per_shard_under_sharding_rules(monkeypatch):
