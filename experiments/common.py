@@ -10,6 +10,7 @@ z and is drawn as |N(0, 1)|, as a sum of positive features would be). The delta 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -168,6 +169,18 @@ def _numeric(text: str) -> bool:
   except ValueError:
     return text == "-"
   return True
+
+
+def kernel_config(grads_programs: int = 0):
+  """The GPU kernels' configuration for a benchmark's whole run (`pallas_kernels.gpu.default_config`):
+  `grads_programs` > 0 runs the delta family's pair gradients in that many persistent programs (0: the
+  library's default, one program a chunk)."""
+  if grads_programs < 0:
+    raise ValueError(f"grads_programs must be >= 0; got {grads_programs}")
+  if not grads_programs:
+    return contextlib.nullcontext()
+  from linear_attention_jax.pallas_kernels import gpu
+  return gpu.default_config(gpu.GpuConfig(grads_programs=grads_programs))
 
 
 def write_json(workdir, name: str, results: dict) -> str:

@@ -142,7 +142,8 @@ def _backward(static: Static, q, k, v, g, beta, h0, segment_ids, saved, do, dfin
     case "delta_grads":
       return delta_grads.backward(q, k, v, g, beta, h0, do, dfinal, **kw, scale=static.scale,
                                   sequence_pieces=_sequence_pieces(static), saved=saved,
-                                  qk_l2norm=plan.l2 == "on_load", warpgroups=plan.grads_warpgroups)
+                                  qk_l2norm=plan.l2 == "on_load", warpgroups=plan.grads_warpgroups,
+                                  programs=plan.grads_programs)
     case "channel_grads":
       kernels = lambda grams: lambda: channel_grads.backward(
           q, k, v, g, h0, do, dfinal, **kw, sequence_pieces=_sequence_pieces(static), scale=static.scale,

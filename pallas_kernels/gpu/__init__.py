@@ -1,7 +1,8 @@
 """Mosaic GPU kernels (`plgpu.kernel`, wgmma, TMA) for the chunked forms of both families, on Hopper.
 
 `chunked_attention` is the op; `plan` says what runs for a call, forward and backward, in its
-docstring's table (`plan.select`), `call_plan` for given arguments, and `GpuConfig` holds the tuning values;
+docstring's table (`plan.select`), `call_plan` for given arguments, and `GpuConfig` holds the tuning values
+(`default_config` sets them for calls that pass none: the ops and layers);
 `supports` says whether the kernels serve a call (and why not); `interpret_kernels` runs the kernels in
 the Mosaic GPU interpreter (whose multi-warpgroup kernels need `interpreter_threads()` above their
 warpgroups); under `jax.shard_map` it runs per shard (`linear_attention_jax.sharding.shard_op`).
@@ -24,9 +25,10 @@ TMA chunk pipeline and sequence pieces) and `channel` (per-channel decay's G, bo
 
 from . import shared_compiles
 from .interpret import interpret_kernels, interpreter_threads, interpreting
-from .ops import call_plan, chunked_attention
+from .ops import call_plan, chunked_attention, default_config
 from . import plan
 from .plan import GpuConfig, Plan, hopper_reason, supports, walked_columns
 
-__all__ = ["GpuConfig", "Plan", "call_plan", "chunked_attention", "hopper_reason", "interpret_kernels",
+__all__ = ["GpuConfig", "Plan", "call_plan", "chunked_attention", "default_config", "hopper_reason",
+           "interpret_kernels",
            "interpreter_threads", "interpreting", "plan", "shared_compiles", "supports", "walked_columns"]

@@ -272,7 +272,7 @@ def pair_serves(V: int, chunk_size: int, v_dtype, dtype) -> bool:
 
 def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
              scale: float = 1.0, sequence_pieces: int | None = None, saved=None, qk_l2norm: bool = False,
-             warpgroups: int = 1):
+             warpgroups: int = 1, programs: int | None = None):
   """`(dq, dk, dv, dg, dbeta, dh0)` of the delta family's op (no or scalar decay) for `do: [B, T, H_v, V]`
   (of o scaled by `scale`) and `dfinal: None | [B, H_v, K, V]`: the preparation kernel (with X), the
   two walks of walk.py, then `chunk_grads`; XLA adds the partial sums, the last-token terms of dG (the
@@ -280,7 +280,8 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
   (`prepare(..., with_inverse=True)` and `walk.forward(..., with_states=True, return_transitions=True)`
   on these inputs), which skips the preparation and the states walk. warpgroups: 2 runs
   `chunk_grads_pair` (both value blocks in one program, their partial sums added inside it) where
-  `pair_serves`, 1 (or where it does not serve) `chunk_grads`."""
+  `pair_serves`, 1 (or where it does not serve) `chunk_grads`. programs: `chunk_grads_pair`'s (None: one
+  program a chunk)."""
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
   C = chunk_size
@@ -311,7 +312,7 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
   grads_args = (pad(q), pad(k), pad(v), G, b, flat(X), states, dstates, do_t)
   if warpgroups == 2 and pair_serves(V, C, v.dtype, dtype):
     dq, dk, dv, dG, dbeta, kdv = chunk_grads_pair(*grads_args, dtype=dtype, masks=masks, interpret=interpret,
-                                                  qk_l2norm=qk_l2norm)
+                                                  qk_l2norm=qk_l2norm, programs=programs)
     # each program's pair summed in the kernel; V = 256: two pairs' partial sums
     dq, dk, dG, dbeta, kdv = (x[0] if x.shape[0] == 1 else x.astype(F32).sum(0)
                               for x in (dq, dk, dG, dbeta, kdv))

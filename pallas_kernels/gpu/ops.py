@@ -6,6 +6,8 @@ What runs for a call is `plan.plan`'s (its module docstring has the table); the 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Any
 
@@ -28,6 +30,30 @@ class Options:
   sequence_pieces: int | None = None
   interpret: Any = None   # None (compiled) or a plgpu.InterpretGPUParams
 
+
+_DEFAULT_CONFIG = contextvars.ContextVar("pallas_kernels_gpu_default_config", default=None)
+
+
+@contextlib.contextmanager
+def default_config(config: GpuConfig):
+  """Inside: the calls that pass no `config` (the ops, and the layers and models through them, with
+  impl "pallas" or "auto") run with `config` instead of `GpuConfig()`, so an option can be measured in
+  whole layers and models (`experiments/layer_benchmark.py --grads_programs`). jit caches do not see
+  it: trace inside."""
+  if not isinstance(config, GpuConfig):
+    raise ValueError(f"config must be a pallas_kernels.gpu.GpuConfig; got {type(config).__name__}")
+  token = _DEFAULT_CONFIG.set(config)
+  try:
+    yield
+  finally:
+    _DEFAULT_CONFIG.reset(token)
+
+
+def _config(config: GpuConfig | None) -> GpuConfig:
+  if config is not None:
+    return config
+  default = _DEFAULT_CONFIG.get()
+  return GpuConfig() if default is None else default
 
 def _walk_forward(t, h0, *, options, with_o, with_states, out_dtype):
   o, states, final, transitions = walk.forward(
@@ -58,7 +84,7 @@ def call_plan(q, k, v, g=None, beta=None, *, segment_ids=None, chunk_size: int =
               qk_l2norm: bool = False, config: GpuConfig | None = None) -> plans.Plan:
   """The plan `chunked_attention` runs for these arguments (its stages: `plan.py`'s table)."""
   dtype = jnp.dtype(jnp.result_type(q.dtype, k.dtype, v.dtype) if compute_dtype is None else compute_dtype)
-  return plans.select(delta=beta is not None, decay=decay_kind(g), config=GpuConfig() if config is None else config,
+  return plans.select(delta=beta is not None, decay=decay_kind(g), config=_config(config),
                     packing="none" if segment_ids is None else "segments", qk_l2norm=qk_l2norm,
                     V=v.shape[-1], chunk_size=chunk_size, v_dtype=dtype, dtype=dtype)
 
@@ -95,7 +121,7 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
   one, and `call_plan(...)` what would run.
   """
   B, T, H, K, Hv, V = common.check_shapes(q, k, v, g, beta, initial_state, segment_ids)
-  config = GpuConfig() if config is None else config
+  config = _config(config)
   if not isinstance(config, GpuConfig):
     raise ValueError(f"config must be a pallas_kernels.gpu.GpuConfig; got {type(config).__name__}")
   dtype = jnp.dtype(jnp.result_type(q.dtype, k.dtype, v.dtype) if compute_dtype is None else compute_dtype)

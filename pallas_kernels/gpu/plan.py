@@ -95,6 +95,9 @@ class GpuConfig:
     NOTES.md v28-v29) or 1.
   delta_warpgroups: delta_grads with V = 2 x 64 value blocks and 16-bit operands, 2 (both blocks in one
     program sharing q, k and X; NOTES.md v27) or 1.
+  grads_programs: those two-warpgroup gradients in one program a chunk (None: the grid) or in this many
+    persistent programs, each taking chunks in turn (`delta_grads_pair.chunk_grads_pair(programs=...)`;
+    NOTES.md v50: not yet timed on the H200, so not the default).
   gram_method: XLA's per-channel decayed grams (`prep.GRAM_METHODS`) where XLA prepares: "auto" (one
     product about a per-channel reference within the bound, else the merge form) or "merge" (NOTES.md
     v25: a third form, whole-tile levels, was slower on the H200 and is gone).
@@ -111,15 +114,17 @@ class GpuConfig:
   forward_warpgroups: int = 3
   delta_warpgroups: int = 2
   gram_method: str = "auto"
+  grads_programs: int | None = None
 
   def __post_init__(self):
     for name, allowed in (("forward", FORWARDS), ("backward", BACKWARDS), ("forward_warpgroups", (1, 3)),
                           ("delta_warpgroups", (1, 2)), ("gram_method", prep.GRAM_METHODS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"GpuConfig.{name} must be one of {allowed}; got {getattr(self, name)!r}")
-    pieces = self.sequence_pieces
-    if pieces is not None and (not isinstance(pieces, int) or isinstance(pieces, bool) or pieces < 1):
-      raise ValueError(f"GpuConfig.sequence_pieces must be None or a positive int; got {pieces!r}")
+    for name in ("sequence_pieces", "grads_programs"):
+      value = getattr(self, name)
+      if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"GpuConfig.{name} must be None or a positive int; got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +143,7 @@ class Plan:
   l2: str                      # "on_load" | "xla" | "none"
   forward_warpgroups: int      # of the fused forward's programs (1 elsewhere)
   grads_warpgroups: int        # of delta_grads' programs (1 elsewhere)
+  grads_programs: int | None = None    # GpuConfig.grads_programs, where grads_warpgroups is 2
   sequence_pieces: int | None = None   # GpuConfig.sequence_pieces
   gram_method: str = "auto"            # GpuConfig.gram_method, where XLA prepares
   per_head_beyond: bool = False        # float16 beyond the groups' bound: XLA's merge form per head
@@ -202,6 +208,7 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
                   "on_load" if (forward, backward) == ("delta_prep", "delta_grads") else "xla"),
               forward_warpgroups=config.forward_warpgroups if forward == "fused" else 1,
               grads_warpgroups=2 if pair else 1, sequence_pieces=config.sequence_pieces,
+              grads_programs=config.grads_programs if pair else None,
               gram_method=config.gram_method,
               per_head_beyond=bool({"chunk", "groups"} & {forward_beyond, backward_beyond})
               and not groups.always_fits(dtype))

@@ -247,3 +247,20 @@ def test_fused_forward_in_three_warpgroups_exports_for_hopper(D, pieces, packed)
   assert bwd.count("custom_call @mosaic_gpu") == 3 + 2 * (pieces > 1)
   for kernel in (name, "chunk_walk_fused_bwd", "chunk_grads_fused"):
     assert kernel in bwd, kernel
+
+
+def test_persistent_pair_gradients_export_for_hopper():
+  # GpuConfig(grads_programs=132): the pair gradients as 132 programs, each looping over its chunks
+  D = 128
+  args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, dtype=jnp.float32),
+          _spec(B, T, H, dtype=jnp.float32))
+
+  def loss(q, k, v, g, beta):
+    o, _ = gpu.chunked_attention(q, k, v, g, beta, qk_l2norm=True,
+                                 config=gpu.GpuConfig(grads_programs=132))
+    return jnp.sum(o.astype(jnp.float32) ** 2)
+
+  with jax.sharding.use_abstract_mesh(H200):
+    bwd = jax.export.export(jax.jit(jax.grad(loss, argnums=range(5))), platforms=["cuda"])(*args)
+  bwd = bwd.mlir_module()
+  assert bwd.count("custom_call @mosaic_gpu") == 4 and "chunk_grads_delta_pair" in bwd

@@ -63,7 +63,7 @@ def test_the_table_covers_every_variant_and_configuration():
 def test_config_is_validated():
   for field, bad in (("forward", "fused"), ("backward", "kernels"), ("forward_warpgroups", 2),
                      ("delta_warpgroups", 3), ("gram_method", "direct"),
-                     ("sequence_pieces", 0)):
+                     ("sequence_pieces", 0), ("grads_programs", 0), ("grads_programs", True)):
     with pytest.raises(ValueError, match=f"GpuConfig.{field}"):
       GpuConfig(**{field: bad})
   x = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
@@ -188,6 +188,31 @@ def test_the_plan_rides_in_the_static_argument(monkeypatch):
   assert seen == [call_plan(x, x, x, g, beta, config=config)]
   assert hash(seen[0]) == hash(dataclasses.replace(seen[0]))
   assert re.match(r"Plan\(cell='channel_delta'", repr(seen[0]))
+
+
+def test_default_config_reaches_the_persistent_pair_gradients(monkeypatch):
+  # Given the ops' call (no config) of Gated DeltaNet at V = 128 inside default_config(grads_programs=7)
+  from linear_attention_jax import ops
+  from linear_attention_jax.pallas_kernels.gpu import default_config, delta_grads_pair, interpret_kernels
+  seen = []
+  original = delta_grads_pair.chunk_grads_pair
+  monkeypatch.setattr(delta_grads, "chunk_grads_pair",
+                      lambda *a, **k: seen.append(k.get("programs")) or original(*a, **k))
+  q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+  v = jnp.zeros((1, 64, 1, 128), jnp.bfloat16)
+  g, beta = jnp.zeros((1, 64, 1)), jnp.full((1, 64, 1), 0.5)
+  loss = lambda q: jnp.sum(ops.gated_delta_rule(q, q, v, g, beta, impl="pallas")[0].astype(jnp.float32))
+  # When its gradient is traced (no kernel runs), and again outside the context
+  with interpret_kernels():
+    with default_config(GpuConfig(grads_programs=7)):
+      assert call_plan(q, q, v, g, beta).grads_programs == 7
+      jax.make_jaxpr(jax.grad(loss))(q)
+    jax.make_jaxpr(jax.grad(lambda q: loss(q) * 2.0))(q)
+  # Then the pair gradients got the programs inside it and the grid outside it
+  assert seen == [7, None]
+  with pytest.raises(ValueError, match="config must be"):
+    with default_config({"grads_programs": 7}):
+      pass
 
 
 def test_the_entry_takes_at_most_ten_keywords():
