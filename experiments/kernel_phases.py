@@ -41,17 +41,6 @@ from experiments import common
 from linear_attention_jax.pallas_kernels.gpu import tiles
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("variants", ["gated_delta_rule", "kda"], "Ops to trace (the delta family).")
-flags.DEFINE_integer("B", 8, "Batch.")
-flags.DEFINE_integer("T", 4096, "Sequence length.")
-flags.DEFINE_integer("H", 8, "Heads.")
-flags.DEFINE_integer("K", 128, "Key channels.")
-flags.DEFINE_integer("V", 128, "Value channels.")
-flags.DEFINE_enum("gates", "layer", common.GATES, "Gates (experiments/common.py's make_inputs).")
-flags.DEFINE_string("dtype", "bfloat16", "Input dtype.")
-flags.DEFINE_integer("ranges", 64, "Phases a warpgroup may record in one program.")
-flags.DEFINE_bool("keep_traces", False, "Also keep every kernel call's Chrome trace.")
-flags.DEFINE_string("workdir", "runs/kernel_phases", "Where phases.json and phases.md go.")
 
 
 def read_trace(path: str):
@@ -196,5 +185,23 @@ def main(argv):
   print(f"wrote {f.workdir}/phases.md")
 
 
+def _define_flags():
+  """The script's flags, defined when it runs (importing its functions defines none: several scripts
+  share flag names)."""
+  flags.DEFINE_list("variants", ["gated_delta_rule", "kda"], "Ops to trace (the delta family).")
+  flags.DEFINE_integer("B", 8, "Batch.")
+  flags.DEFINE_integer("T", 4096, "Sequence length.")
+  flags.DEFINE_integer("H", 8, "Heads.")
+  flags.DEFINE_integer("K", 128, "Key channels.")
+  flags.DEFINE_integer("V", 128, "Value channels.")
+  flags.DEFINE_enum("gates", "layer", common.GATES, "Gates (experiments/common.py's make_inputs).")
+  flags.DEFINE_string("dtype", "bfloat16", "Input dtype.")
+  flags.DEFINE_integer("ranges", 40, "Phases a warpgroup may record in one program (16 bytes of shared "
+                       "memory each a warpgroup: the pair gradients have room for 40).")
+  flags.DEFINE_bool("keep_traces", False, "Also keep every kernel call's Chrome trace.")
+  flags.DEFINE_string("workdir", "runs/kernel_phases", "Where phases.json and phases.md go.")
+
+
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)
