@@ -17,7 +17,7 @@ NEWEST_VENV := .venv-newest-jax
 # The quick subset run on the newest jax the registry serves: the ops (the TPU kernels through them in
 # their interpreter), the layers, the kernels' imports and preparation, and both backends' lowering
 # (jax.export for TPU and Hopper), and the short convolution's GPU kernels (interpreter and export).
-# 418 tests, ~4.3 min with -n 2 (jax 0.12.0.1).
+# 419 tests, ~4.3 min with -n 2 (jax 0.12.0.1; 6.4 min on a slower day).
 NEWEST_TESTS ?= tests/ops/test_checks.py tests/ops/test_edges_and_traced.py tests/ops/test_forward_mode.py \
   tests/ops/test_variants.py tests/ops/test_pallas_dispatch.py tests/layers \
   tests/pallas_kernels/test_imports.py tests/pallas_kernels/test_prep.py \
