@@ -12,8 +12,11 @@ record to its last), and the 90th percentile. `outside` is the program's cycles 
 copies issued before the first phase, the code between phases). The programs' start times (the
 device's ns timer) give each kernel's span and each SM's programs a second measure: `program ns` is
 the median gap between two programs' starts on one SM, which with one program a multiprocessor at a
-time is a program's time; `ns / cycle` compares it with the cycles. The records cost a few cycles
-each (the profiler subtracts its own estimate). Only kernels with phases (the delta family's
+time is a program's time; `ns / cycle` compares it with the cycles. After the traced call the op runs
+compiled without the records, back to back for 2 s, while `nvidia-smi` samples the SM clock: at that
+clock a program's records span `span us`, and for a kernel of one program an SM at a time, the gap
+between that and `program ns` is what a program costs outside its phases (its start, its end, the next
+one's launch). The records cost a few cycles each (the profiler subtracts its own estimate). Only kernels with phases (the delta family's
 preparation and pair gradients, kda's preparation and key side) are reported.
 
 Needs a Hopper GPU. Writes `{workdir}/phases.json` and `phases.md`.
@@ -26,8 +29,11 @@ import glob
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 if __package__ in (None, ""):  # run as a file: put the repository root on the path
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -122,8 +128,41 @@ def summarise(programs) -> dict:
               start_spread_us=(max(all_starts) - min(all_starts)) / 1e3)
 
 
-def trace_op(variant: str, directory: str):
-  """Runs `variant`'s forward and backward once under `tiles.phase_trace(directory)`."""
+def parse_clock_mhz(text: str) -> float | None:
+  """The median of the SM clocks (MHz) in `nvidia-smi --query-gpu=clocks.sm --format=csv,noheader,
+  nounits` output (one line a sample), or None without any."""
+  values = [float(line) for line in text.split() if line.replace(".", "", 1).isdigit()]
+  return float(np.median(values)) if values else None
+
+
+def sm_clock_mhz(fn, seconds: float = 2.0) -> float | None:
+  """The SM clock (MHz, median of `nvidia-smi` samples every 0.1 s) while `fn()` runs back to back for
+  `seconds`; None where nvidia-smi is not there."""
+  if shutil.which("nvidia-smi") is None:
+    return None
+  samples, done = [], threading.Event()
+
+  def sample():
+    while not done.is_set():
+      out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, check=False).stdout
+      samples.append(out.strip().splitlines()[0] if out.strip() else "")
+      done.wait(0.1)
+
+  thread = threading.Thread(target=sample, daemon=True)
+  jax.block_until_ready(fn())
+  thread.start()
+  end = time.perf_counter() + seconds
+  while time.perf_counter() < end:
+    jax.block_until_ready(fn())
+  done.set()
+  thread.join()
+  return parse_clock_mhz("\n".join(samples))
+
+
+def trace_op(variant: str, directory: str) -> float | None:
+  """Runs `variant`'s forward and backward once under `tiles.phase_trace(directory)`; then, compiled
+  without the records, back to back for 2 s while the SM clock is sampled. Returns the clock (MHz)."""
   f = FLAGS
   rng = np.random.default_rng(0)
   inputs = common.make_inputs(variant, rng, B=f.B, T=f.T, H=f.H, K=f.K, V=f.V,
@@ -134,10 +173,13 @@ def trace_op(variant: str, directory: str):
     o, _ = common.call(variant, dict(zip(names, args)), impl="pallas")
     return jnp.sum(o.astype(jnp.float32) ** 2)
 
+  args = tuple(inputs[n] for n in names)
   with tiles.phase_trace(directory, ranges=f.ranges):
     grads = jax.jit(jax.grad(loss, argnums=tuple(range(len(names)))))
-    jax.block_until_ready(grads(*(inputs[n] for n in names)))
+    jax.block_until_ready(grads(*args))
     jax.effects_barrier()   # the traces are written by host callbacks
+  plain = jax.jit(jax.grad(lambda *a: loss(*a), argnums=tuple(range(len(names)))))   # a new trace
+  return sm_clock_mhz(lambda: plain(*args))
 
 
 def render(results: dict) -> str:
@@ -148,7 +190,8 @@ def render(results: dict) -> str:
                 f"{s['warpgroup_traces']} warpgroup traces)", "",
                 f"mean program {s['mean_span_cycles']:.0f} cycles; programs start {s['program_ns']:.0f} ns "
                 f"apart on one SM ({s['ns_per_cycle']:.3f} ns a cycle); starts spread over "
-                f"{s['start_spread_us']:.1f} us", "",
+                f"{s['start_spread_us']:.1f} us" + ("" if s.get("span_us") is None else
+                f"; at the sampled SM clock a program's records span {s['span_us']:.2f} us"), "",
                 "| phase | cycles | share | p90 |", "| --- | --- | --- | --- |"]
       lines += [f"| {r['phase']} | {r['cycles']:.0f} | {100 * r['share']:.1f}% | {r['p90']:.0f} |"
                 for r in s["rows"]]
@@ -165,7 +208,8 @@ def main(argv):
                  variants={})
   for variant in f.variants:
     directory = tempfile.mkdtemp(prefix=f"phases_{variant}_")
-    trace_op(variant, directory)
+    clock = trace_op(variant, directory)
+    results.setdefault("clock_mhz", {})[variant] = clock
     kernels = {}
     for path in sorted(glob.glob(os.path.join(directory, "*-trace.json"))):
       kernel, programs = read_trace(path)
@@ -174,6 +218,7 @@ def main(argv):
       while kernel in kernels:   # a kernel called twice (e.g. the forward's and the backward's)
         kernel += "'"
       kernels[kernel] = summarise(programs)
+      kernels[kernel]["span_us"] = None if clock is None else kernels[kernel]["mean_span_cycles"] / clock
       print(variant, kernel, json.dumps(kernels[kernel]["rows"]), flush=True)
     results["variants"][variant] = kernels
     if f.keep_traces:

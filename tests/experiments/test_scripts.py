@@ -330,3 +330,9 @@ def test_kernel_phases_reads_the_profilers_traces(tmp_path):
   assert rows["outside"]["cycles"] == pytest.approx(span - (100 - 3 * overhead) - (400 - overhead))
   assert sum(r["share"] for r in s["rows"]) == pytest.approx(1.0)
   assert s["programs"] == 4 and s["sms"] == 2 and s["program_ns"] == pytest.approx(2000)
+  # and the sampled SM clock (nvidia-smi's lines, blanks skipped) turns the span into microseconds
+  assert kernel_phases.parse_clock_mhz("1980\n1755\n\n1980\n") == 1980.0
+  assert kernel_phases.parse_clock_mhz("") is None
+  s["span_us"] = s["mean_span_cycles"] / 1980.0
+  text = kernel_phases.render({"variants": {"gated_delta_rule": {"pair": s}}})
+  assert f"records span {s['span_us']:.2f} us" in text and "| pair.b |" in text
