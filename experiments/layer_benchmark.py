@@ -13,7 +13,9 @@ Mixers (`--mixers`): A softmax attention; L linear attention; R retention; F GLA
 G Gated DeltaNet (V = K); G2 Gated DeltaNet with V = 2K (the paper's); K KimiDeltaAttention; Kb KDA
 with the bounded gate (`gate_lower_bound=-5`). A mixer with the suffix ":xlaconv" (e.g. `G:xlaconv`) runs
 its short convolutions as XLA's shifted sum (`ShortConvolution(impl="xla")`) rather than the kernels
-that `impl=pallas`/`auto` give them, for the two side by side. Writes `{workdir}/layers.json` and `layers.md`; with
+that `impl=pallas`/`auto` give them, for the two side by side; the suffix ":pN" (e.g. `G:p132`) runs
+the delta family's pair gradients in N persistent programs (`GpuConfig.grads_programs`), beside the
+default's one program a chunk in the same process. Writes `{workdir}/layers.json` and `layers.md`; with
 several `--T`, also `layers.png`: each mixer's time per token against T next to softmax attention's,
 and the T from which each mixer is faster.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -43,12 +46,18 @@ MIXERS = ("A", "L", "R", "F", "D", "G", "G2", "K", "Kb")
 def build(mixer: str, *, width: int, heads: int, impl: str, dtype):
   """The layer of `mixer` (module docstring), bfloat16 compute over float32 parameters."""
   name, _, variant = mixer.partition(":")
-  if variant not in ("", "xlaconv"):
-    raise ValueError(f"mixer suffix must be ':xlaconv' or none; got {mixer!r}")
+  if variant not in ("", "xlaconv") and programs_of(mixer) is None:
+    raise ValueError(f"mixer suffix must be ':xlaconv', ':pN' (N > 0) or none; got {mixer!r}")
   layer = _build(name, width=width, heads=heads, impl=impl, dtype=dtype)
-  for conv in getattr(layer, "convs", ()) if variant else ():
+  for conv in getattr(layer, "convs", ()) if variant == "xlaconv" else ():
     conv.impl = "xla"
   return layer
+
+
+def programs_of(mixer: str):
+  """N of a mixer's ':pN' suffix (persistent pair-gradient programs), else None."""
+  match = re.fullmatch(r"[^:]+:p([1-9][0-9]*)", mixer)
+  return int(match.group(1)) if match else None
 
 
 def _build(mixer: str, *, width: int, heads: int, impl: str, dtype):
@@ -108,7 +117,8 @@ def run_one(mixer: str, x, f):
   t0 = time.perf_counter()
   try:
     fn, params = step_fn(build(mixer, width=f.width, heads=f.heads, impl=f.impl, dtype=x.dtype))
-    jax.block_until_ready(fn(params, x))
+    with common.kernel_config(programs_of(mixer) or 0):  # the kernels are chosen when fn is traced
+      jax.block_until_ready(fn(params, x))
     compile_s = time.perf_counter() - t0
     single, streamed = time_it(fn, (params, x), iters=f.iters, stream=f.stream)
     return dict(mixer=mixer, B=x.shape[0], T=x.shape[1], single_ms=single, stream_ms=streamed,

@@ -293,6 +293,15 @@ def test_layer_benchmark_merges_the_rows_of_several_processes(tmp_path):
   assert bad.returncode != 0 and "impl" in bad.stderr
 
 
+def test_layer_benchmark_reads_the_persistent_programs_suffix():
+  from experiments import layer_benchmark
+  assert layer_benchmark.programs_of("G:p132") == 132 and layer_benchmark.programs_of("G2:p8") == 8
+  assert layer_benchmark.programs_of("G") is None and layer_benchmark.programs_of("G:xlaconv") is None
+  for bad in ("G:p0", "G:p", "G:q4", "G:p4x"):
+    with pytest.raises(ValueError, match="suffix"):
+      layer_benchmark.build(bad, width=32, heads=2, impl="chunk", dtype=jnp.float32)
+
+
 def test_kernel_phases_reads_the_profilers_traces(tmp_path):
   # Given a trace in Mosaic GPU's own dump format: 2 SMs x 2 programs each, 2 warpgroups a program,
   # phases "pair.a" (100 cycles, with a nested record), "pair.b" (300 on warpgroup 0, 500 on 1) and 50
