@@ -224,10 +224,6 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
         kdv = kd_term + last_state_term(g_s, m_s, st_b, dst_b, C)
         dk = matmul(a_b.T, q_s, ck, init=dkd * rows(e_k, ck))
         dG = dG - kd_term
-        # dS is read: its tile holds these terms of dk until dk's other terms are formed, so that no
-        # [C, K] float32 tile stays live through dX, dB_v, dL and dM's products (each such tile is 64
-        # registers a thread; one held there made ptxas spill and serialise the products)
-        dst_b[...] = dk.astype(dtype)
       with phase("pair.dx_dbv"):
         # r again (buf held u); dX = du r^T and dB_v = X^T du (issued together) into du's and buf's tiles
         form_r()
@@ -239,6 +235,11 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
         v_b[...] = (dBv * rows(beta, cv)).astype(dtype)        # dv, staged in v's tile
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(v_b, dv_r.at[bi, rows_t, h, vs])
+      with phase("pair.dbk"):
+        dBk, beta, e_q, r = dbk_term(buf, st_b, k_s, vectors, ck)
+        dk = dk + dBk * rows(beta * e_q, ck)
+        dG = dG + beta * r
+        dbeta = dbeta + r
       with phase("pair.dl_cols"):
         # column sums of dM M from the transposed products: (dM M)^T = beta_j dL^T (k k^T D_excl)^T,
         # dL^T = -X dX^T X
@@ -255,13 +256,7 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
         dM = dL * rows(beta, sq)
         dG = dG + jnp.sum(dM * M, axis=1)
       with phase("pair.dm_k"):
-        dk = dm_k(dM, a_b, k_s, decay, dtype, ck)
-      with phase("pair.dbk"):
-        # dB_k's term (dB_v in buf and S in its tile since dx_dbv), then the staged first terms
-        dBk, beta, e_q, r = dbk_term(buf, st_b, k_s, vectors, ck)
-        dk = dk + dBk * rows(beta * e_q, ck) + plgpu.load(dst_b, layout=WGMMA).astype(F32)
-        dG = dG + beta * r
-        dbeta = dbeta + r
+        dk = dk + dm_k(dM, a_b, k_s, decay, dtype, ck)
         if qk_l2norm:
           dk = l2_normalize_grad(dk, k_s, fresh(plgpu.load(norm_s.at[1], layout=ROWS)))
       with phase("pair.dk_out"):
