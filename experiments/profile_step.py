@@ -15,7 +15,9 @@ name when XLA names the kernel after its fusion) and so to the `source_file:sour
 `op_name` that the compiled module's metadata gives that instruction. Reported per target:
 
 - kernel time per call (the sum of the kernels' durations; gaps between kernels are not in it) next to
-  the wall time per call of the same calls;
+  the wall time per call of the same calls, and the device's timeline: the span from the first kernel
+  to the last, the time with a kernel running, the idle gaps between kernels and the longest of them
+  (a wall time above the span is dispatch and host time the device never saw);
 - that time by part of the step (`PARTS`: the Mosaic kernels, cuDNN attention, the gemms, the short
   convolutions, the norms, ...), from each kernel's name and source line;
 - the time of each source line (the innermost frame in this project's code), forward and backward apart (an `op_name` holding `transpose(` is the
@@ -49,15 +51,6 @@ from absl import app, flags
 from experiments import data, layer_benchmark, sharded_throughput, train
 from linear_attention_jax.pallas_kernels.gpu import shared_compiles
 
-flags.DEFINE_list("mixers", ["A", "G"], f"Layers to profile: {layer_benchmark.MIXERS}.")
-flags.DEFINE_list("patterns", [], "LM patterns to profile (train.py's step, as lm_benchmark.py runs it).")
-flags.DEFINE_integer("tokens", 32768, "Tokens per call: batch = tokens / seq_len.")
-flags.DEFINE_bool("share_kernel_compiles", True, "Compile a Mosaic GPU kernel that several layers share "
-                  "once (pallas_kernels.gpu.shared_compiles), as lm_benchmark.py can.")
-flags.DEFINE_integer("warmup", 2, "Calls after the compiling one, before the trace.")
-flags.DEFINE_integer("calls", 3, "Traced calls.")
-flags.DEFINE_integer("top", 25, "Rows of each table.")
-flags.DEFINE_bool("keep_traces", False, "Also write each target's trace and HLO text.")
 FLAGS = flags.FLAGS
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{([^}]*)\}")
@@ -174,8 +167,34 @@ def part_of(name: str, where: str) -> str:
   return next((part for part, test in PARTS if test(name, where)), "other")
 
 
+def timeline(kernels: list[dict], calls: int) -> dict:
+  """How the device spent the traced calls: `span_ms` a call from the first kernel's start to the last
+  one's end, `busy_ms` a call with at least one kernel running (overlapping kernels counted once),
+  `idle_ms` = span - busy, and the longest idle interval with the kernel that ended it. A wall time
+  per call above the span is time the device did not see (dispatch before the first kernel, the host
+  between calls); idle inside the span is gaps between kernels."""
+  spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]) for e in kernels)
+  if not spans:
+    return dict(span_ms=0.0, busy_ms=0.0, idle_ms=0.0, longest_idle_ms=0.0, longest_idle_before="")
+  busy, longest, before = 0.0, 0.0, ""
+  start, end = spans[0][0], spans[0][1]
+  for s, e, name in spans[1:]:
+    if s > end:   # an idle interval: close the running busy interval
+      if s - end > longest:
+        longest, before = s - end, name
+      busy += end - start
+      start = s
+    end = max(end, e)
+  busy += end - start
+  span = end - spans[0][0]
+  per_call = lambda us: us / 1e3 / calls
+  return dict(span_ms=per_call(span), busy_ms=per_call(busy), idle_ms=per_call(span - busy),
+              longest_idle_ms=longest / 1e3, longest_idle_before=before[:80])
+
+
 def summarize(trace: dict, hlo_text: str, calls: int, top: int) -> dict:
-  """Kernel time per call, by source line and by kernel name (module docstring)."""
+  """Kernel time per call, by source line and by kernel name (module docstring), and the device's
+  timeline (`timeline`)."""
   meta = hlo_sources(hlo_text)
   kernels = device_kernels(trace)
   by_line, by_part = collections.Counter(), collections.Counter()
@@ -196,7 +215,7 @@ def summarize(trace: dict, hlo_text: str, calls: int, top: int) -> dict:
     by_part[part_of(e["name"], where)] += dur
     by_name[e["name"][:80]] += dur
   return dict(
-      kernel_ms=total, kernels_per_call=len(kernels) / calls,
+      kernel_ms=total, kernels_per_call=len(kernels) / calls, **timeline(kernels, calls),
       parts=[dict(part=p, ms=ms) for p, ms in by_part.most_common()],
       lines=[dict(where=w, direction=d, ms=ms) for (w, d), ms in by_line.most_common(top)],
       kernels=[dict(name=n, ms=ms) for n, ms in by_name.most_common(top)],
@@ -274,6 +293,10 @@ def table(row) -> list[str]:
   lines = [f"### {row['target']}: wall {row['wall_ms']:.3f} ms a call, kernels {row['kernel_ms']:.3f} ms "
            f"({row['kernels_per_call']:.0f} kernels a call; {row['unmatched_ms']:.3f} ms not matched to "
            f"HLO), compile {row['compile_s']:.1f} s", "",
+           f"Device timeline a call: span {row['span_ms']:.3f} ms (first kernel's start to last one's end), "
+           f"busy {row['busy_ms']:.3f}, idle between kernels {row['idle_ms']:.3f} (longest "
+           f"{row['longest_idle_ms']:.3f} ms, before `{row['longest_idle_before']}`); the wall's "
+           f"{max(row['wall_ms'] - row['span_ms'], 0):.3f} ms beyond the span is time the device did not see.", "",
            "| part | ms a call | share |", "| --- | --- | --- |"]
   share = lambda ms: f"{100 * ms / max(row['kernel_ms'], 1e-9):.1f}%"
   lines += [f"| {r['part']} | {r['ms']:.3f} | {share(r['ms'])} |" for r in row["parts"]]
@@ -314,7 +337,22 @@ def main(argv):
   print(f"wrote {os.path.join(f.workdir, 'profile.json')}")
 
 
+def _define_flags():
+  """This script's own flags, defined only when it runs (lm_benchmark.py defines --patterns, --tokens
+  and --share_kernel_compiles too: importing both into one process must not collide)."""
+  flags.DEFINE_list("mixers", ["A", "G"], f"Layers to profile: {layer_benchmark.MIXERS}.")
+  flags.DEFINE_list("patterns", [], "LM patterns to profile (train.py's step, as lm_benchmark.py runs it).")
+  flags.DEFINE_integer("tokens", 32768, "Tokens per call: batch = tokens / seq_len.")
+  flags.DEFINE_bool("share_kernel_compiles", True, "Compile a Mosaic GPU kernel that several layers share "
+                    "once (pallas_kernels.gpu.shared_compiles), as lm_benchmark.py can.")
+  flags.DEFINE_integer("warmup", 2, "Calls after the compiling one, before the trace.")
+  flags.DEFINE_integer("calls", 3, "Traced calls.")
+  flags.DEFINE_integer("top", 25, "Rows of each table.")
+  flags.DEFINE_bool("keep_traces", False, "Also write each target's trace and HLO text.")
+
+
 if __name__ == "__main__":
+  _define_flags()
   for name, value in dict(width=1024, num_heads=8, seq_len=4096, impl="pallas", dtype="bfloat16",
                           workdir="runs/profile_step").items():
     FLAGS.set_default(name, value)

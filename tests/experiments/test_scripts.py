@@ -199,6 +199,7 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
     assert set(rows) == {"layer_G", "lm_A_T32"} and all("error" not in r for r in rows.values()), rows
     for r in rows.values():
       assert r["kernel_ms"] > 0 and r["unmatched_ms"] < 0.1 * r["kernel_ms"], r
+      assert 0 < r["busy_ms"] <= r["span_ms"] and abs(r["span_ms"] - r["busy_ms"] - r["idle_ms"]) < 1e-9, r
     assert any(line["where"].startswith("linear_attention_jax/layers/conv.py")
                and line["direction"] == "bwd" for line in rows["layer_G"]["lines"])
     parts = {p["part"]: p["ms"] for p in rows["layer_G"]["parts"]}   # by part, summing to the total
@@ -291,6 +292,19 @@ def test_layer_benchmark_merges_the_rows_of_several_processes(tmp_path):
   bad = subprocess.run(cmd[:-2] + ["--impl=chunk", cmd[-1]], cwd=tmp_path, capture_output=True, text=True,
                        timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert bad.returncode != 0 and "impl" in bad.stderr
+
+
+def test_profile_step_timeline_counts_overlaps_once_and_finds_the_longest_gap():
+  # Given two calls' kernels (us): a [0, 10], b [5, 12] overlapping it, c [20, 30] after an 8 us gap,
+  # d [31, 40] after 1 us. (profile_step imports beside lm_benchmark: their flags do not collide.)
+  from experiments import lm_benchmark, profile_step  # noqa: F401
+  kernels = [dict(name=n, ts=t, dur=d) for n, t, d in (("c", 20, 10), ("a", 0, 10), ("b", 5, 7),
+                                                       ("d", 31, 9))]
+  t = profile_step.timeline(kernels, calls=2)
+  assert t["span_ms"] == pytest.approx(0.040 / 2) and t["busy_ms"] == pytest.approx(0.031 / 2)
+  assert t["idle_ms"] == pytest.approx(0.009 / 2)
+  assert t["longest_idle_ms"] == pytest.approx(0.008) and t["longest_idle_before"] == "c"
+  assert profile_step.timeline([], calls=1)["span_ms"] == 0
 
 
 def test_layer_benchmark_reads_the_persistent_programs_suffix():
