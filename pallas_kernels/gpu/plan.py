@@ -96,8 +96,9 @@ class GpuConfig:
   delta_warpgroups: delta_grads with V = 2 x 64 value blocks and 16-bit operands, 2 (both blocks in one
     program sharing q, k and X; NOTES.md v27) or 1.
   grads_programs: those two-warpgroup gradients in one program a chunk (None: the grid) or in this many
-    persistent programs, each taking chunks in turn (`delta_grads_pair.chunk_grads_pair(programs=...)`;
-    NOTES.md v50: not yet timed on the H200, so not the default).
+    persistent programs, each taking chunks in turn (`delta_grads_pair.chunk_grads_pair(programs=...)`).
+    Not the default: on the H200, 132 programs made GatedDeltaNet's layer 1.21x slower (NOTES.md v51);
+    it is the scaffold for issuing a chunk's copies during the previous chunk's products.
   gram_method: XLA's per-channel decayed grams (`prep.GRAM_METHODS`) where XLA prepares: "auto" (one
     product about a per-channel reference within the bound, else the merge form) or "merge" (NOTES.md
     v25: a third form, whole-tile levels, was slower on the H200 and is gone).
