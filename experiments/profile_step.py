@@ -17,7 +17,8 @@ name when XLA names the kernel after its fusion) and so to the `source_file:sour
 - kernel time per call (the sum of the kernels' durations; gaps between kernels are not in it) next to
   the wall time per call of the same calls, and the device's timeline: the span from the first kernel
   to the last, the time with a kernel running, the idle gaps between kernels and the longest of them
-  (a wall time above the span is dispatch and host time the device never saw);
+  (a wall time above the span is dispatch and host time the device never saw), and the host's time
+  issuing a call's work, recording XLA's command buffers and launching them;
 - that time by part of the step (`PARTS`: the Mosaic kernels, cuDNN attention, the gemms, the short
   convolutions, the norms, ...), from each kernel's name and source line;
 - the time of each source line (the innermost frame in this project's code), forward and backward apart (an `op_name` holding `transpose(` is the
@@ -192,6 +193,21 @@ def timeline(kernels: list[dict], calls: int) -> dict:
               longest_idle_ms=longest / 1e3, longest_idle_before=before[:80])
 
 
+# the host's side of a call, from XLA's own trace annotations (absent on other backends: 0)
+HOST_EVENTS = (("host_execute_ms", "ExecuteThunks"), ("host_command_buffer_update_ms", "command_buffer::update"),
+               ("host_command_buffer_launch_ms", "command_buffer::execute"))
+
+
+def host_side(trace: dict, calls: int) -> dict:
+  """Per call, the host's time in XLA's `ExecuteThunks` (issuing the call's work), and within it in
+  recording (`command_buffer::update`) and launching (`command_buffer::execute`) XLA's command buffers
+  (CUDA graphs): a command buffer whose buffers moved is recorded again before its launch, custom calls
+  (the Mosaic GPU kernels) included."""
+  events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+  return {key: sum(float(e["dur"]) for e in events if e.get("name", "").endswith(suffix)) / 1e3 / calls
+          for key, suffix in HOST_EVENTS}
+
+
 def summarize(trace: dict, hlo_text: str, calls: int, top: int) -> dict:
   """Kernel time per call, by source line and by kernel name (module docstring), and the device's
   timeline (`timeline`)."""
@@ -216,6 +232,7 @@ def summarize(trace: dict, hlo_text: str, calls: int, top: int) -> dict:
     by_name[e["name"][:80]] += dur
   return dict(
       kernel_ms=total, kernels_per_call=len(kernels) / calls, **timeline(kernels, calls),
+      **host_side(trace, calls),
       parts=[dict(part=p, ms=ms) for p, ms in by_part.most_common()],
       lines=[dict(where=w, direction=d, ms=ms) for (w, d), ms in by_line.most_common(top)],
       kernels=[dict(name=n, ms=ms) for n, ms in by_name.most_common(top)],
@@ -296,7 +313,10 @@ def table(row) -> list[str]:
            f"Device timeline a call: span {row['span_ms']:.3f} ms (first kernel's start to last one's end), "
            f"busy {row['busy_ms']:.3f}, idle between kernels {row['idle_ms']:.3f} (longest "
            f"{row['longest_idle_ms']:.3f} ms, before `{row['longest_idle_before']}`); the wall's "
-           f"{max(row['wall_ms'] - row['span_ms'], 0):.3f} ms beyond the span is time the device did not see.", "",
+           f"{max(row['wall_ms'] - row['span_ms'], 0):.3f} ms beyond the span is time the device did not see. "
+           f"Host a call: {row['host_execute_ms']:.3f} ms issuing the work, of which "
+           f"{row['host_command_buffer_update_ms']:.3f} recording command buffers and "
+           f"{row['host_command_buffer_launch_ms']:.3f} launching them.", "",
            "| part | ms a call | share |", "| --- | --- | --- |"]
   share = lambda ms: f"{100 * ms / max(row['kernel_ms'], 1e-9):.1f}%"
   lines += [f"| {r['part']} | {r['ms']:.3f} | {share(r['ms'])} |" for r in row["parts"]]

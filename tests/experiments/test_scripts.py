@@ -305,6 +305,13 @@ def test_profile_step_timeline_counts_overlaps_once_and_finds_the_longest_gap():
   assert t["idle_ms"] == pytest.approx(0.009 / 2)
   assert t["longest_idle_ms"] == pytest.approx(0.008) and t["longest_idle_before"] == "c"
   assert profile_step.timeline([], calls=1)["span_ms"] == 0
+  # And the host's side: XLA's annotations summed per call, whatever the process
+  host = [dict(ph="X", pid=9, name=n, ts=0, dur=d) for n, d in (
+      ("[0] GpuExecutable::ExecuteThunks", 900), ("command_buffer::update", 600),
+      ("command_buffer::execute", 200), ("[0] GpuExecutable::ExecuteThunks", 700), ("other", 5000))]
+  h = profile_step.host_side(dict(traceEvents=host), calls=2)
+  assert h == pytest.approx(dict(host_execute_ms=0.8, host_command_buffer_update_ms=0.3,
+                                host_command_buffer_launch_ms=0.1))
 
 
 def test_layer_benchmark_reads_the_persistent_programs_suffix():
