@@ -8,7 +8,8 @@ every part of a step timed alone against the step.
     python experiments/lm_benchmark.py --patterns=A,G --seq_lens=4096 --tokens=32768 --breakdown=A,G ...
 
 Each (T, pattern) trains sharded_throughput.py's one-device run (train.py's own step: AdamW, the
-config's data, `--steps` timed steps after a compiling one) with batch `tokens / T`; the model and
+config's data, `--steps` timed steps after a compiling one, `--step_rounds` times over: the median
+round is reported, with the rounds' range) with batch `tokens / T`; the model and
 data flags are sharded_throughput.py's. MFU counts model FLOPs per token as
 
     6 N  +  per A layer: 6 H D T  +  per linear layer: 3 H_v (2 C (K + V) + 4 K V)
@@ -56,6 +57,9 @@ flags.DEFINE_integer("grads_programs", 0, "The delta family's pair gradients in 
                      "programs (GpuConfig.grads_programs; 0: one program a chunk, the default).")
 flags.DEFINE_float("peak_tflops", 989.4, "The device's dense peak in the step's dtype (H200 bf16).")
 flags.DEFINE_integer("rounds", 3, "Rounds of the breakdown's timings (medians).")
+flags.DEFINE_integer("step_rounds", 3, "Rounds of the --steps timed steps (training on): the median round "
+                     "gives tokens/s and step ms, and the table shows the rounds' range (a ratio near 1.0 "
+                     "is within noise where the ranges overlap).")
 flags.DEFINE_bool("share_kernel_compiles", False, "Compile a Mosaic GPU kernel that several layers share "
                   "once (pallas_kernels.gpu.shared_compiles); compile_s says what it saves.")
 FLAGS = flags.FLAGS
@@ -152,12 +156,12 @@ def _run(pattern: str, base: str, T: int, batch: int) -> dict:
   jax.clear_caches()
   row = dict(pattern=pattern, T=T, batch=batch)
   try:
-    r = sharded_throughput.run_layout(config, model_config, batches)
+    r = sharded_throughput.run_layout(config, model_config, batches, rounds=FLAGS.step_rounds)
   except Exception as e:  # a run that cannot run here (memory, a kernel's limits) says why
     return dict(row, error=f"{type(e).__name__}: {str(e)[:300]}")
   setup_params = train.init_state(config, model_config, optax.identity())[1]["params"]
   flops = model_flops_per_token(model_config, setup_params, T)
-  row.update(tokens_per_s=r["tokens_per_s"], step_ms=r["step_ms"],
+  row.update(tokens_per_s=r["tokens_per_s"], step_ms=r["step_ms"], step_ms_rounds=r["step_ms_rounds"],
              compile_s=r["compile_and_first_step_s"], first_loss=r["first_loss"],
              final_loss=r["final_loss"], step_mib=(r["step_bytes_per_device"] or 0) / 2**20,
              flops_per_token=flops, mfu=flops * r["tokens_per_s"] / (FLAGS.peak_tflops * 1e12))
@@ -170,7 +174,7 @@ def _run(pattern: str, base: str, T: int, batch: int) -> dict:
 
 
 def table(rows) -> list[str]:
-  lines = ["| pattern | T | batch | tokens/s | step ms | / A tokens/s | MFU | compile s | step MiB |",
+  lines = ["| pattern | T | batch | tokens/s | step ms (rounds' range) | / A tokens/s | MFU | compile s | step MiB |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for r in rows:
     if "error" in r:
@@ -178,8 +182,10 @@ def table(rows) -> list[str]:
       continue
     a = next((x for x in rows if x["pattern"] == "A" and x["T"] == r["T"] and "error" not in x), None)
     ratio = f"{r['tokens_per_s'] / a['tokens_per_s']:.2f}" if a else "-"
+    spread = r.get("step_ms_rounds") or [r["step_ms"]]
+    step = f"{r['step_ms']:.1f}" + (f" ({min(spread):.1f}-{max(spread):.1f})" if len(spread) > 1 else "")
     lines.append(f"| {r['pattern']} | {r['T']} | {r['batch']} | {r['tokens_per_s']:,.0f} | "
-                 f"{r['step_ms']:.1f} | {ratio} | {100 * r['mfu']:.1f}% | {r['compile_s']:.1f} | "
+                 f"{step} | {ratio} | {100 * r['mfu']:.1f}% | {r['compile_s']:.1f} | "
                  f"{r['step_mib']:,.0f} |")
   for r in rows:
     if "parts" not in r:

@@ -96,9 +96,13 @@ def device_peak_bytes(devices) -> int | None:
   return max(peaks) if peaks else None
 
 
-def run_layout(config: train.TrainConfig, model_config, batches, *, mesh=None, rules="dp") -> dict:
+def run_layout(config: train.TrainConfig, model_config, batches, *, mesh=None, rules="dp",
+               rounds: int = 1) -> dict:
   """Trains `config` on `batches` (host batches) through train.py's path: the first step compiles,
-  the rest are timed."""
+  the rest are timed, `rounds` times over (training on): the median round gives `tokens_per_s` and
+  `step_ms`, and `step_ms_rounds` holds every round's."""
+  if rounds < 1:
+    raise ValueError(f"rounds must be >= 1; got {rounds}")
   setup = train.setup_training(config, model_config, mesh=mesh, rules=rules)
   devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
   state = setup.state
@@ -112,20 +116,24 @@ def run_layout(config: train.TrainConfig, model_config, batches, *, mesh=None, r
   step_bytes = None if analysis is None else int(
       analysis.argument_size_in_bytes + analysis.output_size_in_bytes
       + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
-  pending = []
-  start = time.perf_counter()
-  for batch in batches[1:]:  # as train.py's loop: place the host batch, step (dispatch runs ahead)
-    state, metrics = setup.train_step(state, setup.place(batch))
-    pending.append(metrics["loss"])
-  jax.block_until_ready((state, pending))
-  elapsed = time.perf_counter() - start
-  losses += [float(x) for x in pending]
+  times = []
+  for _ in range(rounds):
+    pending = []
+    start = time.perf_counter()
+    for batch in batches[1:]:  # as train.py's loop: place the host batch, step (dispatch runs ahead)
+      state, metrics = setup.train_step(state, setup.place(batch))
+      pending.append(metrics["loss"])
+    jax.block_until_ready((state, pending))
+    times.append(time.perf_counter() - start)
+    losses += [float(x) for x in pending]
+  elapsed = sorted(times)[(len(times) - 1) // 2]   # the median round (the lower of two middles)
   tokens = sum(b["tokens"].size for b in batches[1:])
   params = jax.tree.leaves(state["params"])
   shards = {str(x.sharding.spec) if hasattr(x.sharding, "spec") else "single device" for x in params}
   return {"layout": setup.describe(), "rules": rules if mesh is not None else None,
           "mesh": None if mesh is None else dict(mesh.shape), "devices": len(devices),
           "tokens_per_s": tokens / elapsed, "step_ms": 1e3 * elapsed / (len(batches) - 1),
+          "step_ms_rounds": [1e3 * t / (len(batches) - 1) for t in times],
           "compile_and_first_step_s": compile_s, "first_loss": losses[0], "final_loss": losses[-1],
           "losses": losses, "step_bytes_per_device": step_bytes,
           "peak_bytes_in_use": device_peak_bytes(devices), "param_specs": sorted(shards)}

@@ -152,7 +152,8 @@ def test_gate_recipes_give_the_documented_values():
      "kernel_breakdown.json"),
     ("lm_benchmark.py", ["--patterns=G,A", "--seq_lens=32,64", "--tokens=64", "--width=16", "--depth=1",
                          "--num_heads=2", "--impl=chunk", "--chunk_size=16", "--steps=1", "--breakdown=G,A",
-                         "--breakdown_seq_lens=32", "--share_kernel_compiles", "--rounds=1"], "lm.json"),
+                         "--breakdown_seq_lens=32", "--share_kernel_compiles", "--rounds=1", "--step_rounds=2"],
+     "lm.json"),
     ("profile_step.py", ["--mixers=G", "--patterns=A", "--seq_len=32", "--tokens=64", "--width=16",
                          "--depth=1", "--num_heads=2", "--impl=chunk", "--chunk_size=16", "--dtype=float32",
                          "--warmup=0", "--calls=1"], "profile.json"),
@@ -179,6 +180,8 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
     assert [(r["pattern"], r["T"], r["batch"]) for r in rows] == [("A", 32, 2), ("G", 32, 2), ("A", 64, 1),
                                                                   ("G", 64, 1)]
     assert all(r["tokens_per_s"] > 0 for r in rows)
+    # the timed steps twice over: the reported step is one of the rounds' (the lower middle of two)
+    assert all(len(r["step_ms_rounds"]) == 2 and r["step_ms"] == min(r["step_ms_rounds"]) for r in rows)
     assert all(len(r["parts"]) == 4 and r["parts_sum_ms"] > 0 for r in rows if r["T"] == 32)
     assert not any("parts" in r for r in rows if r["T"] == 64)   # --breakdown_seq_lens
   if script == "kernel_breakdown.py":  # a stage that fails is reported as NaN: none may here
