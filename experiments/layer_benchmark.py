@@ -202,11 +202,6 @@ def write(rows, f, dtype, Ts, device=None) -> list[str]:
 
 
 def main(argv):
-  with common.kernel_config(flags.FLAGS.grads_programs):
-    _main(argv)
-
-
-def _main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   f = flags.FLAGS
@@ -254,6 +249,4 @@ if __name__ == "__main__":
   flags.DEFINE_list("rows_from", [], "layers.json files of earlier runs (each T's anchor in its own "
                     "process): write their rows' table and plot, timing nothing.")
   flags.DEFINE_string("workdir", "runs/layer_benchmark", "Where layers.json and layers.md go.")
-  flags.DEFINE_integer("grads_programs", 0, "The delta family's pair gradients in this many persistent "
-                       "programs (GpuConfig.grads_programs; 0: one program a chunk, the default).")
   app.run(main)

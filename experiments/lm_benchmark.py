@@ -53,8 +53,6 @@ flags.DEFINE_list("seq_lens", ["4096", "16384"], "Sequence lengths T.")
 flags.DEFINE_integer("tokens", 32768, "Tokens per step: batch = tokens / T (at least 1).")
 flags.DEFINE_list("breakdown", [], "Patterns whose steps are also timed part by part.")
 flags.DEFINE_list("breakdown_seq_lens", [], "The T at which --breakdown runs (default: every T).")
-flags.DEFINE_integer("grads_programs", 0, "The delta family's pair gradients in this many persistent "
-                     "programs (GpuConfig.grads_programs; 0: one program a chunk, the default).")
 flags.DEFINE_float("peak_tflops", 989.4, "The device's dense peak in the step's dtype (H200 bf16).")
 flags.DEFINE_integer("rounds", 3, "Rounds of the breakdown's timings (medians).")
 flags.DEFINE_integer("step_rounds", 3, "Rounds of the --steps timed steps (training on): the median round "
@@ -219,11 +217,6 @@ def plot(rows, path: str):
 
 
 def main(argv):
-  with common.kernel_config(FLAGS.grads_programs):
-    _main(argv)
-
-
-def _main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   train.quiet_logs()

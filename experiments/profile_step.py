@@ -209,8 +209,8 @@ def host_side(trace: dict, calls: int) -> dict:
 
 
 def summarize(trace: dict, hlo_text: str, calls: int, top: int) -> dict:
-  """Kernel time per call, by source line and by kernel name (module docstring), and the device's
-  timeline (`timeline`)."""
+  """Kernel time per call, by source line and by kernel name (module docstring), the device's
+  timeline (`timeline`) and the host's side (`host_side`)."""
   meta = hlo_sources(hlo_text)
   kernels = device_kernels(trace)
   by_line, by_part = collections.Counter(), collections.Counter()

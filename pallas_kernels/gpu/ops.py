@@ -38,7 +38,7 @@ _DEFAULT_CONFIG = contextvars.ContextVar("pallas_kernels_gpu_default_config", de
 def default_config(config: GpuConfig):
   """Inside: the calls that pass no `config` (the ops, and the layers and models through them, with
   impl "pallas" or "auto") run with `config` instead of `GpuConfig()`, so an option can be measured in
-  whole layers and models (`experiments/layer_benchmark.py --grads_programs`). jit caches do not see
+  whole layers and models (`experiments/layer_benchmark.py --mixers=G,G:p132`). jit caches do not see
   it: trace inside."""
   if not isinstance(config, GpuConfig):
     raise ValueError(f"config must be a pallas_kernels.gpu.GpuConfig; got {type(config).__name__}")
