@@ -12,7 +12,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from .decay import decay_tile, last_state_term, row_scales
-from .delta_terms import dbk_term, dl_and_m, dm_k
+from .delta_terms import dl_and_m
 from .masks import SEG_ROWS
 from .tiles import (BLOCK_V, COLS, F32, ROWS, SMEM_BYTES, WGMMA, compiler_params, l2_normalize_grad,
                     l2_normalize_rows, matmul, matmuls, phase, phase_bytes, scratch_bytes, smem,
@@ -22,8 +22,10 @@ from .tiles import (BLOCK_V, COLS, F32, ROWS, SMEM_BYTES, WGMMA, compiler_params
 def _pair_scratch(C, K, bv, dtype, has_seg):
   """Shared memory of `chunk_grads_pair`: q, k, X and the dq / dk staging tile once; per warpgroup
   (leading 2) v, do, S, dS and four working tiles: `buf` holds r, then u, then r again (recomputed),
-  then dB_v; `p` holds P, then X dX^T, then X^T dX; `a` holds dP D, then dM D; `du` holds du, then dX.
-  dv is staged in v's tile once dbeta has read it."""
+  then -beta e^G dB_v; `p` holds P, then X dX^T, then X^T dX, then dM D; `a` holds dP D; `du` holds du,
+  then dX; `do` holds do, then e^(G_C - G) u. dv is staged in v's tile once dbeta has read it. dk's five
+  terms are products of these tiles, chained in one accumulator at the end (no `[C, K]` float32 tile
+  lives through the middle phases)."""
   two = lambda shape: smem((2,) + shape, dtype)
   scratch = dict(
       q_s=smem((C, K), dtype), k_s=smem((C, K), dtype), x_s=smem((C, C), dtype), out_k=smem((C, K), dtype),
@@ -142,7 +144,6 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
         return (fresh(plgpu.load(b_s, layout=ROWS)),) + row_scales(g_s, m_s, C)
 
       decay = lambda lower, strict: decay_tile(g_s, gc_s, m_s, C, lower=lower, strict=strict)
-      load_k = lambda: plgpu.load(k_s, layout=WGMMA).astype(F32)
 
       def form_r():
         """r = B_v - B_k S^T = beta (v - e^G k S^T) into `buf`."""
@@ -150,6 +151,7 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
         ks = matmul(k_s, st_b.T, cv)
         buf[...] = (rows(beta, cv) * (plgpu.load(v_b, layout=WGMMA).astype(F32) - rows(e_q, cv) * ks)).astype(dtype)
         plgpu.commit_smem()
+        return ks
 
       def summed(x, staged, done=None):
         """The two warpgroups' partial [C, K] tile `x`: warpgroup 1 stages its own (after `done`, the
@@ -210,34 +212,31 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
       with phase("pair.dq_out"):
         write_sum(dq, DQ_STAGED, dq_r.at[pv, bi, rows_t, h])
       with phase("pair.du"):
-        # du = P^T do + kd dS
+        # du = P^T do + kd dS; dkd = u dS^T only through its row sums with k, rowsum(u (k dS^T)), and as
+        # dk's term (e^(G_C - G) u) dS, whose first operand replaces do in do's tile
         du_p, kdS = matmuls((cv, [(p_b.T, do_b)]), (cv, [(k_s, dst_b.T)]))
         _, _, e_k = vectors()
         du_b[...] = (du_p + rows(e_k, cv) * kdS).astype(dtype)
+        un = plgpu.load(buf, layout=WGMMA).astype(F32)
+        kd_term = e_k * jnp.sum(un * kdS, axis=1)
+        do_b[...] = (un * rows(e_k, cv)).astype(dtype)
         plgpu.commit_smem()
-      with phase("pair.dk_first"):
-        # dk, first terms: (dP D)^T q + e^(G_C - G) dkd, dkd = u dS^T; the last token's S dS term while dS
-        # is at hand
-        dkd = matmul(buf, dst_b, ck)
-        _, _, e_k = vectors()
-        kd_term = e_k * jnp.sum(dkd * load_k(), axis=1)
         kdv = kd_term + last_state_term(g_s, m_s, st_b, dst_b, C)
-        dk = matmul(a_b.T, q_s, ck, init=dkd * rows(e_k, ck))
         dG = dG - kd_term
       with phase("pair.dx_dbv"):
-        # r again (buf held u); dX = du r^T and dB_v = X^T du (issued together) into du's and buf's tiles
-        form_r()
+        # r again (buf held u); dX = du r^T and dB_v = X^T du (issued together) into du's and buf's tiles;
+        # dB_k = -dB_v S^T only through its row sums with k, -rowsum(dB_v (k S^T)), and as dk's term
+        # (-beta e^G dB_v) S, whose first operand replaces r in buf
+        ks = form_r()
         dX, dBv = matmuls((sq, [(du_b, buf.T)]), (cv, [(x_s.T, du_b)]))
         du_b[...] = dX.astype(dtype)
-        buf[...] = dBv.astype(dtype)
-        beta, _, _ = vectors()
+        beta, e_q, _ = vectors()
         dbeta = jnp.sum(dBv * plgpu.load(v_b, layout=WGMMA).astype(F32), axis=1)
+        r = -e_q * jnp.sum(dBv * ks, axis=1)
         v_b[...] = (dBv * rows(beta, cv)).astype(dtype)        # dv, staged in v's tile
+        buf[...] = (dBv * rows(-beta * e_q, cv)).astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(v_b, dv_r.at[bi, rows_t, h, vs])
-      with phase("pair.dbk"):
-        dBk, beta, e_q, r = dbk_term(buf, st_b, k_s, vectors, ck)
-        dk = dk + dBk * rows(beta * e_q, ck)
         dG = dG + beta * r
         dbeta = dbeta + r
       with phase("pair.dl_cols"):
@@ -255,8 +254,11 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
         beta, _, _ = vectors()
         dM = dL * rows(beta, sq)
         dG = dG + jnp.sum(dM * M, axis=1)
-      with phase("pair.dm_k"):
-        dk = dk + dm_k(dM, a_b, k_s, decay, dtype, ck)
+      with phase("pair.dk"):
+        # dk = (dP D)^T q + e^(G_C - G) dkd + beta e^G dB_k + (dM D) k + (dM D)^T k, one chain of products
+        p_b[...] = (dM * decay(True, True)).astype(dtype)
+        plgpu.commit_smem()
+        (dk,) = matmuls((ck, [(do_b, dst_b), (a_b.T, q_s), (buf, st_b), (p_b, k_s), (p_b.T, k_s)]))
         if qk_l2norm:
           dk = l2_normalize_grad(dk, k_s, fresh(plgpu.load(norm_s.at[1], layout=ROWS)))
       with phase("pair.dk_out"):

@@ -53,8 +53,9 @@ def test_pair_equals_one_warpgroup_per_block_with_no_race(l2, packed, blocks):
       a = a.reshape((blocks // 2, 2) + a.shape[1:]).sum(1)
     assert a.shape == b.shape and np.isfinite(b).all(), name
     # dq, dk: float16 once (the second block's partial rounded before the sum); dG: its column sums
-    # from transposed products with a float16 operand, against cross-warp reductions
-    assert rel_rms(b, a) < {"dq": 1.5e-3, "dk": 1.5e-3, "dG": 2e-3}.get(name, 1e-6), name
+    # from transposed products with a float16 operand, against cross-warp reductions; dbeta (and dG):
+    # dB_k's row sums from dB_v in float32 through k S^T, against dB_k from dB_v's float16 tile
+    assert rel_rms(b, a) < {"dq": 1.5e-3, "dk": 1.5e-3, "dG": 2e-3, "dbeta": 2e-4}.get(name, 1e-6), name
 
 
 def test_pair_rejects_what_it_cannot_serve():
