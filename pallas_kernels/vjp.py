@@ -54,7 +54,8 @@ def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=Non
   `lax.cond`). Float16 operands beyond the groups' bound take XLA's merge form one (batch row, value
   head) at a time (a second `lax.cond`; bfloat16 operands always fit). `beyond`: the kernel's grams
   beyond the bound (the plan's `forward_beyond`: "chunk", each chunk its own form, or "groups").
-  `with_inverse` returns `(tensors, X)`, X zeros in the merge-form branch (whose backward recomputes)."""
+  `with_inverse` returns `(tensors, X, M)` (`channel_prep.prepare`'s), X and M zeros in the merge-form
+  branch (whose backward recomputes)."""
   C = chunk_size
   if cumsum is None:
     cumsum = channel.chunk_cumsum(g, prep.padded_length(q.shape[1], C, chunk_multiple), C)
@@ -65,7 +66,8 @@ def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=Non
   def per_head():
     t = prepared.merge_tensors_per_head(q, k, v, prep.floor_log_decay(g), beta, segment_ids, chunk_size=C,
                                         chunk_multiple=chunk_multiple, dtype=dtype)
-    return (t, jnp.zeros(t.qg.shape[:3] + (C, C), dtype)) if with_inverse else t
+    zeros = jnp.zeros(t.qg.shape[:3] + (C, C), dtype)
+    return (t, zeros, zeros) if with_inverse else t
 
   # under shard_map both branches' tensors vary over every mesh axis the inputs vary over (the kernel's
   # results say so of all of them; the types of a lax.cond's branches must match)
@@ -114,12 +116,12 @@ def _forward(static: Static, q, k, v, g, beta, h0, segment_ids, *, keep: bool):
       out = channel_tensors(q, k, v, g, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
                             interpret=interpret, chunk_multiple=_pieces(static), cumsum=cumsum,
                             with_inverse=inverse, beyond=plan.forward_beyond)
-      t, X = out if inverse else (out, None)
+      t, X, M = out if inverse else (out, None, None)
       o, states, final = _walk(static, t, h0, with_states=saves)
       if not saves:
         saved = None
       elif inverse:
-        saved = channel_delta_grads.Saved(t, X, *states, G=cumsum[0], refs=cumsum[1])
+        saved = channel_delta_grads.Saved(t, X, *states, G=cumsum[0], refs=cumsum[1], M=M)
       else:
         saved = channel_grads.Saved(*states, qg=t.qg, decay=t.decay, G=cumsum[0], refs=cumsum[1])
     case other:

@@ -14,19 +14,21 @@ so, with `dS` the gradient of S' and `do` that of the unscaled o:
 
     value side (`value_side`, full-width tiles):
       dP = tril(do u^T)     du = P^T do + kd dS     dr = X^T du     dL = -strict(dr u^T)
-      dv = beta dr          dbeta = rowsum(dr v) + ...
+      dv = beta dr          dM = Diag(beta) dL      dbeta = rowsum(dr v) + rowsum(dL M) + ...
     key side (`key_side`, key channels in halves of 64):
-      dM = Diag(beta) dL,   dB_k = -dr S^T
+      dB_k = -dr S^T
       dq = E (do S^T) + e^(G - R) (dP Kr)
       dk = [Ec (u dS^T) + e^(R - G) (dP^T Qr + dM^T Ar)]  +  [beta E dB_k + e^(G - R) (dM Kr)]
                      (k's factors e^-G: "minus")                 (k's factors e^+G: "plus")
-      dbeta += rowsum(dB_k k E) + rowsum(dL M)
+      dbeta += rowsum(dB_k k E)
       dG = q dq + k (plus - minus),  and the last token also takes
            colsum(kd (u dS^T)) + e^(G_C) colsum(S dS)
 
 (`dL = -X^T (du r^T) X^T = -(X^T du)(X r)^T = -dr u^T`: one product.) The caller turns dG into dg by a
-reverse cumsum within the chunk. The value side writes u, dr, dP and dL (16-bit) for the key side: two
-kernels, because one program holding both sides' tiles needs more than the 227 KB of shared memory.
+reverse cumsum within the chunk. The value side writes u, dr, dP and dM (16-bit) for the key side: two
+kernels, because one program holding both sides' tiles needs more than the 227 KB of shared memory. M
+is the preparation kernel's (`channel_prep.prepare(..., with_inverse=True)`, saved by the forward): the
+value side reads it for dbeta, and no program forms it again (NOTES.md v52).
 
 Like channel_grads.py, a call where some chunk's decay does not fit the one-reference bound takes the
 8-token groups' products in the key side (`grams="groups"`, groups.py); the value side has no decayed
@@ -65,6 +67,7 @@ class Saved(NamedTuple):
   transitions: Any             # the sequence pieces' A (`walk.forward(..., return_transitions=True)`)
   G: jax.Array                 # channel.chunk_cumsum(g, T_pad, C)
   refs: jax.Array
+  M: jax.Array                 # [B, H_v, NC, C, C], the strict decayed gram of k (channel_prep's)
 
 
 def _masks_of(m_s, C):
@@ -74,15 +77,15 @@ def _masks_of(m_s, C):
   return segment_masks(m_s, None, C)
 
 
-def value_side(t: prep.ChunkTensors, X, states, dstates, do, v, b, *, dtype, masks=None, interpret=None):
+def value_side(t: prep.ChunkTensors, X, M, states, dstates, do, v, b, *, dtype, masks=None, interpret=None):
   """The value side of every chunk (module docstring), one program per chunk of one value head.
 
-  Args: t the forward's prepared tensors, X `[B, H_v, NC, C, C]`, states, dstates `[B, H_v, NC, V, K]`
+  Args: t the forward's prepared tensors, X and M `[B, H_v, NC, C, C]` (`Saved`), states, dstates `[B, H_v, NC, V, K]`
     (transposed), do `[B, T_pad, H_v, V]` (the unscaled o's cotangent, in o's token layout), v
     `[B, T_pad, H_v, V]`, b
     `[B, H_v, T_pad]` float32 (beta), all 16-bit but b; masks None or `segment_vectors(...)`.
-  Returns: u, dr `[B, H_v, T_pad, V]`, dP, dL `[B, H_v, T_pad, C]` (masked) in `dtype`; dv
-    `[B, T_pad, H_v, V]` in `dtype`; `rowsum(dr v)` `[B, H_v, T_pad]` float32.
+  Returns: u, dr `[B, H_v, T_pad, V]`, dP, dM `[B, H_v, T_pad, C]` (masked) in `dtype`; dv
+    `[B, T_pad, H_v, V]` in `dtype`; `rowsum(dr v) + rowsum(dL M)` `[B, H_v, T_pad]` float32.
   """
   B, Hv, NC, C, K = t.qg.shape
   V = v.shape[-1]
@@ -92,22 +95,23 @@ def value_side(t: prep.ChunkTensors, X, states, dstates, do, v, b, *, dtype, mas
       w_s=smem((C, K), dtype), u_s=smem((C, V), dtype), st_s=smem((V, K), dtype), p_s=smem((C, C), dtype),
       do_s=smem((C, V), dtype), kd_s=smem((C, K), dtype), dst_s=smem((V, K), dtype),
       x_s=smem((C, C), dtype), v_s=smem((C, V), dtype), du_s=smem((C, V), dtype),
-      dp_s=smem((C, C), dtype), dl_s=smem((C, C), dtype), b_s=plgpu.SMEM((C,), F32),
-      vec_s=plgpu.SMEM((C,), F32), bar=plgpu.Barrier(num_arrivals=10 + SEG_ROWS * has_seg))
+      dp_s=smem((C, C), dtype), dl_s=smem((C, C), dtype), m_gram=smem((C, C), dtype),
+      b_s=plgpu.SMEM((C,), F32), vec_s=plgpu.SMEM((C,), F32),
+      bar=plgpu.Barrier(num_arrivals=11 + SEG_ROWS * has_seg))
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
 
-  def body(*refs_, w_s, u_s, st_s, p_s, do_s, kd_s, dst_s, x_s, v_s, du_s, dp_s, dl_s, b_s, vec_s, bar,
-           m_s=None):
-    w_r, U_r, st_r, p_r, do_r, kd_r, dst_r, x_r, v_r, b_r = refs_[:10]
-    m_r = refs_[10] if has_seg else None
-    u_r, dr_r, dp_r, dl_r, dv_r, db_r = refs_[10 + has_seg:]
+  def body(*refs_, w_s, u_s, st_s, p_s, do_s, kd_s, dst_s, x_s, v_s, du_s, dp_s, dl_s, m_gram, b_s, vec_s,
+           bar, m_s=None):
+    w_r, U_r, st_r, p_r, do_r, kd_r, dst_r, x_r, v_r, b_r, gram_r = refs_[:11]
+    m_r = refs_[11] if has_seg else None
+    u_r, dr_r, dp_r, dl_r, dv_r, db_r = refs_[11 + has_seg:]
     bi, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
     rows_t = pl.ds(n * C, C)
     copies = [(w_r.at[bi, h, rows_t], w_s), (U_r.at[bi, h, rows_t], u_s), (st_r.at[bi, h, n], st_s),
               (p_r.at[bi, h, rows_t], p_s), (do_r.at[bi, rows_t, h], do_s), (kd_r.at[bi, h, rows_t], kd_s),
               (dst_r.at[bi, h, n], dst_s), (x_r.at[bi, h, rows_t], x_s), (v_r.at[bi, rows_t, h], v_s),
-              (b_r.at[bi, h, rows_t], b_s)]
+              (b_r.at[bi, h, rows_t], b_s), (gram_r.at[bi, h, rows_t], m_gram)]
     copies += [(m_r.at[bi, j, rows_t], m_s.at[j]) for j in range(SEG_ROWS if has_seg else 0)]
     for src, dst in copies:
       plgpu.copy_gmem_to_smem(src, dst, bar)
@@ -136,21 +140,23 @@ def value_side(t: prep.ChunkTensors, X, states, dstates, do, v, b, *, dtype, mas
     # dr = X^T du; dv = beta dr; rowsum(dr v) for dbeta
     dr = matmul(x_s.T, du_s, cv)
     beta = plgpu.load(b_s, layout=ROWS)
-    vec_s[...] = jnp.sum(dr * load(v_s), axis=1)
+    dbeta = jnp.sum(dr * load(v_s), axis=1)
     du_s[...] = dr.astype(dtype)                 # du's tile now holds dr
     v_s[...] = (dr * rows(beta, cv)).astype(dtype)   # and v's, dv
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(du_s, dr_r.at[bi, h, rows_t])
     plgpu.copy_smem_to_gmem(v_s, dv_r.at[bi, rows_t, h])
-    plgpu.copy_smem_to_gmem(vec_s, db_r.at[bi, h, rows_t])
-    # dL = -strict(dr u^T)
-    dl_s[...] = jnp.where(strict, -matmul(du_s, u_s.T, sq), 0.0).astype(dtype)
+    # dL = -strict(dr u^T); dbeta's rowsum(dL M) (M strict and one run, as saved); dM = Diag(beta) dL
+    dL = jnp.where(strict, -matmul(du_s, u_s.T, sq), 0.0)
+    vec_s[...] = dbeta + jnp.sum(dL * load(m_gram), axis=1)
+    dl_s[...] = (dL * rows(beta, sq)).astype(dtype)
     plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(vec_s, db_r.at[bi, h, rows_t])
     plgpu.copy_smem_to_gmem(dl_s, dl_r.at[bi, h, rows_t])
     plgpu.wait_smem_to_gmem(0)
 
-  args = [flat(t.w), flat(t.u), states, flat(t.p), do, flat(t.kd), dstates, flat(X), v, b]
-  args = [x.astype(dtype) if i < 9 else x for i, x in enumerate(args)] + ([masks] if has_seg else [])
+  args = [flat(t.w), flat(t.u), states, flat(t.p), do, flat(t.kd), dstates, flat(X), v, b, flat(M)]
+  args = [x.astype(dtype) if i != 9 else x for i, x in enumerate(args)] + ([masks] if has_seg else [])
   by_head = lambda d: jax.ShapeDtypeStruct((B, Hv, T_pad, d), dtype)
   out_type = (by_head(V), by_head(V), by_head(C), by_head(C), jax.ShapeDtypeStruct((B, T_pad, Hv, V), dtype),
               jax.ShapeDtypeStruct((B, Hv, T_pad), F32))
@@ -161,15 +167,15 @@ def value_side(t: prep.ChunkTensors, X, states, dstates, do, v, b, *, dtype, mas
   return vary_like(outs, args)
 
 
-def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, masks=None, interpret=None,
+def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, masks=None, interpret=None,
              grams: str = "one"):
   """The key side of every chunk (module docstring), one program per chunk of one value head.
 
   Args: q, k `[B, T_pad, H, K]`; G, refs as `channel.chunk_cumsum` returns them; b `[B, H_v,
-    T_pad]` float32; do `[B, T_pad, H_v, V]` (o's token layout), u, dr `[B, H_v, T_pad, V]`, dP, dL `[B, H_v, T_pad, C]` (value_side's);
+    T_pad]` float32; do `[B, T_pad, H_v, V]` (o's token layout), u, dr `[B, H_v, T_pad, V]`, dP, dM `[B, H_v, T_pad, C]` (value_side's);
     states, dstates `[B, H_v, NC, V, K]` (transposed); masks None or `segment_vectors(...)`.
   Returns: dq, dk `[B, T_pad, H_v, K]` (per value head) in `dtype`; dG `[B, T_pad, H_v, K]` float32
-    with the last token's terms added; `rowsum(dB_k k E) + rowsum(dL M)` `[B, H_v, T_pad]` float32.
+    with the last token's terms added; `rowsum(dB_k k E)` `[B, H_v, T_pad]` float32.
   grams: "one" (the module docstring's one reference), "groups" (groups.py's products, for chunks
     beyond the one-reference bound: every gram term is their sum, each product's factors about its own
     references, dP and dM kept on each product's entries in turn), "halves" (the same with 32-token
@@ -226,46 +232,18 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
     with phase("keys.loads"):
       plgpu.barrier_wait(bar)
 
-    ck, sq = (C, HALF), (C, C)
+    ck = (C, HALF)
     rows = lambda x, shape=ck: lax.broadcast_in_dim(x, shape, [0])
     colv = lambda row, i: lax.broadcast_in_dim(plgpu.load(r_s.at[row, cols(i)], layout=COLS), ck, [1])
     load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
     fresh = lax.optimization_barrier
     beta_rows = lambda: fresh(plgpu.load(b_s, layout=ROWS))
     clamp = lambda x: jnp.exp(jnp.minimum(x, prep.ref_bound(dtype)))
-    same, carry, to_last, carry_last = _masks_of(m_s, C)
-    i_sq = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
-    j_sq = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
-    strict = i_sq > j_sq if same is None else (i_sq > j_sq) & same
+    _, carry, to_last, carry_last = _masks_of(m_s, C)
     last_row = plgpu.broadcasted_iota(jnp.int32, ck, 0, layout=WGMMA) == C - 1
 
-    # M = strict(Ar Kr^T) over both halves, for dbeta's rowsum(dL M); then dM = Diag(beta) dL in dL's tile
     gb = groups.group_bound(dtype)
     vec_end = lambda i: lambda t: colv(groups.FIRST_ROW + t, i)
-
-    def one_m():
-      M = None
-      for i in range(KH):
-        Gt, R, kt = load(g_s.at[i]), colv(0, i), load(k_s.at[i])
-        ar_s[...] = (kt * clamp(Gt - R)).astype(dtype)
-        kr_s[...] = (kt * clamp(R - Gt)).astype(dtype)
-        plgpu.commit_smem()
-        M = matmul(ar_s, kr_s.T, sq, init=M)
-      return M
-
-    def group_m(block):   # each product of groups.py's form over both halves, kept on its own entries
-      M = 0.0
-      for s in groups.products(C, block):
-        Ms = None
-        for i in range(KH):
-          up, down = groups.factors(load(g_s.at[i]), vec_end(i), s, gb, block)
-          kt = load(k_s.at[i])
-          ar_s[...] = (kt * up).astype(dtype)
-          kr_s[...] = (kt * down).astype(dtype)
-          plgpu.commit_smem()
-          Ms = matmul(ar_s, kr_s.T, sq, init=Ms)
-        M = M + jnp.where(groups.keep_mask(C, s, block), Ms, 0.0)
-      return M
 
     # "chunk": this chunk's own form (`channel.chunk_forms`), by `channel.form_tokens`
     form = vec_s[0] if chunkwise else None
@@ -279,13 +257,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
       return lax.cond(form < 0.5, one, lambda: lax.cond(form < 1.5, lambda: grouped(groups.HALVES),
                                                          lambda: grouped(groups.GROUP)))
 
-    with phase("keys.m"):
-      M = by_form(one_m, group_m)
-      dL = load(dl_s)
-      # above the diagonal the factors do not cancel (they may overflow): the where drops them
-      dbeta = jnp.sum(jnp.where(strict, M, 0.0) * dL, axis=1)
-      dl_s[...] = (dL * rows(beta_rows(), sq)).astype(dtype)
-      plgpu.commit_smem()
+    dbeta = 0.0   # the value side took rowsum(dL M)
 
     def one_terms(i):
       Gt, R = fresh(load(g_s.at[i])), colv(0, i)
@@ -326,7 +298,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
     for i in range(KH):
       with phase(f"keys.terms_{i}"):
         dqg, dkd, dBk, dq_p, minus, plus = by_form(lambda: one_terms(i), lambda b: group_terms(i, b))
-      with phase(f"keys.tail_{i}"):
+      with phase(f"keys.dq_{i}"):
         Gt = fresh(load(g_s.at[i]))
         qt = load(q_s.at[i])
         e_q = jnp.exp(Gt)
@@ -335,6 +307,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
         dq = e_q * dqg + dq_p
         dG = qt * dq
         q_s.at[i][...] = dq.astype(dtype)
+      with phase(f"keys.dk_{i}"):
         Gt, Gc = fresh(load(g_s.at[i])), colv(1, i)
         e_q, e_k = jnp.exp(Gt), jnp.exp(Gc - Gt)
         if carry is not None:
@@ -345,11 +318,13 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
         minus = e_k * dkd + minus
         plus = plus - rows(beta_rows()) * e_q * dBk
         dG = dG + kt * (plus - minus)
+      with phase(f"keys.last_{i}"):
         # the last token: colsum(kd (u dS^T)) + e^(G_C) colsum(S dS), S and dS `[V, 64]` tiles
         s_ds = jnp.sum(load(st_s.at[i]) * load(dst_s.at[i]), axis=0)
         s_decay = plgpu.load(r_s.at[1, cols(i)], layout=COLS)
         term = jnp.sum(kt * e_k * dkd, axis=0) + jnp.exp(s_decay) * carry_last * s_ds
         dG = dG + jnp.where(last_row, lax.broadcast_in_dim(term, ck, [1]), 0.0)
+      with phase(f"keys.out_{i}"):
         k_s.at[i][...] = (plus + minus).astype(dtype)
         g_s.at[i][...] = dG
         plgpu.commit_smem()
@@ -362,7 +337,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dL, states, dstates, *, dtype, mas
     with phase("keys.exit"):
       plgpu.wait_smem_to_gmem(0)
 
-  args = [q.astype(dtype), k.astype(dtype), G, refs, b, do.astype(dtype), u, dr, dP, dL,
+  args = [q.astype(dtype), k.astype(dtype), G, refs, b, do.astype(dtype), u, dr, dP, dM,
           states.astype(dtype), dstates.astype(dtype)] + ([masks] if has_seg else [])
   if chunkwise:
     args.append(channel.form_tokens(refs, C, dtype))
@@ -401,9 +376,9 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
                                         token_do=True)
     masks = None if segment_ids is None else segment_vectors(segment_ids, C, T_pad)
     b = jnp.swapaxes(jnp.pad(beta.astype(F32), [(0, 0), (0, T_pad - T), (0, 0)]), 1, 2)
-    u, dr, dP, dL, dv, dbeta_v = value_side(saved.t, saved.X, saved.states, dstates, do_t, pad(v), b,
-                                            dtype=dtype, masks=masks, interpret=interpret)
-    dq, dk, dG, dbeta_k = key_side(pad(q), pad(k), G, refs, b, do_t, u, dr, dP, dL, saved.states,
+    u, dr, dP, dM, dv, dbeta_v = value_side(saved.t, saved.X, saved.M, saved.states, dstates, do_t, pad(v),
+                                            b, dtype=dtype, masks=masks, interpret=interpret)
+    dq, dk, dG, dbeta_k = key_side(pad(q), pad(k), G, refs, b, do_t, u, dr, dP, dM, saved.states,
                                    dstates, dtype=dtype, masks=masks, interpret=interpret, grams=grams)
     dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C)
     dbeta = jnp.swapaxes(dbeta_v + dbeta_k, 1, 2)[:, :T].astype(beta.dtype)

@@ -55,8 +55,10 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
   others), with every matmul operand in `dtype` (16-bit), the tensors in `dtype` and `decay` float32;
   shapes as there (`[B, H_v, NC, C, ...]`); beta None (gla) or `[B, T, H_v]` (kda). chunk_multiple: T is
   padded to whole groups of this many chunks (as in prep.py). cumsum: `chunk_cumsum(g, T_pad, C)` if the
-  caller has it. with_inverse (kda): return `(tensors, X)` with `X = (I + L)^-1` `[B, H_v, NC, C, C]` in
-  `dtype`, which kda's gradient kernels read (`channel_delta_grads.py`). grams: "one" (one product about
+  caller has it. with_inverse (kda): return `(tensors, X, M)`, both `[B, H_v, NC, C, C]` in `dtype`, which
+  kda's gradient kernels read (`channel_delta_grads.py`): `X = (I + L)^-1` and the strict decayed gram of
+  k `M` (unscaled by beta; one run where rows are packed), from which they take dbeta's `rowsum(dL M)`
+  instead of forming M again. grams: "one" (one product about
   the reference R, for chunks within `prep.ref_bound`), "groups" (groups.py's products, exact at any
   decay within `groups.group_bound`), "halves" (the same with diagonal blocks of 32 tokens: one level
   and two diagonal products, for chunks whose halves each fit that bound) or "chunk" (each chunk the
@@ -116,7 +118,7 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
     m_r = rest.pop(0) if has_seg else None
     qg_r, kd_r, p_r = rest[:3]
     w_r, u_r = rest[3:5] if delta else (None, None)
-    x_r = rest[5] if with_inverse else None
+    x_r, gram_r = rest[5:7] if with_inverse else (None, None)
     bi, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
     hk = lax.div(h, group)
     rows_t = pl.ds(n * C, C)
@@ -218,7 +220,10 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
     beta_rows = lambda: fresh(plgpu.load(b_s, layout=ROWS))
     keep = (i_sq > j_sq) if same is None else (i_sq > j_sq) & same
     with phase("cprep.inverse"):
-      l_s[...] = (jnp.where(keep, M, 0.0) * rows(beta_rows(), sq)).astype(dtype)
+      M = jnp.where(keep, M, 0.0)
+      if with_inverse:   # M for the gradients (dbeta's rowsum(dL M)), staged in P's tile
+        emit(M, p_s, gram_r.at[bi, h, rows_t])
+      l_s[...] = (M * rows(beta_rows(), sq)).astype(dtype)
       plgpu.commit_smem()
       unit_lower_inverse(l_s, x_s, e_s, y_s)
       if with_inverse:
@@ -239,7 +244,7 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
   args = (q, k, G, refs) + ((v, b) if delta else ()) + ((masks,) if has_seg else ())
   shape = lambda d: jax.ShapeDtypeStruct((B, Hv, T_pad, d), dtype)
   out_type = ((shape(K), shape(K), shape(C)) + ((shape(K), shape(V)) if delta else ())
-              + ((shape(C),) if with_inverse else ()))
+              + ((shape(C), shape(C)) if with_inverse else ()))
   outs = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
       compiler_params=compiler_params(approx_math=True), interpret=interpret,
@@ -255,4 +260,4 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
   else:
     w, u = None, prep.to_chunks(v, C, T_pad)
   t = prep.ChunkTensors(qg=qg, kd=kd, w=w, u=u, p=p, decay=decay)
-  return (t, outs[5]) if with_inverse else t
+  return (t, outs[5], outs[6]) if with_inverse else t

@@ -59,7 +59,7 @@ def test_group_grams_equal_float64_sums_at_any_gate_strength(gates, grams):
   if grams == "halves":   # -4 a token: 256 nats over a chunk, 128 over each half
     assert (np.asarray(channel.chunk_forms(cumsum[1], 64, jnp.bfloat16)) == channel.HALVES).all()
   cast = lambda x: jnp.asarray(x, jnp.bfloat16)
-  t, _ = channel_prep.prepare(cast(q), cast(k), cast(v), jnp.asarray(g), jnp.asarray(beta), chunk_size=64,
+  t, *_ = channel_prep.prepare(cast(q), cast(k), cast(v), jnp.asarray(g), jnp.asarray(beta), chunk_size=64,
                               dtype=jnp.bfloat16, interpret=PARAMS, with_inverse=True, grams=grams)
   qb, kb = (np.asarray(cast(x).astype(jnp.float32))[0, :, 0] for x in (q, k))
   P, _ = _float64_grams(qb, kb, g[0, :, 0])
