@@ -59,14 +59,18 @@ def test_group_grams_equal_float64_sums_at_any_gate_strength(gates, grams):
   if grams == "halves":   # -4 a token: 256 nats over a chunk, 128 over each half
     assert (np.asarray(channel.chunk_forms(cumsum[1], 64, jnp.bfloat16)) == channel.HALVES).all()
   cast = lambda x: jnp.asarray(x, jnp.bfloat16)
-  t, *_ = channel_prep.prepare(cast(q), cast(k), cast(v), jnp.asarray(g), jnp.asarray(beta), chunk_size=64,
-                              dtype=jnp.bfloat16, interpret=PARAMS, with_inverse=True, grams=grams)
+  t, _, M_got = channel_prep.prepare(cast(q), cast(k), cast(v), jnp.asarray(g), jnp.asarray(beta),
+                                     chunk_size=64, dtype=jnp.bfloat16, interpret=PARAMS, with_inverse=True,
+                                     grams=grams)
   qb, kb = (np.asarray(cast(x).astype(jnp.float32))[0, :, 0] for x in (q, k))
-  P, _ = _float64_grams(qb, kb, g[0, :, 0])
+  P, M = _float64_grams(qb, kb, g[0, :, 0])
   for c in range(2):
-    got = np.asarray(t.p[0, 0, c], np.float64)
-    assert np.all(np.isfinite(got))
-    assert rel_rms(got, P[c]) < 1e-2, (c, rel_rms(got, P[c]))
+    # P, and the strict M that the gradient kernels read (zero on and above the diagonal)
+    for got, want in ((t.p[0, 0, c], P[c]), (M_got[0, 0, c], M[c])):
+      got = np.asarray(got, np.float64)
+      assert np.all(np.isfinite(got))
+      assert rel_rms(got, want) < 1e-2, (c, rel_rms(got, want))
+    assert not np.asarray(M_got[0, 0, c], np.float64)[np.triu_indices(64)].any()
   # w and u (through M and the inverse) against XLA's float32 preparation with the merge-form gram
   ref = prep.prepare(jnp.asarray(qb)[None, :, None], jnp.asarray(kb)[None, :, None],
                      cast(v).astype(jnp.float32), prep.floor_log_decay(jnp.asarray(g)), jnp.asarray(beta),
