@@ -95,17 +95,17 @@ def value_side(t: prep.ChunkTensors, X, M, states, dstates, do, v, b, *, dtype, 
       w_s=smem((C, K), dtype), u_s=smem((C, V), dtype), st_s=smem((V, K), dtype), p_s=smem((C, C), dtype),
       do_s=smem((C, V), dtype), kd_s=smem((C, K), dtype), dst_s=smem((V, K), dtype),
       x_s=smem((C, C), dtype), v_s=smem((C, V), dtype), du_s=smem((C, V), dtype),
-      dp_s=smem((C, C), dtype), dl_s=smem((C, C), dtype), m_gram=smem((C, C), dtype),
+      dp_s=smem((C, C), dtype), dm_s=smem((C, C), dtype), m_gram=smem((C, C), dtype),
       b_s=plgpu.SMEM((C,), F32), vec_s=plgpu.SMEM((C,), F32),
       bar=plgpu.Barrier(num_arrivals=11 + SEG_ROWS * has_seg))
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
 
-  def body(*refs_, w_s, u_s, st_s, p_s, do_s, kd_s, dst_s, x_s, v_s, du_s, dp_s, dl_s, m_gram, b_s, vec_s,
+  def body(*refs_, w_s, u_s, st_s, p_s, do_s, kd_s, dst_s, x_s, v_s, du_s, dp_s, dm_s, m_gram, b_s, vec_s,
            bar, m_s=None):
     w_r, U_r, st_r, p_r, do_r, kd_r, dst_r, x_r, v_r, b_r, gram_r = refs_[:11]
     m_r = refs_[11] if has_seg else None
-    u_r, dr_r, dp_r, dl_r, dv_r, db_r = refs_[11 + has_seg:]
+    u_r, dr_r, dp_r, dm_r, dv_r, db_r = refs_[11 + has_seg:]
     bi, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
     rows_t = pl.ds(n * C, C)
     copies = [(w_r.at[bi, h, rows_t], w_s), (U_r.at[bi, h, rows_t], u_s), (st_r.at[bi, h, n], st_s),
@@ -149,10 +149,10 @@ def value_side(t: prep.ChunkTensors, X, M, states, dstates, do, v, b, *, dtype, 
     # dL = -strict(dr u^T); dbeta's rowsum(dL M) (M strict and one run, as saved); dM = Diag(beta) dL
     dL = jnp.where(strict, -matmul(du_s, u_s.T, sq), 0.0)
     vec_s[...] = dbeta + jnp.sum(dL * load(m_gram), axis=1)
-    dl_s[...] = (dL * rows(beta, sq)).astype(dtype)
+    dm_s[...] = (dL * rows(beta, sq)).astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(vec_s, db_r.at[bi, h, rows_t])
-    plgpu.copy_smem_to_gmem(dl_s, dl_r.at[bi, h, rows_t])
+    plgpu.copy_smem_to_gmem(dm_s, dm_r.at[bi, h, rows_t])
     plgpu.wait_smem_to_gmem(0)
 
   args = [flat(t.w), flat(t.u), states, flat(t.p), do, flat(t.kd), dstates, flat(X), v, b, flat(M)]
@@ -200,16 +200,16 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
   scratch = dict(
       q_s=halves(C), k_s=halves(C), st_s=halves(V), dst_s=halves(V), g_s=smem((KH, C, HALF), F32),
       do_s=smem((C, V), dtype), u_s=smem((C, V), dtype), dr_s=smem((C, V), dtype),
-      dp_s=smem((C, C), dtype), dl_s=smem((C, C), dtype), qr_s=smem((C, HALF), dtype),
+      dp_s=smem((C, C), dtype), dm_s=smem((C, C), dtype), qr_s=smem((C, HALF), dtype),
       kr_s=smem((C, HALF), dtype), ar_s=smem((C, HALF), dtype), r_s=plgpu.SMEM((refs.shape[2], K), F32),
       b_s=plgpu.SMEM((C,), F32), vec_s=plgpu.SMEM((C,), F32),
       bar=plgpu.Barrier(num_arrivals=5 * KH + 7 + SEG_ROWS * has_seg + chunkwise))
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
 
-  def body(*refs_, q_s, k_s, st_s, dst_s, g_s, do_s, u_s, dr_s, dp_s, dl_s, qr_s, kr_s, ar_s, r_s, b_s,
+  def body(*refs_, q_s, k_s, st_s, dst_s, g_s, do_s, u_s, dr_s, dp_s, dm_s, qr_s, kr_s, ar_s, r_s, b_s,
            vec_s, bar, m_s=None):
-    q_r, k_r, g_r, ref_r, b_r, do_r, u_r, dr_r, dp_r, dl_r, st_r, dst_r = refs_[:12]
+    q_r, k_r, g_r, ref_r, b_r, do_r, u_r, dr_r, dp_r, dm_r, st_r, dst_r = refs_[:12]
     m_r = refs_[12] if has_seg else None
     fit_r = refs_[12 + has_seg] if chunkwise else None
     dq_r, dk_r, dg_r, db_r = refs_[12 + has_seg + chunkwise:]
@@ -218,7 +218,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
     rows_t = pl.ds(n * C, C)
     cols = lambda i: pl.ds(i * HALF, HALF)
     copies = [(do_r.at[bi, rows_t, h], do_s), (u_r.at[bi, h, rows_t], u_s), (dr_r.at[bi, h, rows_t], dr_s),
-              (dp_r.at[bi, h, rows_t], dp_s), (dl_r.at[bi, h, rows_t], dl_s), (ref_r.at[bi, n, :, h], r_s),
+              (dp_r.at[bi, h, rows_t], dp_s), (dm_r.at[bi, h, rows_t], dm_s), (ref_r.at[bi, n, :, h], r_s),
               (b_r.at[bi, h, rows_t], b_s)]
     for i in range(KH):
       copies += [(q_r.at[bi, rows_t, hk, cols(i)], q_s.at[i]), (k_r.at[bi, rows_t, hk, cols(i)], k_s.at[i]),
@@ -271,7 +271,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
       dqg, dPK = matmuls((ck, [(do_s, st_s.at[i])]), (ck, [(dp_s, kr_s)]))
       # k's terms: dkd = u dS^T, dB_k = -dr S^T, and the grams' (issued together)
       dkd, dBk, minus, plus = matmuls((ck, [(u_s, dst_s.at[i])]), (ck, [(dr_s, st_s.at[i])]),
-                                      (ck, [(dp_s.T, qr_s), (dl_s.T, ar_s)]), (ck, [(dl_s, kr_s)]))
+                                      (ck, [(dp_s.T, qr_s), (dm_s.T, ar_s)]), (ck, [(dm_s, kr_s)]))
       return dqg, dkd, dBk, clamp(Gt - R) * dPK, clamp(R - Gt) * minus, clamp(Gt - R) * plus
 
     def group_terms(i, block):   # the grams' terms product by product: dP, then dM, on its entries
@@ -289,7 +289,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
         plgpu.commit_smem()
         dPK, dPQ = matmuls((ck, [(ar_s, kr_s)]), (ck, [(ar_s.T, qr_s)]))
         qr_s[...] = (kt * up).astype(dtype)                 # Ar
-        ar_s[...] = jnp.where(groups.keep_mask(C, s, block), load(dl_s), 0.0).astype(dtype)
+        ar_s[...] = jnp.where(groups.keep_mask(C, s, block), load(dm_s), 0.0).astype(dtype)
         plgpu.commit_smem()
         dMK, dMA = matmuls((ck, [(ar_s, kr_s)]), (ck, [(ar_s.T, qr_s)]))
         dq_p, minus, plus = dq_p + up * dPK, minus + down * (dPQ + dMA), plus + up * dMK
