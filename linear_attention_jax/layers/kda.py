@@ -16,8 +16,6 @@ Gated DeltaNet with a decay per key channel instead of per head:
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -27,18 +25,6 @@ from linear_attention_jax.layers.base import LinearMixer, a_log_init, dt_bias_in
 from linear_attention_jax.layers.cache import LinearCache
 from linear_attention_jax.layers.norm import GatedRMSNorm
 from linear_attention_jax.sharding.rules import axes
-
-
-@functools.partial(jax.checkpoint, static_argnums=(3,), policy=jax.checkpoint_policies.nothing_saveable)
-def _channel_gate(f, dt_bias, A_log, lower_bound):
-  """g `[B, T, H_v, K]` float32 from the f projection `[B, T, H_v, K]` (its own dtype), `dt_bias
-  [H_v, K]` and `A_log [H_v]`. Rematerialised: the backward recomputes the softplus (or sigmoid) from
-  f, so the forward writes g alone instead of g and two float32 residuals of its size."""
-  f = f.astype(jnp.float32) + dt_bias.astype(jnp.float32)
-  A = jnp.exp(A_log.astype(jnp.float32))[:, None]
-  if lower_bound is not None:
-    return lower_bound * jax.nn.sigmoid(A * f)
-  return -A * jax.nn.softplus(f)
 
 
 class KimiDeltaAttention(LinearMixer):
@@ -88,8 +74,13 @@ class KimiDeltaAttention(LinearMixer):
     """`(g [B, T, H_v, K], beta [B, T, H_v])` float32 for `x: [B, T, width]`."""
     B, T, _ = x.shape
     Hv, K = self.num_v_heads, self.head_dim
-    f = self.f_up(self.f_down(x)).reshape(B, T, Hv, K)
-    g = _channel_gate(f, self.dt_bias[...].reshape(Hv, K), self.A_log[...], self.gate_lower_bound)
+    f = self.f_up(self.f_down(x)).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+    A = jnp.exp(self.A_log[...].astype(jnp.float32))
+    f = f.reshape(B, T, Hv, K)
+    if self.gate_lower_bound is not None:
+      g = self.gate_lower_bound * jax.nn.sigmoid(A[:, None] * f)
+    else:
+      g = -A[:, None] * jax.nn.softplus(f)
     beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
     return g, beta
 
