@@ -171,16 +171,18 @@ def _numeric(text: str) -> bool:
   return True
 
 
-def kernel_config(grads_programs: int = 0):
+def kernel_config(grads_programs: int = 0, unit_ref_bound: bool = False):
   """The GPU kernels' configuration for a benchmark's whole run (`pallas_kernels.gpu.default_config`):
   `grads_programs` > 0 runs the delta family's pair gradients in that many persistent programs (0: the
-  library's default, one program a chunk)."""
+  library's default, one program a chunk); `unit_ref_bound` gives the per-channel forward of
+  l2-normalised q, k the wider one-reference bound (`GpuConfig.unit_ref_bound`)."""
   if grads_programs < 0:
     raise ValueError(f"grads_programs must be >= 0; got {grads_programs}")
-  if not grads_programs:
+  if not grads_programs and not unit_ref_bound:
     return contextlib.nullcontext()
   from linear_attention_jax.pallas_kernels import gpu
-  return gpu.default_config(gpu.GpuConfig(grads_programs=grads_programs))
+  return gpu.default_config(gpu.GpuConfig(grads_programs=grads_programs or None,
+                                          unit_ref_bound=unit_ref_bound))
 
 
 def write_json(workdir, name: str, results: dict) -> str:

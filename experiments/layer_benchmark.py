@@ -15,7 +15,8 @@ with the bounded gate (`gate_lower_bound=-5`). A mixer with the suffix ":xlaconv
 its short convolutions as XLA's shifted sum (`ShortConvolution(impl="xla")`) rather than the kernels
 that `impl=pallas`/`auto` give them, for the two side by side; the suffix ":pN" (e.g. `G:p132`) runs
 the delta family's pair gradients in N persistent programs (`GpuConfig.grads_programs`), beside the
-default's one program a chunk in the same process. Writes `{workdir}/layers.json` and `layers.md`; with
+default's one program a chunk in the same process; the suffix ":u" (e.g. `K:u`) gives the per-channel
+forward of l2-normalised q, k the wider one-reference bound (`GpuConfig.unit_ref_bound`). Writes `{workdir}/layers.json` and `layers.md`; with
 several `--T`, also `layers.png`: each mixer's time per token against T next to softmax attention's,
 and the T from which each mixer is faster.
 """
@@ -46,18 +47,25 @@ MIXERS = ("A", "L", "R", "F", "D", "G", "G2", "K", "Kb")
 def build(mixer: str, *, width: int, heads: int, impl: str, dtype):
   """The layer of `mixer` (module docstring), bfloat16 compute over float32 parameters."""
   name, _, variant = mixer.partition(":")
-  if variant not in ("", "xlaconv") and programs_of(mixer) is None:
-    raise ValueError(f"mixer suffix must be ':xlaconv', ':pN' (N > 0) or none; got {mixer!r}")
+  if variant != "xlaconv" and kernel_options(mixer) is None:
+    raise ValueError(f"mixer suffix must be ':xlaconv', ':pN' (N > 0), ':u' or none; got {mixer!r}")
   layer = _build(name, width=width, heads=heads, impl=impl, dtype=dtype)
   for conv in getattr(layer, "convs", ()) if variant == "xlaconv" else ():
     conv.impl = "xla"
   return layer
 
 
-def programs_of(mixer: str):
-  """N of a mixer's ':pN' suffix (persistent pair-gradient programs), else None."""
-  match = re.fullmatch(r"[^:]+:p([1-9][0-9]*)", mixer)
-  return int(match.group(1)) if match else None
+def kernel_options(mixer: str) -> dict | None:
+  """The `GpuConfig` fields a mixer's (or LM pattern's) suffix sets: none for no suffix (and
+  ':xlaconv', which is the layer's own), `grads_programs=N` for ':pN' (persistent pair-gradient
+  programs), `unit_ref_bound=True` for ':u'; None for any other suffix."""
+  _, _, suffix = mixer.partition(":")
+  if suffix in ("", "xlaconv"):
+    return {}
+  if suffix == "u":
+    return dict(unit_ref_bound=True)
+  match = re.fullmatch(r"p([1-9][0-9]*)", suffix)
+  return dict(grads_programs=int(match.group(1))) if match else None
 
 
 def _build(mixer: str, *, width: int, heads: int, impl: str, dtype):
@@ -117,7 +125,7 @@ def run_one(mixer: str, x, f):
   t0 = time.perf_counter()
   try:
     fn, params = step_fn(build(mixer, width=f.width, heads=f.heads, impl=f.impl, dtype=x.dtype))
-    with common.kernel_config(programs_of(mixer) or 0):  # the kernels are chosen when fn is traced
+    with common.kernel_config(**kernel_options(mixer)):  # the kernels are chosen when fn is traced
       jax.block_until_ready(fn(params, x))
     compile_s = time.perf_counter() - t0
     single, streamed = time_it(fn, (params, x), iters=f.iters, stream=f.stream)

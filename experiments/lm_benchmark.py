@@ -43,12 +43,14 @@ from absl import app, flags
 from flax import nnx
 
 from experiments import common, data, sharded_throughput, train
-from experiments.layer_benchmark import programs_of, time_it
+from experiments.layer_benchmark import kernel_options, time_it
 from linear_attention_jax.pallas_kernels.gpu import shared_compiles
 
 flags.DEFINE_list("patterns", ["A", "G", "GGGA", "K"], "LM patterns; A (the anchor) runs first at each T. "
                   "The suffix ':pN' (e.g. G:p132) runs the delta family's pair gradients in N persistent "
-                  "programs (GpuConfig.grads_programs), beside the default in the same process.")
+                  "programs (GpuConfig.grads_programs), ':u' (e.g. K:u) the per-channel forward of "
+                  "l2-normalised q, k with the wider one-reference bound (GpuConfig.unit_ref_bound), "
+                  "beside the default in the same process.")
 flags.DEFINE_list("seq_lens", ["4096", "16384"], "Sequence lengths T.")
 flags.DEFINE_integer("tokens", 32768, "Tokens per step: batch = tokens / T (at least 1).")
 flags.DEFINE_list("breakdown", [], "Patterns whose steps are also timed part by part.")
@@ -138,10 +140,10 @@ def breakdown(config, model_config, batch, rounds: int) -> list[dict]:
 def run(pattern: str, T: int, batch: int) -> dict:
   """One (pattern, T) training run through sharded_throughput's one-device path."""
   base, _, suffix = pattern.partition(":")
-  programs = programs_of(pattern)
-  if suffix and programs is None:
-    raise ValueError(f"patterns: the suffix must be ':pN' (N > 0) or none; got {pattern!r}")
-  with common.kernel_config(programs or 0):
+  options = kernel_options(pattern)
+  if suffix and not options:
+    raise ValueError(f"patterns: the suffix must be ':pN' (N > 0), ':u' or none; got {pattern!r}")
+  with common.kernel_config(**options):
     return _run(pattern, base, T, batch)
 
 

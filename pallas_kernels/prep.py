@@ -316,12 +316,22 @@ def _unit_lower_inverse(L, dtype):
 # a bound of 8.
 REF_BOUND = 60.0
 REF_BOUND_F16 = 8.0
+# The forward's bound where q and k are l2-normalised (every entry within [-1, 1]) and the operands are
+# bfloat16 (float32's range): a factor `x e^(G - R)` is then at most e^76 (~1e33, far below bfloat16's
+# e^88.7) and at least e^-76 |x| (a normal number down to |x| ~ 1e-5; smaller entries of a unit vector
+# add less than the operands' rounding). The forward's kept gram entries are sums of unit vectors'
+# products, so no accumulator leaves float32's range either. Only the forward takes it: the backward's
+# products multiply the factors by cotangents, whose size nothing bounds (NOTES.md v53).
+UNIT_REF_BOUND = 76.0
 GRAM_METHODS = ("auto", "merge")
 
 
-def ref_bound(dtype) -> float:
-  """The one-reference form's bound on `|G - R|` for matmul operands of `dtype`."""
-  return REF_BOUND_F16 if jnp.dtype(dtype) == jnp.float16 else REF_BOUND
+def ref_bound(dtype, unit: bool = False) -> float:
+  """The one-reference form's bound on `|G - R|` for matmul operands of `dtype`; `unit`: the forward
+  of l2-normalised q and k (`UNIT_REF_BOUND` for bfloat16 and float32 operands)."""
+  if jnp.dtype(dtype) == jnp.float16:
+    return REF_BOUND_F16
+  return UNIT_REF_BOUND if unit else REF_BOUND
 
 
 def decayed_gram(a, b, G, *, inclusive: bool, dtype=jnp.float32, method: str = "auto"):

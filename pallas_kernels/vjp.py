@@ -47,7 +47,8 @@ def _pieces(static: Static) -> int:
 
 
 def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
-                    chunk_multiple: int = 1, cumsum=None, with_inverse: bool = False, beyond: str = "chunk"):
+                    chunk_multiple: int = 1, cumsum=None, with_inverse: bool = False, beyond: str = "chunk",
+                    bound: float | None = None):
   """The per-channel forward's chunk tensors (the plan's "channel_prep" stage and its `forward_beyond`),
   arguments as `channel_prep.prepare`'s: the preparation kernel with one reference per chunk and channel
   where every chunk's decay fits that bound, else with the 8-token groups' products (groups.py; one
@@ -55,13 +56,14 @@ def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=Non
   head) at a time (a second `lax.cond`; bfloat16 operands always fit). `beyond`: the kernel's grams
   beyond the bound (the plan's `forward_beyond`: "chunk", each chunk its own form, or "groups").
   `with_inverse` returns `(tensors, X, M)` (`channel_prep.prepare`'s), X and M zeros in the merge-form
-  branch (whose backward recomputes)."""
+  branch (whose backward recomputes). `bound`: the one-reference form's (`channel_prep.prepare`'s),
+  in both the test and the kernels."""
   C = chunk_size
   if cumsum is None:
     cumsum = channel.chunk_cumsum(g, prep.padded_length(q.shape[1], C, chunk_multiple), C)
   kernel = lambda grams: lambda: channel_prep.prepare(
       q, k, v, g, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids, interpret=interpret,
-      chunk_multiple=chunk_multiple, cumsum=cumsum, with_inverse=with_inverse, grams=grams)
+      chunk_multiple=chunk_multiple, cumsum=cumsum, with_inverse=with_inverse, grams=grams, bound=bound)
 
   def per_head():
     t = prepared.merge_tensors_per_head(q, k, v, prep.floor_log_decay(g), beta, segment_ids, chunk_size=C,
@@ -73,15 +75,17 @@ def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=Non
   # results say so of all of them; the types of a lax.cond's branches must match)
   axes = common.varying_axes([x for x in (q, k, v, g, beta, segment_ids) if x is not None])
   varying = lambda branch: lambda: jax.tree.map(lambda x: common.vary_over(x, axes), branch())
-  return _by_bound(cumsum[0], C, dtype, varying(kernel("one")), varying(kernel(beyond)), varying(per_head))
+  return _by_bound(cumsum[0], C, dtype, varying(kernel("one")), varying(kernel(beyond)), varying(per_head),
+                   bound=bound)
 
 
-def _by_bound(G, C: int, dtype, one, grouped, per_head):
-  """`one()` where every chunk of `G` fits one reference, else `grouped()` where every 8-token group fits
-  the groups' bound (always, for bfloat16 operands), else `per_head()`."""
+def _by_bound(G, C: int, dtype, one, grouped, per_head, bound: float | None = None):
+  """`one()` where every chunk of `G` fits one reference (about `bound`, default `prep.ref_bound`),
+  else `grouped()` where every 8-token group fits the groups' bound (always, for bfloat16 operands),
+  else `per_head()`."""
   beyond = grouped if groups.always_fits(dtype) else (
       lambda: lax.cond(groups.fits(G, C, dtype), grouped, per_head))
-  return lax.cond(channel.fits(G, C, dtype), one, beyond)
+  return lax.cond(channel.fits(G, C, dtype, bound), one, beyond)
 
 
 def _forward(static: Static, q, k, v, g, beta, h0, segment_ids, *, keep: bool):
@@ -115,7 +119,8 @@ def _forward(static: Static, q, k, v, g, beta, h0, segment_ids, *, keep: bool):
       inverse = saves and plan.backward == "channel_delta_grads"
       out = channel_tensors(q, k, v, g, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
                             interpret=interpret, chunk_multiple=_pieces(static), cumsum=cumsum,
-                            with_inverse=inverse, beyond=plan.forward_beyond)
+                            with_inverse=inverse, beyond=plan.forward_beyond,
+                            bound=plan.forward_ref_bound)
       t, X, M = out if inverse else (out, None, None)
       o, states, final = _walk(static, t, h0, with_states=saves)
       if not saves:

@@ -40,12 +40,13 @@ def form_row(C: int) -> int:
 ONE, HALVES, GROUPS = 0, 1, 2   # each chunk's form (`chunk_forms`)
 
 
-def chunk_forms(refs, C: int, dtype):
+def chunk_forms(refs, C: int, dtype, bound: float | None = None):
   """`[B, NC, H_v]` int32, each chunk's form: ONE where every channel spans at most twice the
-  one-reference bound (`prep.ref_bound(dtype)`; G is non-increasing down a chunk, so `R - G_C`, refs
-  rows 0 and 1, is half its span), else HALVES where each block of `groups.HALVES` tokens spans at most
-  twice the diagonal bound (`groups.group_bound(dtype)`), else GROUPS."""
-  one = jnp.all(refs[:, :, 0] - refs[:, :, 1] <= prep.ref_bound(dtype), axis=-1)
+  one-reference bound (`bound`, default `prep.ref_bound(dtype)`; G is non-increasing down a chunk, so
+  `R - G_C`, refs rows 0 and 1, is half its span), else HALVES where each block of `groups.HALVES`
+  tokens spans at most twice the diagonal bound (`groups.group_bound(dtype)`), else GROUPS."""
+  bound = prep.ref_bound(dtype) if bound is None else bound
+  one = jnp.all(refs[:, :, 0] - refs[:, :, 1] <= bound, axis=-1)
   per = groups.HALVES // groups.GROUP
   ends = [refs[:, :, groups.FIRST_ROW + (b + 1) * per - 1] for b in range(C // groups.HALVES)]
   spans = [-ends[0]] + [ends[b - 1] - ends[b] for b in range(1, len(ends))]
@@ -53,10 +54,10 @@ def chunk_forms(refs, C: int, dtype):
   return lax.stop_gradient(jnp.where(one, ONE, jnp.where(halves, HALVES, GROUPS)).astype(jnp.int32))
 
 
-def with_form_row(refs, C: int, dtype):
-  """`refs [B, NC, 2 + NG, H_v, K]` with one more row (`form_row`): the chunk's form (`chunk_forms`)
-  as a float across K; the preparation kernel's `grams="chunk"` reads it."""
-  form = chunk_forms(refs, C, dtype).astype(F32)
+def with_form_row(refs, C: int, dtype, bound: float | None = None):
+  """`refs [B, NC, 2 + NG, H_v, K]` with one more row (`form_row`): the chunk's form (`chunk_forms`,
+  one-reference `bound`) as a float across K; the preparation kernel's `grams="chunk"` reads it."""
+  form = chunk_forms(refs, C, dtype, bound).astype(F32)
   return jnp.concatenate([refs, jnp.broadcast_to(form[:, :, None, :, None], refs[:, :, :1].shape)], axis=2)
 
 
@@ -66,11 +67,12 @@ def form_tokens(refs, C: int, dtype):
   return jnp.repeat(jnp.swapaxes(chunk_forms(refs, C, dtype), 1, 2).astype(F32), C, axis=2)
 
 
-def fits(G, C: int, dtype):
-  """`prep.one_reference_fits` for `G [B, T_pad, H_v, K]` in token layout and operands of `dtype`."""
+def fits(G, C: int, dtype, bound: float | None = None):
+  """`prep.one_reference_fits` for `G [B, T_pad, H_v, K]` in token layout and operands of `dtype`, about
+  `bound` (default `prep.ref_bound(dtype)`)."""
   B, T_pad, Hv, K = G.shape
   return prep.one_reference_fits(jnp.moveaxis(G.reshape(B, T_pad // C, C, Hv, K), 2, -2),
-                                 prep.ref_bound(dtype))
+                                 prep.ref_bound(dtype) if bound is None else bound)
 
 
 def key_grads(dq, dk, dG, q, k, g, C: int):

@@ -49,7 +49,8 @@ def serves(g, beta, segment_ids) -> bool:
 
 
 def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
-            chunk_multiple: int = 1, cumsum=None, with_inverse: bool = False, grams: str = "one"):
+            chunk_multiple: int = 1, cumsum=None, with_inverse: bool = False, grams: str = "one",
+            bound: float | None = None):
   """`prep.prepare(q, k, v, g, beta, segment_ids, ...)` for per-channel `g: [B, T, H_v, K]` whose every
   chunk fits the one-reference bound (`channel_grads.fits`; the caller takes XLA's merge form for the
   others), with every matmul operand in `dtype` (16-bit), the tensors in `dtype` and `decay` float32;
@@ -63,23 +64,29 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
   decay within `groups.group_bound`), "halves" (the same with diagonal blocks of 32 tokens: one level
   and two diagonal products, for chunks whose halves each fit that bound) or "chunk" (each chunk the
   first of one, halves, groups that fits it, `channel.chunk_forms`: a call with a few strong chunks
-  pays the extra products only there)."""
+  pays the extra products only there). bound: the one-reference form's bound on `|G - R|` (default
+  `prep.ref_bound(dtype)`; `prep.UNIT_REF_BOUND` only for l2-normalised q and k, whose entries lie in
+  [-1, 1]); the caller's test of which chunks fit takes the same."""
   if grams not in GRAMS:
     raise ValueError(f"grams must be one of {GRAMS}; got {grams!r}")
   T = q.shape[1]
   C = chunk_size
   T_pad = prep.padded_length(T, C, chunk_multiple)
   G, refs = chunk_cumsum(g, T_pad, C) if cumsum is None else cumsum
+  bound = prep.ref_bound(dtype) if bound is None else float(bound)
+  if not 0.0 < bound <= prep.ref_bound(dtype, unit=True):
+    raise ValueError(f"bound must be in (0, {prep.ref_bound(dtype, unit=True)}] for {jnp.dtype(dtype).name} "
+                     f"operands; got {bound}")
   if grams == "chunk":
-    refs = channel.with_form_row(refs, C, dtype)
+    refs = channel.with_form_row(refs, C, dtype, bound)
   if with_inverse and beta is None:
     raise ValueError("with_inverse is for the delta family (kda): beta must be given")
   return _prepare_kernel(q, k, v, G, refs, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
-                         interpret=interpret, with_inverse=with_inverse, grams=grams)
+                         interpret=interpret, with_inverse=with_inverse, grams=grams, bound=bound)
 
 
 def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_ids, interpret,
-                    with_inverse: bool = False, grams: str = "one"):
+                    with_inverse: bool = False, grams: str = "one", bound: float):
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
   C = chunk_size
@@ -87,7 +94,6 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
   NC = T_pad // C
   group = Hv // H
   delta = beta is not None
-  bound = prep.ref_bound(dtype)
   group_bound = groups.group_bound(dtype)
   pad = lambda x: jnp.pad(x.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
   q, k, v = pad(q), pad(k), pad(v)

@@ -99,6 +99,12 @@ class GpuConfig:
     persistent programs, each taking chunks in turn (`delta_grads_pair.chunk_grads_pair(programs=...)`).
     Not the default: on the H200, 132 programs made GatedDeltaNet's layer 1.21x slower (NOTES.md v51);
     it is the scaffold for issuing a chunk's copies during the previous chunk's products.
+  unit_ref_bound: the per-channel forward's one-reference bound where q and k are l2-normalised
+    (`qk_l2norm`) and the operands bfloat16: `prep.UNIT_REF_BOUND` (76 nats: a chunk may decay by
+    152 on every channel and still take one product) if True, else `prep.REF_BOUND` (60) as
+    everywhere. The backward keeps 60 (its products scale cotangents by the factors). Not the
+    default until timed on the H200 (NOTES.md v53: at the KDA layer's initialisation it takes 88% of
+    (row, chunk, head) through one product against 66%).
   gram_method: XLA's per-channel decayed grams (`prep.GRAM_METHODS`) where XLA prepares: "auto" (one
     product about a per-channel reference within the bound, else the merge form) or "merge" (NOTES.md
     v25: a third form, whole-tile levels, was slower on the H200 and is gone).
@@ -116,12 +122,15 @@ class GpuConfig:
   delta_warpgroups: int = 2
   gram_method: str = "auto"
   grads_programs: int | None = None
+  unit_ref_bound: bool = False
 
   def __post_init__(self):
     for name, allowed in (("forward", FORWARDS), ("backward", BACKWARDS), ("forward_warpgroups", (1, 3)),
                           ("delta_warpgroups", (1, 2)), ("gram_method", prep.GRAM_METHODS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"GpuConfig.{name} must be one of {allowed}; got {getattr(self, name)!r}")
+    if not isinstance(self.unit_ref_bound, bool):
+      raise ValueError(f"GpuConfig.unit_ref_bound must be a bool; got {self.unit_ref_bound!r}")
     for name in ("sequence_pieces", "grads_programs"):
       value = getattr(self, name)
       if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -148,6 +157,7 @@ class Plan:
   sequence_pieces: int | None = None   # GpuConfig.sequence_pieces
   gram_method: str = "auto"            # GpuConfig.gram_method, where XLA prepares
   per_head_beyond: bool = False        # float16 beyond the groups' bound: XLA's merge form per head
+  forward_ref_bound: float = prep.REF_BOUND   # the per-channel forward's one-reference bound
 
   def row(self) -> tuple[str, ...]:
     """The module table's columns from plan.forward on."""
@@ -212,7 +222,9 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
               grads_programs=config.grads_programs if pair else None,
               gram_method=config.gram_method,
               per_head_beyond=bool({"chunk", "groups"} & {forward_beyond, backward_beyond})
-              and not groups.always_fits(dtype))
+              and not groups.always_fits(dtype),
+              forward_ref_bound=prep.ref_bound(dtype, unit=config.unit_ref_bound and qk_l2norm
+                                               and forward == "channel_prep"))
 
 
 def hopper_reason(backend: str | None = None) -> str | None:

@@ -317,11 +317,13 @@ def test_profile_step_timeline_counts_overlaps_once_and_finds_the_longest_gap():
                                 host_command_buffer_launch_ms=0.1))
 
 
-def test_layer_benchmark_reads_the_persistent_programs_suffix():
+def test_layer_benchmark_reads_the_kernel_option_suffixes():
   from experiments import layer_benchmark
-  assert layer_benchmark.programs_of("G:p132") == 132 and layer_benchmark.programs_of("G2:p8") == 8
-  assert layer_benchmark.programs_of("G") is None and layer_benchmark.programs_of("G:xlaconv") is None
-  for bad in ("G:p0", "G:p", "G:q4", "G:p4x"):
+  options = layer_benchmark.kernel_options
+  assert options("G:p132") == dict(grads_programs=132) and options("G2:p8") == dict(grads_programs=8)
+  assert options("K:u") == dict(unit_ref_bound=True)
+  assert options("G") == {} and options("G:xlaconv") == {}
+  for bad in ("G:p0", "G:p", "G:q4", "G:p4x", "K:uu"):
     with pytest.raises(ValueError, match="suffix"):
       layer_benchmark.build(bad, width=32, heads=2, impl="chunk", dtype=jnp.float32)
 
