@@ -42,10 +42,13 @@ ONE, HALVES, GROUPS = 0, 1, 2   # each chunk's form (`chunk_forms`)
 
 def chunk_forms(refs, C: int, dtype, bound: float | None = None):
   """`[B, NC, H_v]` int32, each chunk's form: ONE where every channel spans at most twice the
-  one-reference bound (`bound`, default `prep.ref_bound(dtype)`; G is non-increasing down a chunk, so
+  one-reference bound (`bound`: a number or one per chunk `[B, NC, H_v]`, default
+  `prep.ref_bound(dtype)`; G is non-increasing down a chunk, so
   `R - G_C`, refs rows 0 and 1, is half its span), else HALVES where each block of `groups.HALVES`
   tokens spans at most twice the diagonal bound (`groups.group_bound(dtype)`), else GROUPS."""
   bound = prep.ref_bound(dtype) if bound is None else bound
+  if jnp.ndim(bound):   # one per chunk, [B, NC, H_v]
+    bound = jnp.asarray(bound)[..., None]
   one = jnp.all(refs[:, :, 0] - refs[:, :, 1] <= bound, axis=-1)
   per = groups.HALVES // groups.GROUP
   ends = [refs[:, :, groups.FIRST_ROW + (b + 1) * per - 1] for b in range(C // groups.HALVES)]
@@ -61,10 +64,23 @@ def with_form_row(refs, C: int, dtype, bound: float | None = None):
   return jnp.concatenate([refs, jnp.broadcast_to(form[:, :, None, :, None], refs[:, :, :1].shape)], axis=2)
 
 
-def form_tokens(refs, C: int, dtype):
-  """`[B, H_v, T_pad]` float32: `chunk_forms` on each of the chunk's tokens, the layout of the gradient
-  kernels' per-token vectors (their `grams="chunk"` reads it)."""
-  return jnp.repeat(jnp.swapaxes(chunk_forms(refs, C, dtype), 1, 2).astype(F32), C, axis=2)
+def form_tokens(refs, C: int, dtype, bound=None):
+  """`[B, H_v, T_pad]` float32: `chunk_forms` (one-reference `bound`) on each of the chunk's tokens, the
+  layout of the gradient kernels' per-token vectors (their `grams="chunk"` reads it)."""
+  return jnp.repeat(jnp.swapaxes(chunk_forms(refs, C, dtype, bound), 1, 2).astype(F32), C, axis=2)
+
+
+def cotangent_bound(dP, dM, C: int):
+  """`[B, NC, H_v]` float32: the backward's one-reference bound for each chunk of l2-normalised q, k,
+  from its cotangents dP, dM `[B, H_v, T_pad, C]`. The key side's products `dP Kr`, `dP^T Qr + dM^T Ar`
+  and `dM Kr` sum C terms of a cotangent times a factor up to e^bound (q, k within [-1, 1]); they stay
+  within float32 (e^88.72) while `2 C max|dP, dM| e^bound` does, with a nat to spare:
+  `min(prep.UNIT_REF_BOUND, 87.72 - log(2 C max))` (the unit bound where the cotangents are zero)."""
+  B, Hv, T_pad, _ = dP.shape
+  big = jnp.maximum(jnp.max(jnp.abs(dP.astype(F32)).reshape(B, Hv, T_pad // C, -1), axis=-1),
+                    jnp.max(jnp.abs(dM.astype(F32)).reshape(B, Hv, T_pad // C, -1), axis=-1))
+  bound = jnp.minimum(prep.UNIT_REF_BOUND, 87.72 - jnp.log(2.0 * C * jnp.maximum(big, 1e-30)))
+  return lax.stop_gradient(jnp.swapaxes(bound, 1, 2))
 
 
 def fits(G, C: int, dtype, bound: float | None = None):

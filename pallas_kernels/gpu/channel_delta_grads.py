@@ -168,7 +168,7 @@ def value_side(t: prep.ChunkTensors, X, M, states, dstates, do, v, b, *, dtype, 
 
 
 def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, masks=None, interpret=None,
-             grams: str = "one"):
+             grams: str = "one", unit_bound: bool = False):
   """The key side of every chunk (module docstring), one program per chunk of one value head.
 
   Args: q, k `[B, T_pad, H, K]`; G, refs as `channel.chunk_cumsum` returns them; b `[B, H_v,
@@ -181,6 +181,9 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
     references, dP and dM kept on each product's entries in turn), "halves" (the same with 32-token
     diagonal blocks) or "chunk" (each chunk the first of one, halves, groups that fits it,
     `channel.chunk_forms`: a `lax.cond` in the kernel on `channel.form_tokens`).
+  unit_bound: q and k are l2-normalised (entries within [-1, 1]): with `grams="chunk"`, a chunk takes one
+    reference up to its own bound from its cotangents (`channel.cotangent_bound`, at most
+    `prep.UNIT_REF_BOUND`) instead of `prep.ref_bound(dtype)`.
   """
   if grams not in ("one", "halves", "groups", "chunk"):
     raise ValueError(f"grams must be 'one', 'halves', 'groups' or 'chunk'; got {grams!r}")
@@ -193,6 +196,9 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
     raise ValueError(f"K must be a multiple of {HALF}; got {K}")
   KH = K // HALF
   chunkwise = grams == "chunk"
+  unit = unit_bound and chunkwise and jnp.dtype(dtype) != jnp.float16
+  # the clamp of the one-reference factors: no chunk that takes that form reaches it
+  bound = prep.ref_bound(dtype, unit=unit)
   if grams != "one" and C != HALF:
     raise ValueError(f"the group form stages dP and dM in a [C, {HALF}] tile: C must be {HALF}; got {C}")
   has_seg = masks is not None
@@ -238,7 +244,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
     load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
     fresh = lax.optimization_barrier
     beta_rows = lambda: fresh(plgpu.load(b_s, layout=ROWS))
-    clamp = lambda x: jnp.exp(jnp.minimum(x, prep.ref_bound(dtype)))
+    clamp = lambda x: jnp.exp(jnp.minimum(x, bound))
     _, carry, to_last, carry_last = _masks_of(m_s, C)
     last_row = plgpu.broadcasted_iota(jnp.int32, ck, 0, layout=WGMMA) == C - 1
 
@@ -340,7 +346,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
   args = [q.astype(dtype), k.astype(dtype), G, refs, b, do.astype(dtype), u, dr, dP, dM,
           states.astype(dtype), dstates.astype(dtype)] + ([masks] if has_seg else [])
   if chunkwise:
-    args.append(channel.form_tokens(refs, C, dtype))
+    args.append(channel.form_tokens(refs, C, dtype, channel.cotangent_bound(dP, dM, C) if unit else None))
   out_type = (jax.ShapeDtypeStruct((B, T_pad, Hv, K), dtype), jax.ShapeDtypeStruct((B, T_pad, Hv, K), dtype),
               jax.ShapeDtypeStruct((B, T_pad, Hv, K), F32), jax.ShapeDtypeStruct((B, Hv, T_pad), F32))
   outs = plgpu.kernel(
@@ -351,13 +357,15 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
 
 
 def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None,
-             interpret=None, sequence_pieces=None, scale: float = 1.0, saved: Saved, grams: str = "one"):
+             interpret=None, sequence_pieces=None, scale: float = 1.0, saved: Saved, grams: str = "one",
+             unit_bound: bool = False):
   """`(dq, dk, dv, dg, dbeta, dh0)` of kda's prepared forward (`o` scaled by `scale`; in q, k, v, g,
   beta's dtypes, dh0 float32) for `do: [B, T, H_v, V]` and `dfinal` None or `[B, H_v, K, V]`, from what
   the forward `saved`: the reverse walk over the saved tensors, then `value_side` and `key_side`; XLA
   takes dG's reverse cumsum within the chunks and, for grouped heads, adds the value heads' dq, dk.
   `grams`: `key_side`'s; the caller's `lax.cond` (`vjp.py`) takes "one" where every chunk's decay fits the
-  one-reference bound, else "groups" (or XLA's vjp, for float16 beyond the groups' bound)."""
+  one-reference bound, else "groups" (or XLA's vjp, for float16 beyond the groups' bound). `unit_bound`:
+  `key_side`'s (q, k l2-normalised)."""
   del h0   # the state entering each chunk is saved
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
@@ -379,7 +387,8 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
     u, dr, dP, dM, dv, dbeta_v = value_side(saved.t, saved.X, saved.M, saved.states, dstates, do_t, pad(v),
                                             b, dtype=dtype, masks=masks, interpret=interpret)
     dq, dk, dG, dbeta_k = key_side(pad(q), pad(k), G, refs, b, do_t, u, dr, dP, dM, saved.states,
-                                   dstates, dtype=dtype, masks=masks, interpret=interpret, grams=grams)
+                                   dstates, dtype=dtype, masks=masks, interpret=interpret, grams=grams,
+                                   unit_bound=unit_bound)
     dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C)
     dbeta = jnp.swapaxes(dbeta_v + dbeta_k, 1, 2)[:, :T].astype(beta.dtype)
     grads = (dq, dk, dv[:, :T].astype(v.dtype), dg, dbeta)

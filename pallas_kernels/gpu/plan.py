@@ -102,9 +102,10 @@ class GpuConfig:
   unit_ref_bound: the per-channel forward's one-reference bound where q and k are l2-normalised
     (`qk_l2norm`) and the operands bfloat16: `prep.UNIT_REF_BOUND` (76 nats: a chunk may decay by
     152 on every channel and still take one product) if True, else `prep.REF_BOUND` (60) as
-    everywhere. The backward keeps 60 (its products scale cotangents by the factors). Not the
-    default until timed on the H200 (NOTES.md v53: at the KDA layer's initialisation it takes 88% of
-    (row, chunk, head) through one product against 66%).
+    everywhere; kda's key-side gradients then take one reference per chunk up to a bound from that
+    chunk's cotangents (`channel.cotangent_bound`: 76 unless they are large), where the default
+    keeps 60. Not the default until timed on the H200 (NOTES.md v53: at the KDA layer's
+    initialisation 88% of (row, chunk, head) fit one product against 66%).
   gram_method: XLA's per-channel decayed grams (`prep.GRAM_METHODS`) where XLA prepares: "auto" (one
     product about a per-channel reference within the bound, else the merge form) or "merge" (NOTES.md
     v25: a third form, whole-tile levels, was slower on the H200 and is gone).
@@ -158,6 +159,7 @@ class Plan:
   gram_method: str = "auto"            # GpuConfig.gram_method, where XLA prepares
   per_head_beyond: bool = False        # float16 beyond the groups' bound: XLA's merge form per head
   forward_ref_bound: float = prep.REF_BOUND   # the per-channel forward's one-reference bound
+  unit_bound: bool = False     # GpuConfig.unit_ref_bound where it holds (q, k l2-normalised, bfloat16)
 
   def row(self) -> tuple[str, ...]:
     """The module table's columns from plan.forward on."""
@@ -208,6 +210,7 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
     raise ValueError("kda's gradient kernels read the inverse that its preparation kernel writes: "
                      "GpuConfig(forward='xla_prep') needs backward='xla_vjp'")
   per_channel = decay == "channel"
+  unit = config.unit_ref_bound and qk_l2norm and per_channel
   forward_beyond = None if not per_channel else ("xla_prep" if forward == "xla_prep" else "chunk")
   backward_beyond = None if not per_channel else {"xla_vjp": "xla_vjp", "channel_grads": "groups"}.get(
       backward, "chunk")
@@ -223,8 +226,8 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
               gram_method=config.gram_method,
               per_head_beyond=bool({"chunk", "groups"} & {forward_beyond, backward_beyond})
               and not groups.always_fits(dtype),
-              forward_ref_bound=prep.ref_bound(dtype, unit=config.unit_ref_bound and qk_l2norm
-                                               and forward == "channel_prep"))
+              forward_ref_bound=prep.ref_bound(dtype, unit=unit and forward == "channel_prep"),
+              unit_bound=unit and jnp.dtype(dtype) != jnp.float16)
 
 
 def hopper_reason(backend: str | None = None) -> str | None:

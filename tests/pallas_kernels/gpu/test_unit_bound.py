@@ -5,11 +5,14 @@ Gates of 2.125 nats a token on some channels: a 64-token chunk spans 134 nats th
 reference at the default bound (2 x 60: the halves' form) and within the unit bound (2 x 76).
 - The preparation kernel's one-reference grams about the unit bound equal float64 sums; about the
   default bound the same product is wrong (its factors clamp): the bound is what makes it exact.
-- kda end to end with `qk_l2norm=True` under the option: o, the final state and the gradients of v, g,
-  beta against the float64 loop on the normalised q, k, and every output and gradient against the
-  default configuration's (the halves' form).
-- The plan takes the unit bound only for l2-normalised q, k with bfloat16 operands and the preparation
-  kernel; the backward's forms keep the default bound.
+- kda end to end with `qk_l2norm=True` under the option (one reference forward and backward): o, the
+  final state and the gradients of v, g, beta against the float64 loop on the normalised q, k, and
+  every output and gradient against the default configuration's (the halves' form).
+- kda's key side under the option: each chunk's bound from its cotangents (`channel.cotangent_bound`);
+  with cotangents of 1e12 it falls below the gates' half span and the gradients stay finite and equal
+  the default configuration's.
+- The plan takes the unit bound only for l2-normalised q, k with bfloat16 operands (the forward's also
+  only for the preparation kernel).
 """
 
 import dataclasses
@@ -83,7 +86,8 @@ def _run(q, k, v, g, beta, do, dhT, config):
 
 def test_kda_forward_about_the_unit_bound_matches_the_loop_and_the_default(monkeypatch):
   bounds = []   # what the call passes to the test of which chunks fit and to the preparation kernel
-  for module, name, arg in ((channel_prep, "prepare", None), (channel, "fits", 3)):
+  for module, name, arg in ((channel_prep, "prepare", None), (channel, "fits", 3),
+                            (channel, "cotangent_bound", 2)):
     original = getattr(module, name)
     monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, _i=arg, **kw: bounds.append(
         (_n, kw.get("bound") if _i is None else (a[_i] if len(a) > _i else kw.get("bound")))) or _f(*a, **kw))
@@ -96,9 +100,11 @@ def test_kda_forward_about_the_unit_bound_matches_the_loop_and_the_default(monke
   forward = [b for b in bounds if b[0] == "prepare"]
   assert forward and all(b == ("prepare", unit) for b in forward), bounds
   assert ("fits", unit) in bounds and ("fits", None) in bounds, bounds   # the backward's: the default
+  assert ("cotangent_bound", 64) in bounds, bounds   # the key side's forms: the chunks' own bounds
   bounds.clear()
   o0, hT0, grads0 = _run(q, k, v, g, beta, do, dhT, KERNELS)
   assert ("prepare", prep.REF_BOUND) in bounds and all(b[1] != unit for b in bounds), bounds
+  assert not any(b[0] == "cotangent_bound" for b in bounds), bounds
   # the float64 loop on the unit q, k (the op normalises them again: a change of their rounding only);
   # dq and dk are the op's through that normalisation, so they meet the default configuration's
   ref = dict(q=q, k=k, v=v, g=g, beta=beta, h0=np.zeros((1, 1, 64, 64), np.float32))
@@ -114,6 +120,32 @@ def test_kda_forward_about_the_unit_bound_matches_the_loop_and_the_default(monke
     assert e <= 1e-2, (name, errors)
 
 
+def test_kda_with_huge_cotangents_stays_finite_and_matches_the_default():
+  # cotangents of 1e12: a chunk's bound from them (`channel.cotangent_bound`) falls below these chunks'
+  # half span (67 nats), so the key side takes the halves where a fixed bound of 76 would overflow
+  q, k, v, g, beta = _inputs()
+  r = np.random.default_rng(5)
+  do = 1e12 * r.normal(size=v.shape).astype(np.float32)
+  dhT = 1e12 * r.normal(size=(1, 1, 64, 64)).astype(np.float32)
+  *_, grads = _run(q, k, v, g, beta, do, dhT, UNIT)
+  *_, grads0 = _run(q, k, v, g, beta, do, dhT, KERNELS)
+  for name, a, b in zip("q k v g beta".split(), grads, grads0):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.isfinite(a).all(), name
+    assert rel_rms(a, b) <= 1e-2, (name, rel_rms(a, b))
+
+
+def test_cotangent_bound():
+  dP = jnp.zeros((1, 2, 128, 64), jnp.bfloat16)
+  dM = dP.at[0, 1, 70, 3].set(-1e12)
+  got = np.asarray(channel.cotangent_bound(dP, dM, 64))
+  assert got.shape == (1, 2, 2)   # [B, NC, H_v]
+  want = 87.72 - np.log(2 * 64 * float(jnp.asarray(1e12, jnp.bfloat16)))
+  np.testing.assert_allclose(got, [[[prep.UNIT_REF_BOUND, prep.UNIT_REF_BOUND],
+                                    [prep.UNIT_REF_BOUND, want]]], rtol=1e-6)
+  assert want < 60
+
+
 @pytest.mark.parametrize("qk_l2norm,dtype,forward,want", [
     (True, jnp.bfloat16, "kernel", prep.UNIT_REF_BOUND), (False, jnp.bfloat16, "kernel", prep.REF_BOUND),
     (True, jnp.float16, "kernel", prep.REF_BOUND_F16), (True, jnp.bfloat16, "xla_prep", prep.REF_BOUND)])
@@ -122,6 +154,7 @@ def test_the_plan_takes_the_unit_bound_only_where_it_holds(qk_l2norm, dtype, for
   p = plan.select(delta=True, decay="channel", config=config, qk_l2norm=qk_l2norm, V=64, dtype=dtype,
                   v_dtype=dtype)
   assert p.forward_ref_bound == want
+  assert p.unit_bound == (qk_l2norm and dtype == jnp.bfloat16)
   assert plan.select(delta=True, decay="channel", config=GpuConfig(), qk_l2norm=True).forward_ref_bound \
       == prep.REF_BOUND   # the default configuration
   with pytest.raises(ValueError, match="unit_ref_bound"):
