@@ -163,6 +163,9 @@ def test_gate_recipes_give_the_documented_values():
     ("embedding_grad.py", ["--vocabs=64", "--tokens=2,32", "--width=16", "--iters=1", "--stream=2"],
      "embedding_grad.json"),
     ("cumsum_benchmark.py", ["--B=1", "--T=128", "--H=2", "--K=16", "--iters=1", "--stream=1"], "cumsum.json"),
+    ("forms_census.py", ["--pattern=KA", "--impl=chunk", "--width=32", "--depth=2", "--num_heads=2",
+                         "--batch_size=1", "--seq_len=128", "--chunk_size=16", "--census_steps=0,2"],
+     "census.json"),
     ("compile_time.py", ["--pattern=G", "--impl=chunk", "--width=32", "--depth=1", "--num_heads=2",
                          "--batch_size=1", "--seq_len=64", "--chunk_size=16", "--steps=1",
                          "--unrolls=1,4"], "compile_time.json"),
@@ -184,6 +187,13 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
     assert all(len(r["step_ms_rounds"]) == 2 and r["step_ms"] == min(r["step_ms_rounds"]) for r in rows)
     assert all(len(r["parts"]) == 4 and r["parts_sum_ms"] > 0 for r in rows if r["T"] == 32)
     assert not any("parts" in r for r in rows if r["T"] == 64)   # --breakdown_seq_lens
+  if script == "forms_census.py":  # the K layer (not the A) at both steps; every share a fraction
+    with open(tmp_path / output, encoding="utf-8") as f:
+      rows = json.load(f)["rows"]
+    assert [(r["step"], r["layer"]) for r in rows] == [(0, 0), (2, 0)]
+    for r in rows:
+      assert abs(r["one"] + r["halves"] + r["groups"] - 1) < 1e-6 and r["one"] <= r["one_unit"] <= 1, r
+      assert r["mean_g"] < 0, r
   if script == "kernel_breakdown.py":  # a stage that fails is reported as NaN: none may here
     stages = next(f for f in flags if f.startswith("--stages="))[len("--stages="):].split(",")
     variant = next(f for f in flags if f.startswith("--variants="))[len("--variants="):]

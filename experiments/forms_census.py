@@ -1,0 +1,134 @@
+"""How a KDA LM's chunks split among the per-channel kernels' forms as it trains.
+
+The GPU kernels take each 64-token chunk in the cheapest form its decay allows (`pallas_kernels.gpu.
+channel.chunk_forms`): one product about a reference per channel where every channel decays at most
+twice the one-reference bound over the chunk (60 nats about it; 76 for l2-normalised q, k under
+`GpuConfig.unit_ref_bound`), else the halves' products (32-token blocks), else the 8-token groups'.
+The form sets what a chunk costs in the preparation and key-side gradient kernels, and the gates move
+as the model trains. This script trains `--pattern` (sharded_throughput.py's model and data flags)
+and, at each of `--census_steps`, runs the model's blocks on that step's batch and counts, for every
+K layer, the share of (row, chunk, head) in each form: at the default bound (one, halves, groups), and
+the share one product serves at the unit bound. One census is a forward pass of the model (its own
+`--impl`); the forms are counted in XLA from the gates, so they read the same on any backend.
+
+    python experiments/forms_census.py --pattern=K --width=1024 --depth=4 --num_heads=8 \
+        --seq_len=4096 --batch_size=8 --dtype=bfloat16 --impl=pallas --census_steps=0,10,100
+
+Writes `{workdir}/census.json` (the rows, written after every census) and `census.md`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a file: put the repository root on the path
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from flax import nnx
+from tqdm import tqdm
+
+from experiments import common, data, sharded_throughput, train
+from linear_attention_jax.pallas_kernels import prep
+from linear_attention_jax.pallas_kernels.gpu import channel
+
+flags.DEFINE_list("census_steps", ["0", "10", "100"], "Training steps after which to count the forms "
+                  "(0: at initialisation); the run trains up to the largest.")
+FLAGS = flags.FLAGS
+
+LETTERS = "K"   # the per-channel delta mixers whose layers the census reads (KimiDeltaAttention)
+C = 64          # the GPU kernels' chunk (`plan.CHUNK_SIZES`), whatever the model's --chunk_size
+
+
+def forms(g, C: int) -> dict:
+  """The shares of `g [B, T, H_v, K]`'s (row, chunk, head) in each form for bfloat16 operands: `one`,
+  `halves`, `groups` at the default bound, `one_unit` at `prep.UNIT_REF_BOUND`; and the mean gate."""
+  B, T = g.shape[:2]
+  T_pad = -(-T // C) * C
+  refs = channel.chunk_cumsum(g, T_pad, C)[1]
+  at = channel.chunk_forms(refs, C, jnp.bfloat16)
+  unit = channel.chunk_forms(refs, C, jnp.bfloat16, prep.ref_bound(jnp.bfloat16, unit=True))
+  share = lambda x: jnp.mean(x.astype(jnp.float32))
+  return dict(one=share(at == channel.ONE), halves=share(at == channel.HALVES),
+              groups=share(at == channel.GROUPS), one_unit=share(unit == channel.ONE),
+              mean_g=jnp.mean(g))
+
+
+def census_fn(graphdef, C: int):
+  """`(params, tokens) -> [forms(g) of each K layer]`, jitted: the blocks run in order on the
+  embedded tokens, each K layer's gates read from its own input."""
+
+  @jax.jit
+  def census(params, tokens):
+    model = nnx.merge(graphdef, params)
+    h = model.embed(tokens)
+    out = []
+    for block in model.blocks:
+      if block.letter in LETTERS:
+        g, _ = block.mixer.gates(block.mixer_norm(h))
+        out.append(forms(g, C))
+      h, _ = block(h)
+    return out
+
+  return census
+
+
+def run() -> list[dict]:
+  steps = sorted({int(s) for s in FLAGS.census_steps})
+  if not steps or steps[0] < 0:
+    raise ValueError(f"census_steps must be integers >= 0; got {FLAGS.census_steps}")
+  FLAGS.steps = max(steps[-1], 1)
+  config = sharded_throughput.train_config()
+  source = data.make_source(config.data)
+  model_config = config.lm_config(source.vocab_size)
+  letters = list(model_config.layer_kinds)
+  if not any(x in LETTERS for x in letters):
+    raise ValueError(f"pattern {FLAGS.pattern!r} has no layer the census reads ({LETTERS})")
+  setup = train.setup_training(config, model_config)
+  census = census_fn(setup.graphdef, C)
+  state, rows = setup.state, []
+  layers = [i for i, x in enumerate(letters) if x in LETTERS]
+  for step in tqdm(range(steps[-1] + 1), desc="train + census", disable=None):
+    batch = source.batch("train", config.data.seed, step)
+    if step in steps:
+      counts = jax.device_get(census(state["params"], jnp.asarray(batch["tokens"])))
+      for layer, c in zip(layers, counts):
+        rows.append(dict(step=step, layer=layer, **{k: float(v) for k, v in c.items()}))
+      common.write_json(FLAGS.workdir, "census.json", dict(pattern=FLAGS.pattern, rows=rows))
+    if step < steps[-1]:
+      state, _ = setup.train_step(state, setup.place(batch))
+  return rows
+
+
+def table(rows) -> list[str]:
+  lines = ["| step | layer | one (60) | halves | groups | one (76, unit) | mean g |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+  for r in rows:
+    lines.append(f"| {r['step']} | {r['layer']} | {r['one']:.1%} | {r['halves']:.1%} | {r['groups']:.1%} "
+                 f"| {r['one_unit']:.1%} | {r['mean_g']:.3f} |")
+  return lines
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  train.quiet_logs()
+  rows = run()
+  title = (f"Chunk forms, pattern {FLAGS.pattern}, width {FLAGS.width}, depth {FLAGS.depth}, T "
+           f"{FLAGS.seq_len}, batch {FLAGS.batch_size}, {FLAGS.dtype}")
+  lines = [title, ""] + table(rows)
+  os.makedirs(FLAGS.workdir, exist_ok=True)
+  with open(os.path.join(FLAGS.workdir, "census.md"), "w", encoding="utf-8") as f:
+    f.write("\n".join(lines) + "\n")
+  print("\n".join(lines))
+  print(f"wrote {os.path.join(FLAGS.workdir, 'census.json')}")
+
+
+if __name__ == "__main__":
+  FLAGS.set_default("workdir", "runs/forms_census")
+  FLAGS.set_default("pattern", "K")
+  app.run(main)
