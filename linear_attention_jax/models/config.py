@@ -65,6 +65,8 @@ class LMConfig:
     chunk_size: chunk length of the chunked form (a power of two).
     dtype: compute dtype (activations, KV cache); recurrent states stay float32.
     param_dtype: parameter dtype.
+    kda_gate_lower_bound: None (Kimi Linear's unbounded gate) or lb in [-5, 0): the K layers' bounded
+      gate `lb * sigmoid(...)` (`KimiDeltaAttention(gate_lower_bound=lb)`).
   """
   vocab_size: int
   width: int
@@ -86,6 +88,7 @@ class LMConfig:
   chunk_size: int = 64
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  kda_gate_lower_bound: float | None = None
 
   def __post_init__(self):
     def positive(name):
@@ -122,6 +125,9 @@ class LMConfig:
     if not isinstance(self.conv_letters, str) or set(self.conv_letters) - set(MIXER_LETTERS):
       raise ValueError(f"conv_letters must be mixer letters ({''.join(MIXER_LETTERS)}); got "
                        f"conv_letters={self.conv_letters!r}")
+    lb = self.kda_gate_lower_bound
+    if lb is not None and (isinstance(lb, bool) or not isinstance(lb, (int, float)) or not -5.0 <= lb < 0.0):
+      raise ValueError(f"kda_gate_lower_bound must be None or in [-5, 0); got kda_gate_lower_bound={lb!r}")
     if not self.mlp_ratio > 0:
       raise ValueError(f"mlp_ratio must be > 0; got mlp_ratio={self.mlp_ratio!r}")
     if self.impl not in ops.IMPLS:

@@ -69,6 +69,8 @@ def make_mixer(config: LMConfig, letter: str, *, rngs: nnx.Rngs) -> nnx.Module:
     kw.update(rope_theta=config.rope_theta, norm_eps=config.norm_eps)
   if letter == "F":
     kw.update(norm_eps=config.norm_eps)
+  if letter == "K":
+    kw.update(gate_lower_bound=config.kda_gate_lower_bound)
   return cls(config.width, config.num_heads, **kw)
 
 

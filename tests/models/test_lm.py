@@ -11,7 +11,7 @@ from flax import nnx
 
 from linear_attention_jax import layers
 from linear_attention_jax.layers import KVCache, LinearCache
-from linear_attention_jax.models import MIXER_LETTERS, LMConfig, generate, make_mixer
+from linear_attention_jax.models import LM, MIXER_LETTERS, LMConfig, generate, make_mixer
 from tests.layers.util import fast_jit, rel_rms
 from tests.models.util import B, T, VOCAB, call, decode, tiny_model, tokens
 
@@ -133,3 +133,16 @@ def test_a_layer_built_alone_is_the_layer_the_lm_builds(letter):
   alone = shapes(lambda: cls(config.width, config.num_heads, rngs=nnx.Rngs(0)))
   # Then they have the same parameters, path for path and shape for shape (one default per layer)
   assert from_lm == alone
+
+
+def test_kda_gate_lower_bound_reaches_the_k_layers():
+  # Given an LM of K and A layers with the bounded gate, and one without
+  bounded = LMConfig(vocab_size=16, width=64, depth=2, num_heads=4, pattern="KA", kda_gate_lower_bound=-5.0)
+  model = nnx.eval_shape(lambda: LM(bounded, rngs=nnx.Rngs(0)))
+  plain = nnx.eval_shape(lambda: LM(LMConfig(vocab_size=16, width=64, depth=2, num_heads=4, pattern="KA"),
+                                    rngs=nnx.Rngs(0)))
+  # Then the K layer takes the bound, the default keeps Kimi Linear's unbounded gate
+  assert model.blocks[0].mixer.gate_lower_bound == -5.0 and plain.blocks[0].mixer.gate_lower_bound is None
+  for bad in (-6.0, 0.0, True, "x"):
+    with pytest.raises(ValueError, match="kda_gate_lower_bound"):
+      LMConfig(vocab_size=16, width=64, depth=2, num_heads=4, pattern="KA", kda_gate_lower_bound=bad)
