@@ -36,8 +36,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from .. import prep
 from .decay import decay_tile, local_cumsum, row_scales
 from .masks import SEG_ROWS, segment_vectors
-from .tiles import (F32, ROWS, WGMMA, compiler_params, l2_normalize_rows, matmul, phase, smem,
-                    unit_lower_inverse, vary_like)
+from .tiles import (F32, ROWS, WGMMA, compiler_params, l2_normalize_rows, matmul, phase, scratch_bytes,
+                    smem, unit_lower_inverse, vary_like)
 
 
 VALUE_BLOCK = 128   # u's columns a product
@@ -47,6 +47,37 @@ def serves(g, beta, segment_ids) -> bool:
   """True for the calls this kernel prepares: delta family, no or scalar decay (packed or not)."""
   del segment_ids  # packed rows are served (`masks.segment_vectors`)
   return beta is not None and (g is None or g.ndim == 3)
+
+
+def _scratch(K: int, V: int, C: int, dtype, has_seg: bool):
+  """`(scratch, late_v, resident)`: the kernel's shared memory, whether the second of two value blocks
+  arrives late in q's tile, and how many v tiles stay resident."""
+  vb = min(V, VALUE_BLOCK)
+  nvb = V // vb
+  # V = 2 x 128 at K = 128: the second value block arrives in q's tile once qg is out (q's last use),
+  # so a program holds one v tile: 104 KB of shared memory, two programs a multiprocessor, where two
+  # resident v tiles (120 KB) leave room for one
+  late_v = nvb == 2 and vb == K
+  resident = nvb - late_v
+  scratch = dict(
+      q_s=smem((C, K), dtype), k_s=smem((C, K), dtype), v_s=smem((resident, C, vb), dtype),
+      g_s=plgpu.SMEM((C,), F32), gc_s=plgpu.SMEM((C,), F32), b_s=plgpu.SMEM((C,), F32),
+      x_s=smem((C, C), dtype), e_s=smem((C, C), dtype), y_s=smem((C, C), dtype), p_s=smem((C, C), dtype),
+      l_s=smem((C, C), dtype),
+      out_s={n: smem((C, n), dtype) for n in {K, vb}},   # staging tiles, one per width (TMA: whole tiles)
+      bar=plgpu.Barrier(num_arrivals=5 + resident + SEG_ROWS * has_seg))
+  if has_seg:
+    scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
+  if late_v:
+    scratch["v_bar"] = plgpu.Barrier(num_arrivals=1)
+  return scratch, late_v, resident
+
+
+def smem_bytes(K: int, V: int, C: int = 64, dtype=jnp.bfloat16, has_seg: bool = False) -> int:
+  """Shared memory of one preparation program (`scratch_bytes`, the staging tiles counted)."""
+  scratch = dict(_scratch(K, V, C, dtype, has_seg)[0])
+  scratch.update({f"out_{n}": tile for n, tile in scratch.pop("out_s").items()})
+  return scratch_bytes(scratch)
 
 
 def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
@@ -73,17 +104,10 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
   has_seg = segment_ids is not None
   masks = segment_vectors(segment_ids, C, T_pad) if has_seg else None
 
-  scratch = dict(
-      q_s=smem((C, K), dtype), k_s=smem((C, K), dtype), v_s=smem((nvb, C, vb), dtype),
-      g_s=plgpu.SMEM((C,), F32), gc_s=plgpu.SMEM((C,), F32), b_s=plgpu.SMEM((C,), F32),
-      x_s=smem((C, C), dtype), e_s=smem((C, C), dtype), y_s=smem((C, C), dtype), p_s=smem((C, C), dtype),
-      l_s=smem((C, C), dtype),
-      out_s={n: smem((C, n), dtype) for n in {K, vb}},   # staging tiles, one per width (TMA: whole tiles)
-      bar=plgpu.Barrier(num_arrivals=5 + nvb + SEG_ROWS * has_seg))
-  if has_seg:
-    scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
+  scratch, late_v, resident = _scratch(K, V, C, dtype, has_seg)
 
-  def body(*refs, q_s, k_s, v_s, g_s, gc_s, b_s, x_s, e_s, y_s, p_s, l_s, out_s, bar, m_s=None):
+  def body(*refs, q_s, k_s, v_s, g_s, gc_s, b_s, x_s, e_s, y_s, p_s, l_s, out_s, bar, m_s=None,
+           v_bar=None):
     q_r, k_r, v_r, g_r, b_r = refs[:5]
     m_r = refs[5] if has_seg else None
     qg_r, kd_r, w_r, u_r, p_r = refs[5 + has_seg:10 + has_seg]
@@ -94,7 +118,7 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
     for src, dst in ((q_r.at[bi, rows_t, hk], q_s), (k_r.at[bi, rows_t, hk], k_s),
                      (g_r.at[bi, h, rows_t], g_s), (g_r.at[bi, h, rows_t], gc_s),
                      (b_r.at[bi, h, rows_t], b_s)) + tuple(
-                         (v_r.at[bi, rows_t, h, pl.ds(j * vb, vb)], v_s.at[j]) for j in range(nvb)) + tuple(
+                         (v_r.at[bi, rows_t, h, pl.ds(j * vb, vb)], v_s.at[j]) for j in range(resident)) + tuple(
                          (m_r.at[bi, r, rows_t], m_s.at[r]) for r in range(SEG_ROWS if has_seg else 0)):
       plgpu.copy_gmem_to_smem(src, dst, bar)
     with phase("prep.loads"):
@@ -130,6 +154,8 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
     with phase("prep.qg_kd"):
       q_scale, k_scale = row_scales(g_s, m_s, C)
       emit(load(q_s) * rows(q_scale, ck), qg_r.at[bi, h, rows_t])
+      if late_v:   # emit's commit_smem has every thread's reads of q done: the tile is free
+        plgpu.copy_gmem_to_smem(v_r.at[bi, rows_t, h, pl.ds(vb, vb)], q_s, v_bar)
       emit(load(k_s) * rows(k_scale, ck), kd_r.at[bi, h, rows_t])
 
     with phase("prep.inverse"):
@@ -141,12 +167,15 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
     with phase("prep.w_u"):
       beta, (q_scale, _) = beta_rows(), row_scales(g_s, m_s, C)
       k_s[...] = (load(k_s) * rows(beta * q_scale, ck)).astype(dtype)
-      for j in range(nvb):
-        v_s.at[j][...] = (load(v_s.at[j]) * rows(beta, cv)).astype(dtype)
+      v_tiles = [v_s.at[j] for j in range(resident)] + ([q_s] if late_v else [])
+      if late_v:
+        plgpu.barrier_wait(v_bar)
+      for tile in v_tiles:
+        tile[...] = (load(tile) * rows(beta, cv)).astype(dtype)
       plgpu.commit_smem()
       emit(matmul(x_s, k_s, ck), w_r.at[bi, h, rows_t])
-      for j in range(nvb):
-        emit(matmul(x_s, v_s.at[j], cv), u_r.at[bi, h, rows_t, pl.ds(j * vb, vb)])
+      for j, tile in enumerate(v_tiles):
+        emit(matmul(x_s, tile, cv), u_r.at[bi, h, rows_t, pl.ds(j * vb, vb)])
     with phase("prep.exit"):
       plgpu.wait_smem_to_gmem(0)
 

@@ -12,7 +12,7 @@ import pytest
 from linear_attention_jax.pallas_kernels import gpu
 from linear_attention_jax.pallas_kernels.gpu import plan
 from tests.ops.conftest import make_inputs, rel_rms
-from tests.pallas_kernels.gpu.util import KERNELS, check, packed_runs
+from tests.pallas_kernels.gpu.util import KERNELS, PARAMS, check, packed_runs
 
 
 def test_head_blocks_and_what_the_kernels_take():
@@ -43,6 +43,35 @@ def test_value_blocks_of_the_delta_family(warpgroups):
   assert gpu.call_plan(*(jnp.zeros(inp[n].shape, jnp.float16) for n in "qkv"), jnp.asarray(inp["g"]),
                        jnp.asarray(inp["beta"]), config=config).grads_warpgroups == warpgroups
   check("gated_delta_rule", inp, seg=packed_runs(120 + warpgroups), config=config)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_late_value_block_changes_no_bit(packed):
+  # V = 256 at K = 128: the preparation loads the second value block into q's tile once qg is out (one
+  # resident v tile: two programs a multiprocessor). Every tensor equals, bit for bit, those of two
+  # calls of V = 128 (each value block alone), u block by block; packed runs, l2 on load
+  from linear_attention_jax.pallas_kernels.gpu import delta_prep
+  from linear_attention_jax.pallas_kernels.gpu.tiles import SMEM_BYTES
+  assert delta_prep.smem_bytes(128, 256) == delta_prep.smem_bytes(128, 128)
+  assert 2 * delta_prep.smem_bytes(128, 256) <= SMEM_BYTES
+  B, T, H, K = 1, 128, 1, 128
+  r = np.random.default_rng(44)
+  bf = lambda *shape: jnp.asarray(r.normal(size=shape), jnp.bfloat16)
+  q, k, v = bf(B, T, H, K), bf(B, T, H, K), bf(B, T, H, 256)
+  g = jnp.asarray(-r.uniform(0, 0.3, (B, T, H)), jnp.float32)
+  beta = jnp.asarray(r.uniform(0, 1, (B, T, H)), jnp.float32)
+  seg = jnp.asarray(packed_runs(T)) if packed else None
+  run = lambda v: delta_prep.prepare(q, k, v, g, beta, chunk_size=64, dtype=jnp.bfloat16, segment_ids=seg,
+                                     interpret=PARAMS, with_inverse=True, qk_l2norm=True)
+  (t, X), halves = run(v), [run(v[..., :128]), run(v[..., 128:])]
+  for (h, Xh) in halves:
+    np.testing.assert_array_equal(np.asarray(X), np.asarray(Xh))
+    for name in ("qg", "kd", "w", "p", "decay"):
+      np.testing.assert_array_equal(np.asarray(getattr(t, name)), np.asarray(getattr(h, name)), name)
+  u = np.asarray(t.u)
+  assert np.isfinite(u.astype(np.float32)).all()
+  np.testing.assert_array_equal(u[..., :128], np.asarray(halves[0][0].u))
+  np.testing.assert_array_equal(u[..., 128:], np.asarray(halves[1][0].u))
 
 
 def test_key_blocks_of_the_additive_family():
