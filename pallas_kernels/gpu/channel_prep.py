@@ -14,7 +14,8 @@ form: per chunk and channel `R = (max G + min G) / 2`, and one whole-tile produc
     M = (a e^(G - R)) (b e^(R - G))^T     masked to j <= i (or j < i)
 
 whose factors all lie within e^(+-bound) when the chunk's decay spans at most twice the bound
-(`prep.ref_bound`: 60 nats for bfloat16 operands, 8 for float16). A call where some chunk does not fit
+(`prep.ref_bound`: 60 nats for bfloat16 operands, 8 for float16; 76 for l2-normalised q, k under
+`GpuConfig.unit_ref_bound`). A call where some chunk does not fit
 takes the 8-token groups' products instead (`grams="groups"`, groups.py: exact at any decay above
 `prep.LOG_DECAY_FLOOR` for bfloat16 operands; float16 operands beyond its bound take prep.py's XLA
 preparation with the merge form): the caller's `lax.cond` (`vjp.py`). With `grams="chunk"` each

@@ -5,8 +5,9 @@ What runs where. One row per cell (family x decay kind) and configuration; packi
 changes no row, since every kernel takes packed rows (`cu_seqlens` is not taken: pass segment_ids).
 "keeps" is what a differentiated call's forward keeps for its backward ("inputs": nothing more, the
 backward recomputes). Per-channel cells decide on the data, once per call, whether every chunk's decay
-fits the one-reference bound (`prep.ref_bound`: 60 nats for bfloat16 operands, 8 for float16; one
-`lax.cond` each way): the two "beyond" columns name what runs beyond it ("-": no bound; "groups": the
+fits the one-reference bound (`prep.ref_bound`: 60 nats for bfloat16 operands, 8 for float16; 76
+for l2-normalised q, k under `GpuConfig.unit_ref_bound`, `Plan.forward_ref_bound`; one `lax.cond` each
+way): the two "beyond" columns name what runs beyond it ("-": no bound; "groups": the
 same kernels with the 8-token groups' products, `groups.py`, exact at any gate above
 `prep.LOG_DECAY_FLOOR` with bfloat16 operands, on every chunk; "chunk": the same kernels choosing per
 chunk the first form that fits it: one reference, the halves' products, the groups'). Float16
