@@ -43,9 +43,9 @@ ONE, HALVES, GROUPS = 0, 1, 2   # each chunk's form (`chunk_forms`)
 def chunk_forms(refs, C: int, dtype, bound: float | None = None):
   """`[B, NC, H_v]` int32, each chunk's form: ONE where every channel spans at most twice the
   one-reference bound (`bound`: a number or one per chunk `[B, NC, H_v]`, default
-  `prep.ref_bound(dtype)`; G is non-increasing down a chunk, so
-  `R - G_C`, refs rows 0 and 1, is half its span), else HALVES where each block of `groups.HALVES`
-  tokens spans at most twice the diagonal bound (`groups.group_bound(dtype)`), else GROUPS."""
+  `prep.ref_bound(dtype)`; G is non-increasing down a chunk, so `R - G_C`, refs rows 0 and 1, is half
+  its span), else HALVES where each block of `groups.HALVES` tokens spans at most twice the diagonal
+  bound (`groups.group_bound(dtype)`), else GROUPS."""
   bound = prep.ref_bound(dtype) if bound is None else bound
   if jnp.ndim(bound):   # one per chunk, [B, NC, H_v]
     bound = jnp.asarray(bound)[..., None]
