@@ -15,10 +15,10 @@ with the bounded gate (`gate_lower_bound=-5`). A mixer with the suffix ":xlaconv
 its short convolutions as XLA's shifted sum (`ShortConvolution(impl="xla")`) rather than the kernels
 that `impl=pallas`/`auto` give them, for the two side by side; the suffix ":pN" (e.g. `G:p132`) runs
 the delta family's pair gradients in N persistent programs (`GpuConfig.grads_programs`), beside the
-default's one program a chunk in the same process; the suffix ":u" (e.g. `K:u`) gives the per-channel
-forward of l2-normalised q, k the wider one-reference bound (`GpuConfig.unit_ref_bound`). Writes `{workdir}/layers.json` and `layers.md`; with
-several `--T`, also `layers.png`: each mixer's time per token against T next to softmax attention's,
-and the T from which each mixer is faster.
+default's one program a chunk in the same process; the suffix ":u" (e.g. `K:u`) gives kda's kernels of
+l2-normalised q, k the wider one-reference bound (`GpuConfig.unit_ref_bound`). Writes
+`{workdir}/layers.json` and `layers.md`; with several `--T`, also `layers.png`: each mixer's time per
+token against T next to softmax attention's, and the T from which each mixer is faster.
 """
 
 from __future__ import annotations

@@ -72,14 +72,16 @@ def form_tokens(refs, C: int, dtype, bound=None):
 
 def cotangent_bound(dP, dM, C: int):
   """`[B, NC, H_v]` float32: the backward's one-reference bound for each chunk of l2-normalised q, k,
-  from its cotangents dP, dM `[B, H_v, T_pad, C]`. The key side's products `dP Kr`, `dP^T Qr + dM^T Ar`
-  and `dM Kr` sum C terms of a cotangent times a factor up to e^bound (q, k within [-1, 1]); they stay
-  within float32 (e^88.72) while `2 C max|dP, dM| e^bound` does, with a nat to spare:
-  `min(prep.UNIT_REF_BOUND, 87.72 - log(2 C max))` (the unit bound where the cotangents are zero)."""
+  from its cotangents dP, dM `[B, H_v, T_pad, C]` in the operand dtype. The key side's products `dP Kr`,
+  `dP^T Qr + dM^T Ar` and `dM Kr` sum C terms of a cotangent times a factor up to e^bound (q, k within
+  [-1, 1]); they stay within float32 (e^88.72) while `2 C max|dP, dM| e^bound` does, with a nat to
+  spare: `min(prep.ref_bound(dtype, unit=True), 87.72 - log(2 C max))` (the unit bound of the
+  operands' dtype where the cotangents are zero)."""
   B, Hv, T_pad, _ = dP.shape
   big = jnp.maximum(jnp.max(jnp.abs(dP.astype(F32)).reshape(B, Hv, T_pad // C, -1), axis=-1),
                     jnp.max(jnp.abs(dM.astype(F32)).reshape(B, Hv, T_pad // C, -1), axis=-1))
-  bound = jnp.minimum(prep.UNIT_REF_BOUND, 87.72 - jnp.log(2.0 * C * jnp.maximum(big, 1e-30)))
+  ceiling = prep.ref_bound(dP.dtype, unit=True)
+  bound = jnp.minimum(ceiling, 87.72 - jnp.log(2.0 * C * jnp.maximum(big, 1e-30)))
   return lax.stop_gradient(jnp.swapaxes(bound, 1, 2))
 
 

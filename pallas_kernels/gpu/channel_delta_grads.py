@@ -196,7 +196,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
     raise ValueError(f"K must be a multiple of {HALF}; got {K}")
   KH = K // HALF
   chunkwise = grams == "chunk"
-  unit = unit_bound and chunkwise and jnp.dtype(dtype) != jnp.float16
+  unit = unit_bound and chunkwise
   # the clamp of the one-reference factors: no chunk that takes that form reaches it
   bound = prep.ref_bound(dtype, unit=unit)
   if grams != "one" and C != HALF:
