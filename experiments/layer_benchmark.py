@@ -15,8 +15,10 @@ with the bounded gate (`gate_lower_bound=-5`). A mixer with the suffix ":xlaconv
 its short convolutions as XLA's shifted sum (`ShortConvolution(impl="xla")`) rather than the kernels
 that `impl=pallas`/`auto` give them, for the two side by side; the suffix ":pN" (e.g. `G:p132`) runs
 the delta family's pair gradients in N persistent programs (`GpuConfig.grads_programs`), beside the
-default's one program a chunk in the same process; the suffix ":u" (e.g. `K:u`) gives kda's kernels of
-l2-normalised q, k the wider one-reference bound (`GpuConfig.unit_ref_bound`). Writes
+default's one program a chunk in the same process; ":sN" (e.g. `G:s4`) walks each sequence in N
+pieces (`GpuConfig.sequence_pieces`); the suffix ":n" (e.g. `K:n`) gives kda's kernels of
+l2-normalised q, k the narrower one-reference bound of other operands (`GpuConfig(unit_ref_bound=False)`;
+":u" the default's wider one, explicitly). Writes
 `{workdir}/layers.json` and `layers.md`; with several `--T`, also `layers.png`: each mixer's time per
 token against T next to softmax attention's, and the T from which each mixer is faster.
 """
@@ -48,7 +50,7 @@ def build(mixer: str, *, width: int, heads: int, impl: str, dtype):
   """The layer of `mixer` (module docstring), bfloat16 compute over float32 parameters."""
   name, _, variant = mixer.partition(":")
   if variant != "xlaconv" and kernel_options(mixer) is None:
-    raise ValueError(f"mixer suffix must be ':xlaconv', ':pN' (N > 0), ':u' or none; got {mixer!r}")
+    raise ValueError(f"mixer suffix must be ':xlaconv', ':pN' or ':sN' (N > 0), ':u', ':n' or none; got {mixer!r}")
   layer = _build(name, width=width, heads=heads, impl=impl, dtype=dtype)
   for conv in getattr(layer, "convs", ()) if variant == "xlaconv" else ():
     conv.impl = "xla"
@@ -58,14 +60,19 @@ def build(mixer: str, *, width: int, heads: int, impl: str, dtype):
 def kernel_options(mixer: str) -> dict | None:
   """The `GpuConfig` fields a mixer's (or LM pattern's) suffix sets: none for no suffix (and
   ':xlaconv', which is the layer's own), `grads_programs=N` for ':pN' (persistent pair-gradient
-  programs), `unit_ref_bound=True` for ':u'; None for any other suffix."""
+  programs), `sequence_pieces=N` for ':sN' (each sequence's walks in N pieces), `unit_ref_bound=True`
+  for ':u' (the default) and False for ':n' (the narrower one-reference bound); None for any other
+  suffix."""
   _, _, suffix = mixer.partition(":")
   if suffix in ("", "xlaconv"):
     return {}
-  if suffix == "u":
-    return dict(unit_ref_bound=True)
-  match = re.fullmatch(r"p([1-9][0-9]*)", suffix)
-  return dict(grads_programs=int(match.group(1))) if match else None
+  if suffix in ("u", "n"):
+    return dict(unit_ref_bound=suffix == "u")
+  match = re.fullmatch(r"([ps])([1-9][0-9]*)", suffix)
+  if not match:
+    return None
+  field = {"p": "grads_programs", "s": "sequence_pieces"}[match.group(1)]
+  return {field: int(match.group(2))}
 
 
 def _build(mixer: str, *, width: int, heads: int, impl: str, dtype):

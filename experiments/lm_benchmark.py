@@ -48,9 +48,10 @@ from linear_attention_jax.pallas_kernels.gpu import shared_compiles
 
 flags.DEFINE_list("patterns", ["A", "G", "GGGA", "K"], "LM patterns; A (the anchor) runs first at each T. "
                   "The suffix ':pN' (e.g. G:p132) runs the delta family's pair gradients in N persistent "
-                  "programs (GpuConfig.grads_programs), ':u' (e.g. K:u) the per-channel forward of "
-                  "l2-normalised q, k with the wider one-reference bound (GpuConfig.unit_ref_bound), "
-                  "beside the default in the same process.")
+                  "programs (GpuConfig.grads_programs), ':sN' (e.g. G:s4) its walks in N pieces a sequence "
+                  "(GpuConfig.sequence_pieces), ':n' (e.g. K:n) the per-channel kernels of "
+                  "l2-normalised q, k with the narrower one-reference bound (GpuConfig(unit_ref_bound="
+                  "False); ':u' the default's wider one), beside the default in the same process.")
 flags.DEFINE_list("seq_lens", ["4096", "16384"], "Sequence lengths T.")
 flags.DEFINE_integer("tokens", 32768, "Tokens per step: batch = tokens / T (at least 1).")
 flags.DEFINE_list("breakdown", [], "Patterns whose steps are also timed part by part.")
@@ -60,6 +61,8 @@ flags.DEFINE_integer("rounds", 3, "Rounds of the breakdown's timings (medians)."
 flags.DEFINE_integer("step_rounds", 3, "Rounds of the --steps timed steps (training on): the median round "
                      "gives tokens/s and step ms, and the table shows the rounds' range (a ratio near 1.0 "
                      "is within noise where the ranges overlap).")
+flags.DEFINE_bool("placed_batches", False, "Put each round's batches on the device before its clock starts "
+                  "(a prefetching input pipeline), instead of placing each host batch in the loop.")
 flags.DEFINE_bool("share_kernel_compiles", False, "Compile a Mosaic GPU kernel that several layers share "
                   "once (pallas_kernels.gpu.shared_compiles); compile_s says what it saves.")
 FLAGS = flags.FLAGS
@@ -142,7 +145,7 @@ def run(pattern: str, T: int, batch: int) -> dict:
   base, _, suffix = pattern.partition(":")
   options = kernel_options(pattern)
   if suffix and not options:
-    raise ValueError(f"patterns: the suffix must be ':pN' (N > 0), ':u' or none; got {pattern!r}")
+    raise ValueError(f"patterns: the suffix must be ':pN' or ':sN' (N > 0), ':u', ':n' or none; got {pattern!r}")
   with common.kernel_config(**options):
     return _run(pattern, base, T, batch)
 
@@ -156,12 +159,14 @@ def _run(pattern: str, base: str, T: int, batch: int) -> dict:
   jax.clear_caches()
   row = dict(pattern=pattern, T=T, batch=batch)
   try:
-    r = sharded_throughput.run_layout(config, model_config, batches, rounds=FLAGS.step_rounds)
+    r = sharded_throughput.run_layout(config, model_config, batches, rounds=FLAGS.step_rounds,
+                                      placed=FLAGS.placed_batches)
   except Exception as e:  # a run that cannot run here (memory, a kernel's limits) says why
     return dict(row, error=f"{type(e).__name__}: {str(e)[:300]}")
   setup_params = train.init_state(config, model_config, optax.identity())[1]["params"]
   flops = model_flops_per_token(model_config, setup_params, T)
   row.update(tokens_per_s=r["tokens_per_s"], step_ms=r["step_ms"], step_ms_rounds=r["step_ms_rounds"],
+             dispatch_ms_rounds=r["dispatch_ms_rounds"],
              compile_s=r["compile_and_first_step_s"], first_loss=r["first_loss"],
              final_loss=r["final_loss"], step_mib=(r["step_bytes_per_device"] or 0) / 2**20,
              flops_per_token=flops, mfu=flops * r["tokens_per_s"] / (FLAGS.peak_tflops * 1e12))

@@ -96,11 +96,20 @@ def device_peak_bytes(devices) -> int | None:
   return max(peaks) if peaks else None
 
 
+def _on_devices(batch, devices, mesh):
+  """A placed batch's host arrays put on the one device (a mesh's are already placed)."""
+  return batch if mesh is not None else jax.device_put(batch, devices[0])
+
+
 def run_layout(config: train.TrainConfig, model_config, batches, *, mesh=None, rules="dp",
-               rounds: int = 1) -> dict:
+               rounds: int = 1, placed: bool = False) -> dict:
   """Trains `config` on `batches` (host batches) through train.py's path: the first step compiles,
   the rest are timed, `rounds` times over (training on): the median round gives `tokens_per_s` and
-  `step_ms`, and `step_ms_rounds` holds every round's."""
+  `step_ms`, and `step_ms_rounds` holds every round's; `dispatch_ms_rounds` is each round's host time
+  a step until the last step was dispatched (a round whose dispatch takes its whole time waited on
+  the host). `placed`: each round's batches are on the devices before its clock starts (what an
+  input pipeline that prefetches gives the step), else the loop places each host batch as train.py's
+  does."""
   if rounds < 1:
     raise ValueError(f"rounds must be >= 1; got {rounds}")
   setup = train.setup_training(config, model_config, mesh=mesh, rules=rules)
@@ -108,6 +117,8 @@ def run_layout(config: train.TrainConfig, model_config, batches, *, mesh=None, r
   state = setup.state
   start = time.perf_counter()
   first = setup.place(batches[0])
+  if placed:   # the compiling step sees the timed steps' placement (a committed array is another key)
+    first = _on_devices(first, devices, mesh)
   state, metrics = setup.train_step(state, first)
   losses = [float(metrics["loss"])]
   compile_s = time.perf_counter() - start
@@ -116,13 +127,17 @@ def run_layout(config: train.TrainConfig, model_config, batches, *, mesh=None, r
   step_bytes = None if analysis is None else int(
       analysis.argument_size_in_bytes + analysis.output_size_in_bytes
       + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
-  times = []
+  times, dispatched = [], []
   for _ in range(rounds):
     pending = []
+    timed = batches[1:]
+    if placed:
+      timed = jax.block_until_ready([_on_devices(setup.place(b), devices, mesh) for b in timed])
     start = time.perf_counter()
-    for batch in batches[1:]:  # as train.py's loop: place the host batch, step (dispatch runs ahead)
-      state, metrics = setup.train_step(state, setup.place(batch))
+    for batch in timed:  # as train.py's loop: place the host batch, step (dispatch runs ahead)
+      state, metrics = setup.train_step(state, batch if placed else setup.place(batch))
       pending.append(metrics["loss"])
+    dispatched.append(time.perf_counter() - start)
     jax.block_until_ready((state, pending))
     times.append(time.perf_counter() - start)
     losses += [float(x) for x in pending]
@@ -134,6 +149,7 @@ def run_layout(config: train.TrainConfig, model_config, batches, *, mesh=None, r
           "mesh": None if mesh is None else dict(mesh.shape), "devices": len(devices),
           "tokens_per_s": tokens / elapsed, "step_ms": 1e3 * elapsed / (len(batches) - 1),
           "step_ms_rounds": [1e3 * t / (len(batches) - 1) for t in times],
+          "dispatch_ms_rounds": [1e3 * t / (len(batches) - 1) for t in dispatched],
           "compile_and_first_step_s": compile_s, "first_loss": losses[0], "final_loss": losses[-1],
           "losses": losses, "step_bytes_per_device": step_bytes,
           "peak_bytes_in_use": device_peak_bytes(devices), "param_specs": sorted(shards)}

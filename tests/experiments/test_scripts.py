@@ -151,8 +151,9 @@ def test_gate_recipes_give_the_documented_values():
                              "--stages=channel prep kernel,op fwd channel kernel,channel check"],
      "kernel_breakdown.json"),
     ("lm_benchmark.py", ["--patterns=G,A", "--seq_lens=32,64", "--tokens=64", "--width=16", "--depth=1",
-                         "--num_heads=2", "--impl=chunk", "--chunk_size=16", "--steps=1", "--breakdown=G,A",
-                         "--breakdown_seq_lens=32", "--share_kernel_compiles", "--rounds=1", "--step_rounds=2"],
+                         "--num_heads=2", "--impl=chunk", "--chunk_size=16", "--steps=2", "--breakdown=G,A",
+                         "--breakdown_seq_lens=32", "--share_kernel_compiles", "--rounds=1", "--step_rounds=2",
+                         "--placed_batches"],
      "lm.json"),
     ("profile_step.py", ["--mixers=G", "--patterns=A", "--seq_len=32", "--tokens=64", "--width=16",
                          "--depth=1", "--num_heads=2", "--impl=chunk", "--chunk_size=16", "--dtype=float32",
@@ -185,6 +186,8 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
     assert all(r["tokens_per_s"] > 0 for r in rows)
     # the timed steps twice over: the reported step is one of the rounds' (the lower middle of two)
     assert all(len(r["step_ms_rounds"]) == 2 and r["step_ms"] == min(r["step_ms_rounds"]) for r in rows)
+    # each round's host time until its last step was dispatched: within the round's time
+    assert all(all(0 < d <= s for d, s in zip(r["dispatch_ms_rounds"], r["step_ms_rounds"])) for r in rows)
     assert all(len(r["parts"]) == 4 and r["parts_sum_ms"] > 0 for r in rows if r["T"] == 32)
     assert not any("parts" in r for r in rows if r["T"] == 64)   # --breakdown_seq_lens
   if script == "forms_census.py":  # the K layer (not the A) at both steps; every share a fraction
@@ -331,9 +334,10 @@ def test_layer_benchmark_reads_the_kernel_option_suffixes():
   from experiments import layer_benchmark
   options = layer_benchmark.kernel_options
   assert options("G:p132") == dict(grads_programs=132) and options("G2:p8") == dict(grads_programs=8)
-  assert options("K:u") == dict(unit_ref_bound=True)
+  assert options("K:u") == dict(unit_ref_bound=True) and options("K:n") == dict(unit_ref_bound=False)
+  assert options("G:s4") == dict(sequence_pieces=4)
   assert options("G") == {} and options("G:xlaconv") == {}
-  for bad in ("G:p0", "G:p", "G:q4", "G:p4x", "K:uu"):
+  for bad in ("G:p0", "G:p", "G:q4", "G:p4x", "K:uu", "K:nu", "G:s0", "G:s"):
     with pytest.raises(ValueError, match="suffix"):
       layer_benchmark.build(bad, width=32, heads=2, impl="chunk", dtype=jnp.float32)
 
