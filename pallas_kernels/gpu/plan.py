@@ -6,7 +6,7 @@ changes no row, since every kernel takes packed rows (`cu_seqlens` is not taken:
 "keeps" is what a differentiated call's forward keeps for its backward ("inputs": nothing more, the
 backward recomputes). Per-channel cells decide on the data, once per call, whether every chunk's decay
 fits the one-reference bound (`prep.ref_bound`: 60 nats for bfloat16 operands, 8 for float16; 76
-for l2-normalised q, k under `GpuConfig.unit_ref_bound`, `Plan.forward_ref_bound`; one `lax.cond` each
+for l2-normalised q, k, `GpuConfig.unit_ref_bound`, `Plan.forward_ref_bound`; one `lax.cond` each
 way): the two "beyond" columns name what runs beyond it ("-": no bound; "groups": the
 same kernels with the 8-token groups' products, `groups.py`, exact at any gate above
 `prep.LOG_DECAY_FLOOR` with bfloat16 operands, on every chunk; "chunk": the same kernels choosing per
@@ -104,9 +104,10 @@ class GpuConfig:
     (`qk_l2norm`) and the operands bfloat16: `prep.UNIT_REF_BOUND` (76 nats: a chunk may decay by
     152 on every channel and still take one product) if True, else `prep.REF_BOUND` (60) as
     everywhere; kda's key-side gradients then take one reference per chunk up to a bound from that
-    chunk's cotangents (`channel.cotangent_bound`: 76 unless they are large), where the default
-    keeps 60. Not the default until timed on the H200 (NOTES.md v53: at the KDA layer's
-    initialisation 88% of (row, chunk, head) fit one product against 66%).
+    chunk's cotangents (`channel.cotangent_bound`: 76 unless they are large), where False keeps 60
+    (and cotangents beyond ~2e10 can overflow it). The default: on the H200 the KDA layer fwd+bwd
+    ran 0.37 ms faster with it (NOTES.md v54; at the layer's initialisation 88% of (row, chunk,
+    head) fit one product against 66%).
   gram_method: XLA's per-channel decayed grams (`prep.GRAM_METHODS`) where XLA prepares: "auto" (one
     product about a per-channel reference within the bound, else the merge form) or "merge" (NOTES.md
     v25: a third form, whole-tile levels, was slower on the H200 and is gone).
@@ -124,7 +125,7 @@ class GpuConfig:
   delta_warpgroups: int = 2
   gram_method: str = "auto"
   grads_programs: int | None = None
-  unit_ref_bound: bool = False
+  unit_ref_bound: bool = True
 
   def __post_init__(self):
     for name, allowed in (("forward", FORWARDS), ("backward", BACKWARDS), ("forward_warpgroups", (1, 3)),

@@ -2,17 +2,17 @@
 (`GpuConfig.unit_ref_bound`, `prep.UNIT_REF_BOUND`), in the Mosaic GPU interpreter, bfloat16 operands.
 
 Gates of 2.125 nats a token on some channels: a 64-token chunk spans 134 nats there, beyond one
-reference at the default bound (2 x 60: the halves' form) and within the unit bound (2 x 76).
+reference at the narrower bound (2 x 60: the halves' form) and within the unit bound (2 x 76).
 - The preparation kernel's one-reference grams about the unit bound equal float64 sums; about the
-  default bound the same product is wrong (its factors clamp): the bound is what makes it exact.
+  narrower bound the same product is wrong (its factors clamp): the bound is what makes it exact.
 - kda end to end with `qk_l2norm=True` under the option (one reference forward and backward): o, the
   final state and the gradients of v, g, beta against the float64 loop on the normalised q, k, and
-  every output and gradient against the default configuration's (the halves' form).
+  every output and gradient against the narrower bound's (`unit_ref_bound=False`: the halves' form).
 - kda's key side under the option: each chunk's bound from its cotangents (`channel.cotangent_bound`);
   with cotangents of 1e12 it falls below the gates' half span and the gradients stay finite and equal
-  the default configuration's.
+  the narrower bound's.
 - The plan takes the unit bound only for l2-normalised q, k with bfloat16 operands (the forward's also
-  only for the preparation kernel).
+  only for the preparation kernel), by default, and not under `unit_ref_bound=False`.
 """
 
 import dataclasses
@@ -29,7 +29,8 @@ from tests.ops.test_equivalence import _reference
 from tests.pallas_kernels.gpu.test_groups import _float64_grams
 from tests.pallas_kernels.gpu.util import KERNELS, PARAMS
 
-UNIT = dataclasses.replace(KERNELS, unit_ref_bound=True)
+UNIT = dataclasses.replace(KERNELS, unit_ref_bound=True)   # the default, named
+NARROW = dataclasses.replace(KERNELS, unit_ref_bound=False)
 
 
 def _inputs(T=128, Hv=1, K=64, seed=3):
@@ -73,7 +74,7 @@ def test_one_reference_grams_about_the_unit_bound_equal_float64_sums():
     return max(out)
 
   assert errors(prep.ref_bound(jnp.bfloat16, unit=True)) < 1e-2
-  assert errors(prep.REF_BOUND) > 1e-1   # the default bound clamps these chunks' factors
+  assert errors(prep.REF_BOUND) > 1e-1   # the narrower bound clamps these chunks' factors
 
 
 def _run(q, k, v, g, beta, do, dhT, config):
@@ -84,7 +85,7 @@ def _run(q, k, v, g, beta, do, dhT, config):
   return o, hT, vjp((jnp.asarray(do, o.dtype), jnp.asarray(dhT)))
 
 
-def test_kda_forward_about_the_unit_bound_matches_the_loop_and_the_default(monkeypatch):
+def test_kda_forward_about_the_unit_bound_matches_the_loop_and_the_narrow_bound(monkeypatch):
   bounds = []   # what the call passes to the test of which chunks fit and to the preparation kernel
   for module, name, arg in ((channel_prep, "prepare", None), (channel, "fits", 3),
                             (channel, "cotangent_bound", 2)):
@@ -99,19 +100,19 @@ def test_kda_forward_about_the_unit_bound_matches_the_loop_and_the_default(monke
   unit = prep.ref_bound(jnp.bfloat16, unit=True)
   forward = [b for b in bounds if b[0] == "prepare"]
   assert forward and all(b == ("prepare", unit) for b in forward), bounds
-  assert ("fits", unit) in bounds and ("fits", None) in bounds, bounds   # the backward's: the default
+  assert ("fits", unit) in bounds and ("fits", None) in bounds, bounds   # the backward's call-wide test: 60
   assert ("cotangent_bound", 64) in bounds, bounds   # the key side's forms: the chunks' own bounds
   bounds.clear()
-  o0, hT0, grads0 = _run(q, k, v, g, beta, do, dhT, KERNELS)
+  o0, hT0, grads0 = _run(q, k, v, g, beta, do, dhT, NARROW)
   assert ("prepare", prep.REF_BOUND) in bounds and all(b[1] != unit for b in bounds), bounds
   assert not any(b[0] == "cotangent_bound" for b in bounds), bounds
   # the float64 loop on the unit q, k (the op normalises them again: a change of their rounding only);
-  # dq and dk are the op's through that normalisation, so they meet the default configuration's
+  # dq and dk are the op's through that normalisation, so they meet the narrower bound's
   ref = dict(q=q, k=k, v=v, g=g, beta=beta, h0=np.zeros((1, 1, 64, 64), np.float32))
   ro, rhT, rgrads = _reference("kda", ref, do, dhT, segment_ids=None)
   errors = {"o": rel_rms(o, ro), "state": rel_rms(hT, rhT)}
   errors.update({f"d{n}": rel_rms(grads[i], rgrads[n]) for i, n in ((2, "v"), (3, "g"), (4, "beta"))})
-  errors.update({f"{n} vs default": rel_rms(a, b) for n, a, b in
+  errors.update({f"{n} vs narrow": rel_rms(a, b) for n, a, b in
                  [("o", o, o0), ("state", hT, hT0)] + [(f"d{n}", grads[i], grads0[i])
                                                       for i, n in enumerate("q k v g beta".split())]})
   print(errors)
@@ -120,7 +121,7 @@ def test_kda_forward_about_the_unit_bound_matches_the_loop_and_the_default(monke
     assert e <= 1e-2, (name, errors)
 
 
-def test_kda_with_huge_cotangents_stays_finite_and_matches_the_default():
+def test_kda_with_huge_cotangents_stays_finite_and_matches_the_narrow_bound():
   # cotangents of 1e12: a chunk's bound from them (`channel.cotangent_bound`) falls below these chunks'
   # half span (67 nats), so the key side takes the halves where a fixed bound of 76 would overflow
   q, k, v, g, beta = _inputs()
@@ -128,7 +129,7 @@ def test_kda_with_huge_cotangents_stays_finite_and_matches_the_default():
   do = 1e12 * r.normal(size=v.shape).astype(np.float32)
   dhT = 1e12 * r.normal(size=(1, 1, 64, 64)).astype(np.float32)
   *_, grads = _run(q, k, v, g, beta, do, dhT, UNIT)
-  *_, grads0 = _run(q, k, v, g, beta, do, dhT, KERNELS)
+  *_, grads0 = _run(q, k, v, g, beta, do, dhT, NARROW)
   for name, a, b in zip("q k v g beta".split(), grads, grads0):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     assert np.isfinite(a).all(), name
@@ -155,8 +156,11 @@ def test_the_plan_takes_the_unit_bound_only_where_it_holds(qk_l2norm, dtype, for
                   v_dtype=dtype)
   assert p.forward_ref_bound == want
   assert p.unit_bound == (qk_l2norm and dtype == jnp.bfloat16)
-  assert plan.select(delta=True, decay="channel", config=GpuConfig(), qk_l2norm=True).forward_ref_bound \
-      == prep.REF_BOUND   # the default configuration
+  select = lambda config: plan.select(delta=True, decay="channel", config=config, qk_l2norm=True,
+                                      dtype=jnp.bfloat16)
+  assert select(GpuConfig()).forward_ref_bound == prep.UNIT_REF_BOUND and select(GpuConfig()).unit_bound
+  narrow = select(GpuConfig(unit_ref_bound=False))
+  assert narrow.forward_ref_bound == prep.REF_BOUND and not narrow.unit_bound
   with pytest.raises(ValueError, match="unit_ref_bound"):
     GpuConfig(unit_ref_bound=1)
   with pytest.raises(ValueError, match="bound"):
