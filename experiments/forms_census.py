@@ -2,13 +2,14 @@
 
 The GPU kernels take each 64-token chunk in the cheapest form its decay allows (`pallas_kernels.gpu.
 channel.chunk_forms`): one product about a reference per channel where every channel decays at most
-twice the one-reference bound over the chunk (60 nats about it; 76 for l2-normalised q, k under
-`GpuConfig.unit_ref_bound`), else the halves' products (32-token blocks), else the 8-token groups'.
+twice the one-reference bound over the chunk (76 nats about it for l2-normalised q, k, the
+default `GpuConfig.unit_ref_bound`; 60 for other operands or under `unit_ref_bound=False`), else the
+halves' products (32-token blocks), else the 8-token groups'.
 The form sets what a chunk costs in the preparation and key-side gradient kernels, and the gates move
 as the model trains. This script trains `--pattern` (sharded_throughput.py's model and data flags)
 and, at each of `--census_steps`, runs the model's blocks on that step's batch and counts, for every
-K layer, the share of (row, chunk, head) in each form: at the default bound (one, halves, groups), and
-the share one product serves at the unit bound. One census is a forward pass of the model (its own
+K layer, the share of (row, chunk, head) in each form at the default bound of l2-normalised q, k
+(one, halves, groups), and the share one product serves at the narrower bound (60). One census is a forward pass of the model (its own
 `--impl`); the forms are counted in XLA from the gates, so they read the same on any backend.
 
     python experiments/forms_census.py --pattern=K --width=1024 --depth=4 --num_heads=8 \
@@ -46,15 +47,16 @@ C = 64          # the GPU kernels' chunk (`plan.CHUNK_SIZES`), whatever the mode
 
 def forms(g, C: int) -> dict:
   """The shares of `g [B, T, H_v, K]`'s (row, chunk, head) in each form for bfloat16 operands: `one`,
-  `halves`, `groups` at the default bound, `one_unit` at `prep.UNIT_REF_BOUND`; and the mean gate."""
+  `halves`, `groups` at the bound of l2-normalised q, k (`prep.UNIT_REF_BOUND`, kda's default),
+  `one_narrow` at `prep.REF_BOUND`; and the mean gate."""
   B, T = g.shape[:2]
   T_pad = -(-T // C) * C
   refs = channel.chunk_cumsum(g, T_pad, C)[1]
-  at = channel.chunk_forms(refs, C, jnp.bfloat16)
-  unit = channel.chunk_forms(refs, C, jnp.bfloat16, prep.ref_bound(jnp.bfloat16, unit=True))
+  at = channel.chunk_forms(refs, C, jnp.bfloat16, prep.ref_bound(jnp.bfloat16, unit=True))
+  narrow = channel.chunk_forms(refs, C, jnp.bfloat16)
   share = lambda x: jnp.mean(x.astype(jnp.float32))
   return dict(one=share(at == channel.ONE), halves=share(at == channel.HALVES),
-              groups=share(at == channel.GROUPS), one_unit=share(unit == channel.ONE),
+              groups=share(at == channel.GROUPS), one_narrow=share(narrow == channel.ONE),
               mean_g=jnp.mean(g))
 
 
@@ -105,11 +107,11 @@ def run() -> list[dict]:
 
 
 def table(rows) -> list[str]:
-  lines = ["| step | layer | one (60) | halves | groups | one (76, unit) | mean g |",
+  lines = ["| step | layer | one (76) | halves | groups | one (60) | mean g |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
   for r in rows:
     lines.append(f"| {r['step']} | {r['layer']} | {r['one']:.1%} | {r['halves']:.1%} | {r['groups']:.1%} "
-                 f"| {r['one_unit']:.1%} | {r['mean_g']:.3f} |")
+                 f"| {r['one_narrow']:.1%} | {r['mean_g']:.3f} |")
   return lines
 
 

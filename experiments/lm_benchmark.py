@@ -23,7 +23,15 @@ final norm, tied head and loss; each distinct block's mixer (with its norm) and 
 the optimizer update. Their sum (the blocks counted `depth` times) next to the step says what the
 step adds beyond its parts. A part alone is not that part inside the step: the optimizer update
 jitted alone took 3.35 ms for the G LM at 4K on an H200, 0.24 ms inside the step; for where a step's
-time goes, `experiments/profile_step.py` traces the step itself. Writes `{workdir}/lm.json`, `lm.md` and, over several T, `lm.png`.
+time goes, `experiments/profile_step.py` traces the step itself.
+
+Each row also holds every round's host time until its last step was dispatched (`dispatch_ms_rounds`:
+a round whose dispatch takes its whole time waited on the host). `--placed_batches` puts each round's
+batches on the device before its clock starts. `--forms_census` counts, at each round's end, the
+share of the K layers' chunks in each per-channel form (`forms_rounds`; forms_census.py): a KDA LM's
+step grows as training moves its gates into the costlier forms.
+
+Writes `{workdir}/lm.json`, `lm.md` and, over several T, `lm.png`.
 """
 
 from __future__ import annotations
@@ -38,11 +46,12 @@ if __package__ in (None, ""):  # run as a file: put the repository root on the p
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from absl import app, flags
 from flax import nnx
 
-from experiments import common, data, sharded_throughput, train
+from experiments import common, data, forms_census, sharded_throughput, train
 from experiments.layer_benchmark import kernel_options, time_it
 from linear_attention_jax.pallas_kernels.gpu import shared_compiles
 
@@ -63,6 +72,9 @@ flags.DEFINE_integer("step_rounds", 3, "Rounds of the --steps timed steps (train
                      "is within noise where the ranges overlap).")
 flags.DEFINE_bool("placed_batches", False, "Put each round's batches on the device before its clock starts "
                   "(a prefetching input pipeline), instead of placing each host batch in the loop.")
+flags.DEFINE_bool("forms_census", False, "At each round's end (off the clock), the K layers' mean shares of "
+                  "chunks in each per-channel form on the last batch (forms_census.py's census; "
+                  "`forms_rounds` in the rows): how the forms moved while the rounds' steps were timed.")
 flags.DEFINE_bool("share_kernel_compiles", False, "Compile a Mosaic GPU kernel that several layers share "
                   "once (pallas_kernels.gpu.shared_compiles); compile_s says what it saves.")
 FLAGS = flags.FLAGS
@@ -158,9 +170,16 @@ def _run(pattern: str, base: str, T: int, batch: int) -> dict:
   batches = [source.batch("train", config.data.seed, i) for i in range(config.steps)]
   jax.clear_caches()
   row = dict(pattern=pattern, T=T, batch=batch)
+  after_round = None
+  if FLAGS.forms_census and any(x in forms_census.LETTERS for x in model_config.layer_kinds):
+    census = forms_census.census_fn(train.init_state(config, model_config, optax.identity())[0],
+                                    forms_census.C)
+    tokens = jnp.asarray(batches[-1]["tokens"])
+    after_round = lambda state: {k: float(np.mean([float(c[k]) for c in census(state["params"], tokens)]))
+                                 for k in ("one", "halves", "groups", "one_narrow")}
   try:
     r = sharded_throughput.run_layout(config, model_config, batches, rounds=FLAGS.step_rounds,
-                                      placed=FLAGS.placed_batches)
+                                      placed=FLAGS.placed_batches, after_round=after_round)
   except Exception as e:  # a run that cannot run here (memory, a kernel's limits) says why
     return dict(row, error=f"{type(e).__name__}: {str(e)[:300]}")
   setup_params = train.init_state(config, model_config, optax.identity())[1]["params"]
@@ -170,6 +189,8 @@ def _run(pattern: str, base: str, T: int, batch: int) -> dict:
              compile_s=r["compile_and_first_step_s"], first_loss=r["first_loss"],
              final_loss=r["final_loss"], step_mib=(r["step_bytes_per_device"] or 0) / 2**20,
              flops_per_token=flops, mfu=flops * r["tokens_per_s"] / (FLAGS.peak_tflops * 1e12))
+  if after_round is not None:
+    row["forms_rounds"] = r["after_rounds"]
   at_T = not FLAGS.breakdown_seq_lens or str(T) in FLAGS.breakdown_seq_lens
   if pattern in FLAGS.breakdown and at_T:
     parts = breakdown(config, model_config, batches[0], FLAGS.rounds)

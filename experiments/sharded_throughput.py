@@ -102,14 +102,15 @@ def _on_devices(batch, devices, mesh):
 
 
 def run_layout(config: train.TrainConfig, model_config, batches, *, mesh=None, rules="dp",
-               rounds: int = 1, placed: bool = False) -> dict:
+               rounds: int = 1, placed: bool = False, after_round=None) -> dict:
   """Trains `config` on `batches` (host batches) through train.py's path: the first step compiles,
   the rest are timed, `rounds` times over (training on): the median round gives `tokens_per_s` and
   `step_ms`, and `step_ms_rounds` holds every round's; `dispatch_ms_rounds` is each round's host time
   a step until the last step was dispatched (a round whose dispatch takes its whole time waited on
   the host). `placed`: each round's batches are on the devices before its clock starts (what an
   input pipeline that prefetches gives the step), else the loop places each host batch as train.py's
-  does."""
+  does. `after_round(state)`, if given, runs after each round's clock stops; its results are
+  `after_rounds`."""
   if rounds < 1:
     raise ValueError(f"rounds must be >= 1; got {rounds}")
   setup = train.setup_training(config, model_config, mesh=mesh, rules=rules)
@@ -127,7 +128,7 @@ def run_layout(config: train.TrainConfig, model_config, batches, *, mesh=None, r
   step_bytes = None if analysis is None else int(
       analysis.argument_size_in_bytes + analysis.output_size_in_bytes
       + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
-  times, dispatched = [], []
+  times, dispatched, after = [], [], []
   for _ in range(rounds):
     pending = []
     timed = batches[1:]
@@ -141,6 +142,8 @@ def run_layout(config: train.TrainConfig, model_config, batches, *, mesh=None, r
     jax.block_until_ready((state, pending))
     times.append(time.perf_counter() - start)
     losses += [float(x) for x in pending]
+    if after_round is not None:
+      after.append(after_round(state))
   elapsed = sorted(times)[(len(times) - 1) // 2]   # the median round (the lower of two middles)
   tokens = sum(b["tokens"].size for b in batches[1:])
   params = jax.tree.leaves(state["params"])
@@ -150,6 +153,7 @@ def run_layout(config: train.TrainConfig, model_config, batches, *, mesh=None, r
           "tokens_per_s": tokens / elapsed, "step_ms": 1e3 * elapsed / (len(batches) - 1),
           "step_ms_rounds": [1e3 * t / (len(batches) - 1) for t in times],
           "dispatch_ms_rounds": [1e3 * t / (len(batches) - 1) for t in dispatched],
+          "after_rounds": after,
           "compile_and_first_step_s": compile_s, "first_loss": losses[0], "final_loss": losses[-1],
           "losses": losses, "step_bytes_per_device": step_bytes,
           "peak_bytes_in_use": device_peak_bytes(devices), "param_specs": sorted(shards)}

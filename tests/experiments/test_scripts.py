@@ -195,7 +195,7 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
       rows = json.load(f)["rows"]
     assert [(r["step"], r["layer"]) for r in rows] == [(0, 0), (2, 0)]
     for r in rows:
-      assert abs(r["one"] + r["halves"] + r["groups"] - 1) < 1e-6 and r["one"] <= r["one_unit"] <= 1, r
+      assert abs(r["one"] + r["halves"] + r["groups"] - 1) < 1e-6 and r["one_narrow"] <= r["one"] <= 1, r
       assert r["mean_g"] < 0, r
   if script == "kernel_breakdown.py":  # a stage that fails is reported as NaN: none may here
     stages = next(f for f in flags if f.startswith("--stages="))[len("--stages="):].split(",")
@@ -274,6 +274,21 @@ def test_fla_benchmark_says_why_nothing_is_timed_without_fla(tmp_path):
   bad = subprocess.run(cmd + ["--kinds=retnet"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert bad.returncode != 0 and "--kinds must be from" in bad.stderr
+
+
+def test_lm_benchmark_counts_the_forms_after_each_round(tmp_path):
+  # a K LM: the census runs at each round's end, off the clock, one row of shares a round
+  cmd = [sys.executable, os.path.join(ROOT, "experiments", "lm_benchmark.py"), f"--workdir={tmp_path}",
+         "--patterns=K", "--seq_lens=32", "--tokens=64", "--width=16", "--depth=1", "--num_heads=1",
+         "--impl=chunk", "--chunk_size=16", "--steps=2", "--step_rounds=2", "--forms_census"]
+  done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert done.returncode == 0, done.stderr[-2000:]
+  (row,) = json.loads((tmp_path / "lm.json").read_text())["rows"]
+  assert len(row["forms_rounds"]) == 2, row
+  for shares in row["forms_rounds"]:
+    assert abs(shares["one"] + shares["halves"] + shares["groups"] - 1) < 1e-6, shares
+    assert 0 <= shares["one_narrow"] <= shares["one"], shares
 
 
 def test_lm_benchmark_counts_model_flops_by_hand():
