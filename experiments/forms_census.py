@@ -9,8 +9,9 @@ The form sets what a chunk costs in the preparation and key-side gradient kernel
 as the model trains. This script trains `--pattern` (sharded_throughput.py's model and data flags)
 and, at each of `--census_steps`, runs the model's blocks on that step's batch and counts, for every
 K layer, the share of (row, chunk, head) in each form at the default bound of l2-normalised q, k
-(one, halves, groups), and the share one product serves at the narrower bound (60). One census is a forward pass of the model (its own
-`--impl`); the forms are counted in XLA from the gates, so they read the same on any backend.
+(one, halves, groups), and the share one product serves at the narrower bound (60). One census is a
+forward pass of the model (its own `--impl`); the forms are counted in XLA from the gates, so they
+read the same on any backend.
 
     python experiments/forms_census.py --pattern=K --width=1024 --depth=4 --num_heads=8 \
         --seq_len=4096 --batch_size=8 --dtype=bfloat16 --impl=pallas --census_steps=0,10,100

@@ -157,7 +157,8 @@ def run(pattern: str, T: int, batch: int) -> dict:
   base, _, suffix = pattern.partition(":")
   options = kernel_options(pattern)
   if suffix and not options:
-    raise ValueError(f"patterns: the suffix must be ':pN' or ':sN' (N > 0), ':u', ':n' or none; got {pattern!r}")
+    raise ValueError(f"patterns: the suffix must be ':pN' or ':sN' (N > 0), ':u', ':n' or none; "
+                     f"got {pattern!r}")
   with common.kernel_config(**options):
     return _run(pattern, base, T, batch)
 
