@@ -54,7 +54,8 @@ from linear_attention_jax.pallas_kernels.gpu import shared_compiles
 
 FLAGS = flags.FLAGS
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{([^}]*)\}")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s")
+_METADATA = re.compile(r"metadata=\{([^}]*)\}")
 _FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
 _TABLE_ROW = re.compile(r'^(\d+) (?:"(.*)"|\{(.*)\})$')
 _PROJECT = ("linear_attention_jax/", "pallas_kernels/", "experiments/")
@@ -106,7 +107,9 @@ def hlo_sources(hlo_text: str) -> dict[str, dict]:
     m = _INSTR.match(line)
     if not m:
       continue
-    fields = {k: v.strip('"') for k, v in _FIELD.findall(m.group(2))}
+    # an instruction the compiler added (a copy, a wrapped reduction) carries no metadata: no source
+    md = _METADATA.search(line)
+    fields = {k: v.strip('"') for k, v in _FIELD.findall(md.group(1))} if md else {}
     if "stack_frame_id" in fields and fields["stack_frame_id"].isdigit():
       frames_ = stack(int(fields["stack_frame_id"]))
     elif "source_file" in fields:

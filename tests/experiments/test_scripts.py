@@ -214,7 +214,8 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
       rows = {r["target"]: r for r in json.load(f)}
     assert set(rows) == {"layer_G", "lm_A_T32"} and all("error" not in r for r in rows.values()), rows
     for r in rows.values():
-      assert r["kernel_ms"] > 0 and r["unmatched_ms"] < 0.1 * r["kernel_ms"], r
+      # every thunk is an instruction of the module, those the compiler added without metadata too
+      assert r["kernel_ms"] > 0 and r["unmatched_ms"] == 0, r
       assert 0 < r["busy_ms"] <= r["span_ms"] and abs(r["span_ms"] - r["busy_ms"] - r["idle_ms"]) < 1e-9, r
     assert any(line["where"].startswith("linear_attention_jax/layers/conv.py")
                and line["direction"] == "bwd" for line in rows["layer_G"]["lines"])
