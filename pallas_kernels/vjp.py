@@ -48,7 +48,7 @@ def _pieces(static: Static) -> int:
 
 def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
                     chunk_multiple: int = 1, cumsum=None, with_inverse: bool = False, beyond: str = "chunk",
-                    bound: float | None = None):
+                    bound: float | None = None, call_test: bool = True):
   """The per-channel forward's chunk tensors (the plan's "channel_prep" stage and its `forward_beyond`),
   arguments as `channel_prep.prepare`'s: the preparation kernel with one reference per chunk and channel
   where every chunk's decay fits that bound, else with the 8-token groups' products (groups.py; one
@@ -57,7 +57,8 @@ def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=Non
   beyond the bound (the plan's `forward_beyond`: "chunk", each chunk its own form, or "groups").
   `with_inverse` returns `(tensors, X, M)` (`channel_prep.prepare`'s), X and M zeros in the merge-form
   branch (whose backward recomputes). `bound`: the one-reference form's (`channel_prep.prepare`'s),
-  in both the test and the kernels."""
+  in both the test and the kernels. `call_test=False` (`Plan.call_test`) calls the `beyond` kernels
+  without the test where they choose per chunk ("chunk") and the operands always fit the groups."""
   C = chunk_size
   if cumsum is None:
     cumsum = channel.chunk_cumsum(g, prep.padded_length(q.shape[1], C, chunk_multiple), C)
@@ -76,13 +77,17 @@ def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=Non
   axes = common.varying_axes([x for x in (q, k, v, g, beta, segment_ids) if x is not None])
   varying = lambda branch: lambda: jax.tree.map(lambda x: common.vary_over(x, axes), branch())
   return _by_bound(cumsum[0], C, dtype, varying(kernel("one")), varying(kernel(beyond)), varying(per_head),
-                   bound=bound)
+                   bound=bound, test=call_test or beyond != "chunk")
 
 
-def _by_bound(G, C: int, dtype, one, grouped, per_head, bound: float | None = None):
+def _by_bound(G, C: int, dtype, one, grouped, per_head, bound: float | None = None, test: bool = True):
   """`one()` where every chunk of `G` fits one reference (about `bound`, default `prep.ref_bound`),
   else `grouped()` where every 8-token group fits the groups' bound (always, for bfloat16 operands),
-  else `per_head()`."""
+  else `per_head()`. Without `test` (kernels that choose per chunk, `GpuConfig.call_test=False`):
+  `grouped()` where the operands always fit the groups, with no `lax.cond` (on a GPU a conditional
+  waits on the device for its predicate)."""
+  if not test and groups.always_fits(dtype):
+    return grouped()
   beyond = grouped if groups.always_fits(dtype) else (
       lambda: lax.cond(groups.fits(G, C, dtype), grouped, per_head))
   return lax.cond(channel.fits(G, C, dtype, bound), one, beyond)
@@ -120,7 +125,7 @@ def _forward(static: Static, q, k, v, g, beta, h0, segment_ids, *, keep: bool):
       out = channel_tensors(q, k, v, g, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
                             interpret=interpret, chunk_multiple=_pieces(static), cumsum=cumsum,
                             with_inverse=inverse, beyond=plan.forward_beyond,
-                            bound=plan.forward_ref_bound)
+                            bound=plan.forward_ref_bound, call_test=plan.call_test)
       t, X, M = out if inverse else (out, None, None)
       o, states, final = _walk(static, t, h0, with_states=saves)
       if not saves:
@@ -164,7 +169,8 @@ def _backward(static: Static, q, k, v, g, beta, h0, segment_ids, saved, do, dfin
   # the kernels sum their gradients over the mesh axes their primals do not vary over, as the per-head
   # branch's already are (the types of a lax.cond's branches must match under shard_map)
   return _by_bound(saved.G, static.chunk_size, static.compute_dtype, kernels("one"),
-                   kernels(plan.backward_beyond), per_head)
+                   kernels(plan.backward_beyond), per_head,
+                   test=plan.call_test or plan.backward_beyond != "chunk")
 
 
 def _sequence_pieces(static: Static):

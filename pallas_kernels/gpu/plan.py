@@ -7,10 +7,11 @@ changes no row, since every kernel takes packed rows (`cu_seqlens` is not taken:
 backward recomputes). Per-channel cells decide on the data, once per call, whether every chunk's decay
 fits the one-reference bound (`prep.ref_bound`: 60 nats for bfloat16 operands, 8 for float16; 76
 for l2-normalised q, k, `GpuConfig.unit_ref_bound`, `Plan.forward_ref_bound`; one `lax.cond` each
-way): the two "beyond" columns name what runs beyond it ("-": no bound; "groups": the
-same kernels with the 8-token groups' products, `groups.py`, exact at any gate above
-`prep.LOG_DECAY_FLOOR` with bfloat16 operands, on every chunk; "chunk": the same kernels choosing per
-chunk the first form that fits it: one reference, the halves' products, the groups'). Float16
+way, which `GpuConfig.call_test=False` leaves out where the beyond stage is "chunk"): the two
+"beyond" columns name what runs beyond it ("-": no bound; "groups": the same kernels with the
+8-token groups' products, `groups.py`, exact at any gate above `prep.LOG_DECAY_FLOOR` with bfloat16
+operands, on every chunk; "chunk": the same kernels choosing per chunk the first form that fits it:
+one reference, the halves' products, the groups'). Float16
 operands beyond the groups' bound (2.2 nats a token) take XLA's merge form one (batch row, value head)
 at a time (`Plan.per_head_beyond`). "l2" is where
 `qk_l2norm=True` normalises q and k: in the kernels on load, or in XLA before them (`Plan.l2` is "none"
@@ -108,6 +109,15 @@ class GpuConfig:
     (and cotangents beyond ~2e10 can overflow it). The default: on the H200 the KDA layer fwd+bwd
     ran 0.37 ms faster with it (NOTES.md v54; at the layer's initialisation 88% of (row, chunk,
     head) fit one product against 66%).
+  call_test: the per-channel stages whose kernels choose each chunk's form ("chunk" in the module
+    table's beyond columns) first test the whole call in one `lax.cond`, taking the one-reference
+    kernels where every chunk fits, if True; with False they call the per-chunk kernels directly,
+    which give the one-reference kernels' outputs on every chunk that fits. On a GPU an XLA
+    conditional copies its predicate to the host and blocks the host until the device has run
+    everything before it (XLA's `ConditionalThunk`), so each such call stops the host from
+    dispatching ahead of the device: a KDA layer's fwd+bwd holds two. Float16 operands keep the test
+    (beyond the groups' bound they take the merge form per head), as does gla's backward (its
+    gradient kernel has no per-chunk form).
   gram_method: XLA's per-channel decayed grams (`prep.GRAM_METHODS`) where XLA prepares: "auto" (one
     product about a per-channel reference within the bound, else the merge form) or "merge" (NOTES.md
     v25: a third form, whole-tile levels, was slower on the H200 and is gone).
@@ -126,14 +136,16 @@ class GpuConfig:
   gram_method: str = "auto"
   grads_programs: int | None = None
   unit_ref_bound: bool = True
+  call_test: bool = True
 
   def __post_init__(self):
     for name, allowed in (("forward", FORWARDS), ("backward", BACKWARDS), ("forward_warpgroups", (1, 3)),
                           ("delta_warpgroups", (1, 2)), ("gram_method", prep.GRAM_METHODS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"GpuConfig.{name} must be one of {allowed}; got {getattr(self, name)!r}")
-    if not isinstance(self.unit_ref_bound, bool):
-      raise ValueError(f"GpuConfig.unit_ref_bound must be a bool; got {self.unit_ref_bound!r}")
+    for name in ("unit_ref_bound", "call_test"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"GpuConfig.{name} must be a bool; got {getattr(self, name)!r}")
     for name in ("sequence_pieces", "grads_programs"):
       value = getattr(self, name)
       if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -162,6 +174,7 @@ class Plan:
   per_head_beyond: bool = False        # float16 beyond the groups' bound: XLA's merge form per head
   forward_ref_bound: float = prep.REF_BOUND   # the per-channel forward's one-reference bound
   unit_bound: bool = False     # GpuConfig.unit_ref_bound where it holds (q, k l2-normalised, bfloat16)
+  call_test: bool = True       # GpuConfig.call_test: a call-wide lax.cond before per-chunk kernels
 
   def row(self) -> tuple[str, ...]:
     """The module table's columns from plan.forward on."""
@@ -229,7 +242,8 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
               per_head_beyond=bool({"chunk", "groups"} & {forward_beyond, backward_beyond})
               and not groups.always_fits(dtype),
               forward_ref_bound=prep.ref_bound(dtype, unit=unit and forward == "channel_prep"),
-              unit_bound=unit and jnp.dtype(dtype) != jnp.float16)
+              unit_bound=unit and jnp.dtype(dtype) != jnp.float16,
+              call_test=config.call_test or not groups.always_fits(dtype))
 
 
 def hopper_reason(backend: str | None = None) -> str | None:
