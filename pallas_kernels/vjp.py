@@ -84,8 +84,8 @@ def _by_bound(G, C: int, dtype, one, grouped, per_head, bound: float | None = No
   """`one()` where every chunk of `G` fits one reference (about `bound`, default `prep.ref_bound`),
   else `grouped()` where every 8-token group fits the groups' bound (always, for bfloat16 operands),
   else `per_head()`. Without `test` (kernels that choose per chunk, `GpuConfig.call_test=False`):
-  `grouped()` where the operands always fit the groups, with no `lax.cond` (on a GPU a conditional
-  waits on the device for its predicate)."""
+  `grouped()` where the operands always fit the groups, with no `lax.cond` (whose branches are
+  all compiled)."""
   if not test and groups.always_fits(dtype):
     return grouped()
   beyond = grouped if groups.always_fits(dtype) else (

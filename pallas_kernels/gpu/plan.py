@@ -112,12 +112,13 @@ class GpuConfig:
   call_test: the per-channel stages whose kernels choose each chunk's form ("chunk" in the module
     table's beyond columns) first test the whole call in one `lax.cond`, taking the one-reference
     kernels where every chunk fits, if True; with False they call the per-chunk kernels directly,
-    which give the one-reference kernels' outputs on every chunk that fits. On a GPU an XLA
-    conditional copies its predicate to the host and blocks the host until the device has run
-    everything before it (XLA's `ConditionalThunk`), so each such call stops the host from
-    dispatching ahead of the device: a KDA layer's fwd+bwd holds two. Float16 operands keep the test
-    (beyond the groups' bound they take the merge form per head), as does gla's backward (its
-    gradient kernel has no per-chunk form).
+    which give the one-reference kernels' outputs on every chunk that fits. The test costs a
+    reduction over the gates and a conditional (inside XLA's command buffer a conditional node,
+    ~10 us of the device's time on the H200, NOTES.md v55; without command buffers a copy of the
+    predicate to the host, which waits for the device), and both branches' kernels are compiled: a
+    KDA layer's fwd+bwd holds two tests and 9 Mosaic GPU kernels, 5 without them. Float16 operands
+    keep the test (beyond the groups' bound they take the merge form per head), as does gla's
+    backward (its gradient kernel has no per-chunk form).
   gram_method: XLA's per-channel decayed grams (`prep.GRAM_METHODS`) where XLA prepares: "auto" (one
     product about a per-channel reference within the bound, else the merge form) or "merge" (NOTES.md
     v25: a third form, whole-tile levels, was slower on the H200 and is gone).

@@ -1,5 +1,5 @@
 """`GpuConfig.call_test=False`: the per-channel stages whose kernels choose each chunk's form run them
-without the call-wide `lax.cond` (on a GPU an XLA conditional waits on the device for its predicate).
+without the call-wide `lax.cond` (whose test and branches cost device time and compiles).
 
 - Exported for a Hopper GPU on this CPU, kda's fwd+bwd holds two XLA conditionals by default and none
   without the test (and fewer Mosaic GPU kernels: the one-reference kernels are not compiled). (gla
