@@ -49,16 +49,26 @@ C = 64          # the GPU kernels' chunk (`plan.CHUNK_SIZES`), whatever the mode
 def forms(g, C: int) -> dict:
   """The shares of `g [B, T, H_v, K]`'s (row, chunk, head) in each form for bfloat16 operands: `one`,
   `halves`, `groups` at the bound of l2-normalised q, k (`prep.UNIT_REF_BOUND`, kda's default),
-  `one_narrow` at `prep.REF_BOUND`; and the mean gate."""
+  `one_narrow` at `prep.REF_BOUND`; the mean gate; and, over the (row, chunk, head) beyond one
+  reference, how many of the head's K channels are beyond it (`beyond_channels`, their mean; 0 where
+  none is beyond) and the share with at most 16 such channels (`beyond_within_16`; 1 where none is
+  beyond): what a form that treats only those channels apart would have to take."""
   B, T = g.shape[:2]
   T_pad = -(-T // C) * C
   refs = channel.chunk_cumsum(g, T_pad, C)[1]
-  at = channel.chunk_forms(refs, C, jnp.bfloat16, prep.ref_bound(jnp.bfloat16, unit=True))
+  bound = prep.ref_bound(jnp.bfloat16, unit=True)
+  at = channel.chunk_forms(refs, C, jnp.bfloat16, bound)
   narrow = channel.chunk_forms(refs, C, jnp.bfloat16)
   share = lambda x: jnp.mean(x.astype(jnp.float32))
+  # chunk_forms' test of one reference, channel by channel: the half span R - G_C against the bound
+  channels = jnp.sum(refs[:, :, 0] - refs[:, :, 1] > bound, axis=-1)   # [B, NC, H_v]
+  beyond = at != channel.ONE
+  count = jnp.maximum(jnp.sum(beyond), 1)
   return dict(one=share(at == channel.ONE), halves=share(at == channel.HALVES),
               groups=share(at == channel.GROUPS), one_narrow=share(narrow == channel.ONE),
-              mean_g=jnp.mean(g))
+              mean_g=jnp.mean(g),
+              beyond_channels=jnp.sum(jnp.where(beyond, channels, 0)) / count,
+              beyond_within_16=1.0 - jnp.sum(beyond & (channels > 16)) / count)
 
 
 def census_fn(graphdef, C: int):
@@ -108,11 +118,12 @@ def run() -> list[dict]:
 
 
 def table(rows) -> list[str]:
-  lines = ["| step | layer | one (76) | halves | groups | one (60) | mean g |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+  lines = ["| step | layer | one (76) | halves | groups | one (60) | mean g | channels beyond | within 16 |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for r in rows:
     lines.append(f"| {r['step']} | {r['layer']} | {r['one']:.1%} | {r['halves']:.1%} | {r['groups']:.1%} "
-                 f"| {r['one_narrow']:.1%} | {r['mean_g']:.3f} |")
+                 f"| {r['one_narrow']:.1%} | {r['mean_g']:.3f} | {r['beyond_channels']:.1f} "
+                 f"| {r['beyond_within_16']:.1%} |")
   return lines
 
 

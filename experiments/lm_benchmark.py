@@ -179,7 +179,8 @@ def _run(pattern: str, base: str, T: int, batch: int) -> dict:
                                     forms_census.C)
     tokens = jnp.asarray(batches[-1]["tokens"])
     after_round = lambda state: {k: float(np.mean([float(c[k]) for c in census(state["params"], tokens)]))
-                                 for k in ("one", "halves", "groups", "one_narrow")}
+                                 for k in ("one", "halves", "groups", "one_narrow", "beyond_channels",
+                                           "beyond_within_16")}
   try:
     r = sharded_throughput.run_layout(config, model_config, batches, rounds=FLAGS.step_rounds,
                                       placed=FLAGS.placed_batches, after_round=after_round)

@@ -197,6 +197,7 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
     for r in rows:
       assert abs(r["one"] + r["halves"] + r["groups"] - 1) < 1e-6 and r["one_narrow"] <= r["one"] <= 1, r
       assert r["mean_g"] < 0, r
+      assert 0 <= r["beyond_channels"] <= 16 and 0 <= r["beyond_within_16"] <= 1, r
   if script == "kernel_breakdown.py":  # a stage that fails is reported as NaN: none may here
     stages = next(f for f in flags if f.startswith("--stages="))[len("--stages="):].split(",")
     variant = next(f for f in flags if f.startswith("--variants="))[len("--variants="):]
@@ -290,6 +291,19 @@ def test_lm_benchmark_counts_the_forms_after_each_round(tmp_path):
   for shares in row["forms_rounds"]:
     assert abs(shares["one"] + shares["halves"] + shares["groups"] - 1) < 1e-6, shares
     assert 0 <= shares["one_narrow"] <= shares["one"], shares
+    assert shares["beyond_channels"] >= 0 and 0 <= shares["beyond_within_16"] <= 1, shares
+
+
+def test_forms_census_counts_the_channels_beyond_one_reference():
+  # chunk 0 fits; in chunk 1, 3 of 32 channels decay 3 nats a token (192 nats over the chunk: beyond
+  # 2 x 76); in chunk 2, 20 of them (more than 16)
+  from experiments import forms_census
+  g = np.full((1, 192, 1, 32), -0.01, np.float32)
+  g[0, 64:128, 0, :3] = -3.0
+  g[0, 128:, 0, :20] = -3.0
+  got = {k: float(v) for k, v in forms_census.forms(jnp.asarray(g), 64).items()}
+  assert got["one"] == pytest.approx(1 / 3) and got["beyond_channels"] == pytest.approx(11.5), got
+  assert got["beyond_within_16"] == pytest.approx(0.5), got
 
 
 def test_lm_benchmark_counts_model_flops_by_hand():
