@@ -21,7 +21,8 @@ from jax._src.mesh import AbstractDevice
 from jax.sharding import AbstractMesh
 
 from linear_attention_jax.pallas_kernels import gpu
-from linear_attention_jax.pallas_kernels.gpu import GpuConfig, channel, channel_delta_grads, channel_prep, plan
+from linear_attention_jax.pallas_kernels.gpu import (GpuConfig, channel, channel_delta_grads, channel_prep,
+                                                    plan)
 from tests.pallas_kernels.gpu.util import KERNELS, PARAMS
 
 H200 = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
