@@ -60,8 +60,7 @@ def forms(g, C: int) -> dict:
   at = channel.chunk_forms(refs, C, jnp.bfloat16, bound)
   narrow = channel.chunk_forms(refs, C, jnp.bfloat16)
   share = lambda x: jnp.mean(x.astype(jnp.float32))
-  # chunk_forms' test of one reference, channel by channel: the half span R - G_C against the bound
-  channels = jnp.sum(refs[:, :, 0] - refs[:, :, 1] > bound, axis=-1)   # [B, NC, H_v]
+  channels = jnp.sum(channel.channels_beyond(refs, jnp.bfloat16, bound), axis=-1)   # [B, NC, H_v]
   beyond = at != channel.ONE
   count = jnp.maximum(jnp.sum(beyond), 1)
   return dict(one=share(at == channel.ONE), halves=share(at == channel.HALVES),

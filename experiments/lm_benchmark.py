@@ -178,9 +178,8 @@ def _run(pattern: str, base: str, T: int, batch: int) -> dict:
     census = forms_census.census_fn(train.init_state(config, model_config, optax.identity())[0],
                                     forms_census.C)
     tokens = jnp.asarray(batches[-1]["tokens"])
-    after_round = lambda state: {k: float(np.mean([float(c[k]) for c in census(state["params"], tokens)]))
-                                 for k in ("one", "halves", "groups", "one_narrow", "beyond_channels",
-                                           "beyond_within_16")}
+    # each of the census's numbers, the mean over the K layers
+    after_round = lambda state: jax.tree.map(lambda *x: float(np.mean(x)), *census(state["params"], tokens))
   try:
     r = sharded_throughput.run_layout(config, model_config, batches, rounds=FLAGS.step_rounds,
                                       placed=FLAGS.placed_batches, after_round=after_round)

@@ -40,16 +40,23 @@ def form_row(C: int) -> int:
 ONE, HALVES, GROUPS = 0, 1, 2   # each chunk's form (`chunk_forms`)
 
 
+def channels_beyond(refs, dtype, bound: float | None = None):
+  """`[B, NC, H_v, K]` bool: the channels of each chunk that do not fit one reference, their half span
+  `R - G_C` (refs rows 0 and 1; G is non-increasing down a chunk) above `bound` (a number or one per
+  chunk `[B, NC, H_v]`, default `prep.ref_bound(dtype)`)."""
+  bound = prep.ref_bound(dtype) if bound is None else bound
+  if jnp.ndim(bound):   # one per chunk, [B, NC, H_v]
+    bound = jnp.asarray(bound)[..., None]
+  return ~(refs[:, :, 0] - refs[:, :, 1] <= bound)
+
+
 def chunk_forms(refs, C: int, dtype, bound: float | None = None):
   """`[B, NC, H_v]` int32, each chunk's form: ONE where every channel spans at most twice the
   one-reference bound (`bound`: a number or one per chunk `[B, NC, H_v]`, default
   `prep.ref_bound(dtype)`; G is non-increasing down a chunk, so `R - G_C`, refs rows 0 and 1, is half
   its span), else HALVES where each block of `groups.HALVES` tokens spans at most twice the diagonal
   bound (`groups.group_bound(dtype)`), else GROUPS."""
-  bound = prep.ref_bound(dtype) if bound is None else bound
-  if jnp.ndim(bound):   # one per chunk, [B, NC, H_v]
-    bound = jnp.asarray(bound)[..., None]
-  one = jnp.all(refs[:, :, 0] - refs[:, :, 1] <= bound, axis=-1)
+  one = ~jnp.any(channels_beyond(refs, dtype, bound), axis=-1)
   per = groups.HALVES // groups.GROUP
   ends = [refs[:, :, groups.FIRST_ROW + (b + 1) * per - 1] for b in range(C // groups.HALVES)]
   spans = [-ends[0]] + [ends[b - 1] - ends[b] for b in range(1, len(ends))]
