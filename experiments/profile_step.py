@@ -9,7 +9,10 @@ instruction that launched them.
 Layers and LMs share the shape flags (sharded_throughput.py's model flags): the layers see
 `x [tokens / seq_len, seq_len, width]` with `num_heads` heads; the LMs train at batch `tokens / seq_len`.
 
-For each target: one compiling call, `--warmup` calls, then `--calls` traced calls back to back. Every
+For each target: one compiling call, `--warmup` calls, then `--calls` traced calls back to back. An LM
+trains through all of them as train.py would over a run of that many steps (its learning-rate schedule
+spans them, each step takes the next batch of the data), so `--warmup=40` profiles the step of a model
+trained 40 steps: a KDA LM's per-channel kernels choose their forms from the gates training moved. Every
 device kernel of the trace is matched to its HLO instruction (the trace's `hlo_op`, or the kernel's own
 name when XLA names the kernel after its fusion) and so to the `source_file:source_line` and the
 `op_name` that the compiled module's metadata gives that instruction. Reported per target:
@@ -34,6 +37,7 @@ from __future__ import annotations
 import collections
 import glob
 import gzip
+import itertools
 import json
 import os
 import re
@@ -242,26 +246,34 @@ def summarize(trace: dict, hlo_text: str, calls: int, top: int) -> dict:
       unmatched_ms=sum(unmatched.values()))
 
 
-def profile(name: str, args, lower, f, *, threaded: bool = False) -> dict:
+def profile(name: str, args, lower, f, *, threaded: bool = False, batch=None) -> dict:
   """Compiles `lower(*args)`, warms it up and traces its calls; returns the summary row of `name`.
 
   `threaded`: the call donates its first argument and returns the next one first (a train step's
-  state).
+  state). `batch(i)`, if given, is the second argument of call i (call 0 compiles; a train step's
+  batches).
   """
   t0 = time.perf_counter()
   compiled = lower(*args).compile()   # called directly: one compile
   hlo_text = compiled.as_text()
 
+  calls = itertools.count(1)
+
   def call(args):
     out = compiled(*args)
-    return out, ((out[0],) + tuple(args[1:]) if threaded else args)
+    args = (out[0],) + tuple(args[1:]) if threaded else args
+    if batch is not None:
+      args = (args[0], batch(next(calls))) + tuple(args[2:])
+    return out, args
 
   out, args = call(args)
   jax.block_until_ready(out)
   compile_s = time.perf_counter() - t0
+  losses = [out[1]["loss"]] if threaded else []   # a train step's (state, metrics)
   for _ in range(f.warmup):
     out, args = call(args)
     jax.block_until_ready(out)
+    losses += [out[1]["loss"]] if threaded else []
   logdir = tempfile.mkdtemp(prefix="profile_step_")
   try:
     with jax.profiler.trace(logdir, create_perfetto_trace=True):
@@ -270,6 +282,7 @@ def profile(name: str, args, lower, f, *, threaded: bool = False) -> dict:
       for _ in range(f.calls):
         out, args = call(args)
         outs.append(out[1] if threaded else out)
+        losses += [out[1]["loss"]] if threaded else []
       jax.block_until_ready((outs, args))
       wall_ms = 1e3 * (time.perf_counter() - t0) / f.calls
     found = glob.glob(os.path.join(logdir, "**", "perfetto_trace.json.gz"), recursive=True)
@@ -286,6 +299,8 @@ def profile(name: str, args, lower, f, *, threaded: bool = False) -> dict:
     shutil.rmtree(logdir, ignore_errors=True)
   row = dict(target=name, wall_ms=wall_ms, compile_s=compile_s, **summarize(trace, hlo_text, f.calls,
                                                                             f.top))
+  if threaded:   # every call's training loss, the compiling one first
+    row["losses"] = [float(x) for x in losses]
   return row
 
 
@@ -299,14 +314,16 @@ def layer_target(mixer: str, f):
 
 
 def lm_target(pattern: str, f):
-  """train.py's jitted step of the LM `pattern` and its first (state, batch)."""
-  f.pattern, f.batch_size, f.steps = pattern, max(1, f.tokens // f.seq_len), 1
+  """train.py's jitted step of the LM `pattern`, its first (state, batch) and its later batches: a run
+  of `1 + warmup + calls` steps (sharded_throughput.train_config takes `f.steps + 1`), so the
+  learning-rate schedule spans the profiled calls rather than ending at the first."""
+  f.pattern, f.batch_size, f.steps = pattern, max(1, f.tokens // f.seq_len), f.warmup + f.calls
   config = sharded_throughput.train_config()
   source = data.make_source(config.data)
   model_config = config.lm_config(source.vocab_size)
   setup = train.setup_training(config, model_config)
-  return dict(args=(setup.state, setup.place(source.batch("train", config.data.seed, 0))),
-              lower=setup.lower, threaded=True)
+  batch = lambda i: setup.place(source.batch("train", config.data.seed, i))
+  return dict(args=(setup.state, batch(0)), lower=setup.lower, threaded=True, batch=batch)
 
 
 def table(row) -> list[str]:
@@ -344,7 +361,8 @@ def main(argv):
   for name, make in targets:
     try:
       t = make()
-      rows.append(profile(name, t["args"], t["lower"], f, threaded=t.get("threaded", False)))
+      rows.append(profile(name, t["args"], t["lower"], f, threaded=t.get("threaded", False),
+                          batch=t.get("batch")))
     except Exception as e:  # a target that cannot run here says why
       rows.append(dict(target=name, error=f"{type(e).__name__}: {str(e)[:400]}"))
     print(json.dumps({k: v for k, v in rows[-1].items() if k in ("target", "wall_ms", "kernel_ms",

@@ -157,7 +157,7 @@ def test_gate_recipes_give_the_documented_values():
      "lm.json"),
     ("profile_step.py", ["--mixers=G", "--patterns=A", "--seq_len=32", "--tokens=64", "--width=16",
                          "--depth=1", "--num_heads=2", "--impl=chunk", "--chunk_size=16", "--dtype=float32",
-                         "--warmup=0", "--calls=1"], "profile.json"),
+                         "--warmup=1", "--calls=1"], "profile.json"),
     ("conv_benchmark.py", ["--B=1", "--T=16", "--D=128", "--W=4", "--dtype=float32", "--iters=1", "--stream=1",
                            "--interpret", "--blocks=auto,8x128"],
      "conv.json"),
@@ -214,6 +214,9 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
     with open(tmp_path / output, encoding="utf-8") as f:
       rows = {r["target"]: r for r in json.load(f)}
     assert set(rows) == {"layer_G", "lm_A_T32"} and all("error" not in r for r in rows.values()), rows
+    # the LM trains through every call, each on the next batch of the data (not one batch again)
+    losses = rows["lm_A_T32"]["losses"]
+    assert len(losses) == 3 and len(set(losses)) == 3 and "losses" not in rows["layer_G"], losses
     for r in rows.values():
       # every thunk is an instruction of the module, those the compiler added without metadata too
       assert r["kernel_ms"] > 0 and r["unmatched_ms"] == 0, r
