@@ -281,24 +281,30 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
       return dqg, dkd, dBk, clamp(Gt - R) * dPK, clamp(R - Gt) * minus, clamp(Gt - R) * plus
 
     def group_terms(i, block):   # the grams' terms product by product: dP, then dM, on its entries
-      dqg, dkd, dBk = matmuls((ck, [(do_s, st_s.at[i])]), (ck, [(u_s, dst_s.at[i])]),
-                              (ck, [(dr_s, st_s.at[i])]))
       # dP's own diagonal in float32 (groups.py); dM has none
       d = rows(groups.diagonal_of(load(dp_s)))
       dq_p, minus, plus = d * load(k_s.at[i]), d * load(q_s.at[i]), 0.0
       for s in groups.products(C, block):
-        up, down = groups.factors(fresh(load(g_s.at[i])), vec_end(i), s, gb, block)
-        qt, kt = load(q_s.at[i]), load(k_s.at[i])
-        kr_s[...] = (kt * down).astype(dtype)
-        qr_s[...] = (qt * up).astype(dtype)
+        if s is None:   # the diagonal blocks: both factors on the same rows
+          up, down = groups.factors(fresh(load(g_s.at[i])), vec_end(i), s, gb, block)
+        else:   # a level: one tile (`groups.level_factor`); k E is Kr on earlier rows, Ar on later ones
+          up = down = groups.level_factor(fresh(load(g_s.at[i])), vec_end(i), s)
+        kr_s[...] = (load(k_s.at[i]) * down).astype(dtype)
+        qr_s[...] = (load(q_s.at[i]) * up).astype(dtype)
         ar_s[...] = jnp.where(groups.keep_mask(C, s, block), load(dp_s), 0.0).astype(dtype)
         plgpu.commit_smem()
         dPK, dPQ = matmuls((ck, [(ar_s, kr_s)]), (ck, [(ar_s.T, qr_s)]))
-        qr_s[...] = (kt * up).astype(dtype)                 # Ar
+        # each product's terms summed as soon as they land: fewer [C, 64] tiles live at once
+        dq_p, minus = dq_p + up * dPK, minus + down * dPQ
+        if s is None:
+          qr_s[...] = (load(k_s.at[i]) * up).astype(dtype)   # Ar
         ar_s[...] = jnp.where(groups.keep_mask(C, s, block), load(dm_s), 0.0).astype(dtype)
         plgpu.commit_smem()
-        dMK, dMA = matmuls((ck, [(ar_s, kr_s)]), (ck, [(ar_s.T, qr_s)]))
-        dq_p, minus, plus = dq_p + up * dPK, minus + down * (dPQ + dMA), plus + up * dMK
+        dMK, dMA = matmuls((ck, [(ar_s, kr_s)]), (ck, [(ar_s.T, qr_s if s is None else kr_s)]))
+        minus, plus = minus + down * dMA, plus + up * dMK
+      # the products without a decayed gram after the grams' loop, so their tiles are not live through it
+      dqg, dkd, dBk = matmuls((ck, [(do_s, st_s.at[i])]), (ck, [(u_s, dst_s.at[i])]),
+                              (ck, [(dr_s, st_s.at[i])]))
       return dqg, dkd, dBk, dq_p, minus, plus
 
     for i in range(KH):
@@ -313,22 +319,25 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
         dq = e_q * dqg + dq_p
         dG = qt * dq
         q_s.at[i][...] = dq.astype(dtype)
-      with phase(f"keys.dk_{i}"):
+      with phase(f"keys.dk_{i}"):   # each tile consumed where it is last read: fewer live at once
         Gt, Gc = fresh(load(g_s.at[i])), colv(1, i)
-        e_q, e_k = jnp.exp(Gt), jnp.exp(Gc - Gt)
-        if carry is not None:
-          e_q, e_k = e_q * rows(carry), e_k * rows(to_last)
         kt = load(k_s.at[i])
-        bk = kt * e_q                       # B_k / beta
-        dbeta = dbeta - jnp.sum(dBk * bk, axis=1)
+        e_k = jnp.exp(Gc - Gt)
+        if carry is not None:
+          e_k = e_k * rows(to_last)
+        kd_dkd = jnp.sum(kt * e_k * dkd, axis=0)   # the last token's colsum(kd (u dS^T))
         minus = e_k * dkd + minus
+        e_q = jnp.exp(Gt)
+        if carry is not None:
+          e_q = e_q * rows(carry)
+        dbeta = dbeta - jnp.sum(dBk * (kt * e_q), axis=1)   # kt e_q = B_k / beta
         plus = plus - rows(beta_rows()) * e_q * dBk
         dG = dG + kt * (plus - minus)
       with phase(f"keys.last_{i}"):
         # the last token: colsum(kd (u dS^T)) + e^(G_C) colsum(S dS), S and dS `[V, 64]` tiles
         s_ds = jnp.sum(load(st_s.at[i]) * load(dst_s.at[i]), axis=0)
         s_decay = plgpu.load(r_s.at[1, cols(i)], layout=COLS)
-        term = jnp.sum(kt * e_k * dkd, axis=0) + jnp.exp(s_decay) * carry_last * s_ds
+        term = kd_dkd + jnp.exp(s_decay) * carry_last * s_ds
         dG = dG + jnp.where(last_row, lax.broadcast_in_dim(term, ck, [1]), 0.0)
       with phase(f"keys.out_{i}"):
         k_s.at[i][...] = (plus + minus).astype(dtype)

@@ -167,15 +167,22 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
       P = M = 0.0
       vec_end = lambda t: col(groups.FIRST_ROW + t)
       for s in groups.products(C, block):
-        up, down = groups.factors(load_G(), vec_end, s, group_bound, block)
         kt = load(k_s)
-        bk_s[...] = (kt * down).astype(dtype)
-        a_s[...] = (load(q_s) * up).astype(dtype)
-        if delta:
-          ak_s[...] = (kt * up).astype(dtype)
+        if s is None:   # the diagonal blocks: both factors on the same rows
+          up, down = groups.factors(load_G(), vec_end, s, group_bound, block)
+          bk_s[...] = (kt * down).astype(dtype)
+          a_s[...] = (load(q_s) * up).astype(dtype)
+          if delta:
+            ak_s[...] = (kt * up).astype(dtype)
+          ak = ak_s
+        else:   # a level: one factor tile (`groups.level_factor`), k's serving both sides of M
+          E = groups.level_factor(load_G(), vec_end, s)
+          bk_s[...] = (kt * E).astype(dtype)
+          a_s[...] = (load(q_s) * E).astype(dtype)
+          ak = bk_s
         plgpu.commit_smem()
         if delta:
-          Ps, Ms = matmuls((sq, [(a_s, bk_s.T)]), (sq, [(ak_s, bk_s.T)]))
+          Ps, Ms = matmuls((sq, [(a_s, bk_s.T)]), (sq, [(ak, bk_s.T)]))
           M = M + jnp.where(groups.keep_mask(C, s, block), Ms, 0.0)
         else:
           (Ps,) = matmuls((sq, [(a_s, bk_s.T)]))

@@ -153,6 +153,23 @@ def factors(G, vec_end, s, bound: float, block: int = GROUP):
   return jnp.exp(jnp.minimum(G - ref, 0.0)), jnp.exp(jnp.minimum(ref - G, 0.0))
 
 
+def later_rows(shape, s: int):
+  """`[C, W]` bool: the rows in the later block of their pair of `s`-token blocks (level `s`'s rows i)."""
+  i = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WGMMA)
+  return lax.rem(lax.div(i, s), 2) == 1
+
+
+def level_factor(G, vec_end, s: int):
+  """Level `s`'s two factors in one float32 `[C, W]` tile: `e^(G - ref)` on its later rows (a level's
+  rows i: `up`), `e^(ref - G)` on its earlier rows (its columns j: `down`), each exponent clamped to
+  <= 0 as `factors` clamps them. A level keeps only entries of a later row and an earlier column, so
+  `up` is read on later rows alone and `down` on earlier rows alone: one exponential a channel and
+  token where `factors` takes two, and for kda one staged tile `k E` that is both `Kr` (earlier rows)
+  and `Ar` (later rows). Equal to `up` and `down` wherever a level's product reads them."""
+  ref = level_reference(vec_end, G.shape, s)
+  return jnp.exp(jnp.minimum(jnp.where(later_rows(G.shape, s), G - ref, ref - G), 0.0))
+
+
 def keep_mask(C: int, s, block: int = GROUP):
   """The entries product `s` keeps (`level_mask`, or the strict `diagonal_mask` for None: the tile's
   own diagonal, undecayed, is `with_diagonal`'s)."""
