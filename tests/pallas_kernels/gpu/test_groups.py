@@ -10,11 +10,14 @@ grams in the Mosaic GPU interpreter, bfloat16 operands.
   kernels ran, forward and backward (`grams="chunk"`, gla's gradients "groups").
 - `grams="chunk"`: each chunk gets exactly the one-reference, the halves' or the groups' tensors, by its
   own form.
+- A level's one factor tile (`groups.level_factor`, the levels' products in both kernels) equals
+  `groups.factors`' up and down exactly on the rows the level reads them, at decays from 0 to -inf.
 - The bound: bfloat16 operands always fit the groups (no per-head XLA branch is built); float16 ones
   fit 2.2 nats a token.
 """
 
 import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,6 +25,7 @@ import pytest
 from linear_attention_jax.pallas_kernels import prep
 from linear_attention_jax.pallas_kernels.gpu import channel, channel_delta_grads, channel_grads, channel_prep
 from linear_attention_jax.pallas_kernels.gpu import groups
+from linear_attention_jax.pallas_kernels.gpu.tiles import COLS, WGMMA
 from tests.ops.conftest import make_inputs, rel_rms
 from tests.pallas_kernels.gpu.util import KERNELS, PARAMS, check, packed_runs
 
@@ -166,3 +170,45 @@ def test_bfloat16_always_fits_the_groups_and_float16_does_not():
   assert bool(groups.fits(G, 64, jnp.float16))
   with pytest.raises(ValueError, match="power of two"):
     groups.groups(24)
+
+
+def test_a_levels_one_factor_tile_equals_its_two_factors_where_the_level_reads_them():
+  # groups.level_factor against groups.factors, in a kernel in the interpreter, at every level of a
+  # 64-token chunk whose channels decay from 0 to 20 nats a token (-inf floored): exactly `up` on each
+  # level's later rows, exactly `down` on its earlier rows, finite and within [0, 1] everywhere
+  C, W = 64, 64
+  r = np.random.default_rng(11)
+  g = r.uniform(-20.0, 0.0, (1, C, 1, W)).astype(np.float32) * r.uniform(0.0, 1.0, (1, 1, 1, W))
+  g[0, 9, 0, :8] = -np.inf
+  G, refs = channel.chunk_cumsum(jnp.asarray(g), C, C)
+  G, refs = G[0, :, 0], refs[0, 0, :, 0]   # [C, W], [2 + NG, W]
+  levels = groups.levels(C)
+  out_shape = jax.ShapeDtypeStruct((len(levels), 3, C, W), jnp.float32)
+
+  def body(g_r, ref_r, out_r, g_s, r_s, o_s, bar):
+    plgpu.copy_gmem_to_smem(g_r, g_s, bar)
+    plgpu.copy_gmem_to_smem(ref_r, r_s, bar)
+    plgpu.barrier_wait(bar)
+    col = lambda row: jax.lax.broadcast_in_dim(plgpu.load(r_s.at[row], layout=COLS), (C, W), [1])
+    vec_end = lambda t: col(groups.FIRST_ROW + t)
+    for n, s in enumerate(levels):
+      Gt = plgpu.load(g_s, layout=WGMMA)
+      up, down = groups.factors(Gt, vec_end, s, groups.GROUP_BOUND)
+      for j, x in enumerate((groups.level_factor(Gt, vec_end, s), up, down)):
+        o_s.at[n, j][...] = x
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_s, out_r)
+    plgpu.wait_smem_to_gmem(0)
+
+  scratch = dict(g_s=plgpu.SMEM((C, W), jnp.float32), r_s=plgpu.SMEM(refs.shape, jnp.float32),
+                 o_s=plgpu.SMEM(out_shape.shape, jnp.float32), bar=plgpu.Barrier(num_arrivals=2))
+  out = np.asarray(plgpu.kernel(body, out_type=out_shape, scratch_types=scratch, grid=(1,), grid_names=("x",),
+                                interpret=PARAMS)(G, refs))
+  i = np.arange(C)[:, None]
+  for n, s in enumerate(levels):
+    E, up, down = out[n]
+    later = np.broadcast_to((i // s) % 2 == 1, E.shape)
+    assert np.isfinite(E).all() and (E >= 0).all() and (E <= 1).all()
+    np.testing.assert_array_equal(E[later], up[later])
+    np.testing.assert_array_equal(E[~later], down[~later])
+    assert (E < 1e-30).any() and (E > 0.5).any()   # the test's decays reach both ends
