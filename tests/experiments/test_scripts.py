@@ -418,3 +418,35 @@ def test_kernel_phases_reads_the_profilers_traces(tmp_path):
   s["span_us"] = s["mean_span_cycles"] / 1980.0
   text = kernel_phases.render({"variants": {"gated_delta_rule": {"pair": s}}})
   assert f"records span {s['span_us']:.2f} us" in text and "| pair.b |" in text
+
+
+def test_ptxas_report_reads_ptxas_and_refuses_without_a_gpu(tmp_path):
+  # Given ptxas's report as MOSAIC_GPU_DUMP_PTXAS=1 prints it on the H200 (NOTES.md v56), with the
+  # interleaved log lines of a real run and a kernel assembled twice alike
+  from experiments import ptxas_report
+  with open(os.path.join(ROOT, "experiments/results/h200_v56/call3/ptxas_new.txt"), encoding="utf-8") as f:
+    text = f.read()
+  noisy = "I1204 some log line\n" + text + "\n" + "\n".join(text.splitlines()[-5:])
+  rows = {r["kernel"]: r for r in ptxas_report.parse(noisy)}
+  # Then each kernel has its registers, spills, stack and ptxas time, the repeat folded into one row
+  assert rows["chunk_grads_channel_delta_k_chunk"] == dict(
+      kernel="chunk_grads_channel_delta_k_chunk", registers=255, spill_stores=2396, spill_loads=1552,
+      stack_bytes=512, ptxas_ms=rows["chunk_grads_channel_delta_k_chunk"]["ptxas_ms"])
+  assert rows["chunk_prep_channel_chunk"]["spill_stores"] == 1324
+  assert rows["short_conv_fwd"] == dict(kernel="short_conv_fwd", registers=20, spill_stores=0,
+                                        spill_loads=0, stack_bytes=0, ptxas_ms=20.076)
+  assert all(r["ptxas_ms"] > 0 and r["registers"] <= 255 for r in rows.values())
+  assert not any("#" in name for name in rows)
+  # another specialisation of one kernel (other numbers) is a second row
+  again = text.replace("Used 20 registers", "Used 24 registers")
+  names = [r["kernel"] for r in ptxas_report.parse(text + "\n" + again)]
+  assert names.count("short_conv_fwd") == 1 and names.count("short_conv_fwd#2") == 1
+  text_md = ptxas_report.render(dict(device="d", jax="j", shape={}, gates="strong", dtype="bfloat16",
+                                     variants={"kda": list(rows.values()), "gla": "exit 1"}))
+  assert "| `chunk_grads_channel_delta_k_chunk` | 255 | 2,396 | 1,552 | 512 |" in text_md
+  assert "error: exit 1" in text_md
+  # and the script says why it cannot run on a CPU
+  done = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "ptxas_report.py"),
+                         f"--workdir={tmp_path}"], capture_output=True, text=True, timeout=120,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert done.returncode != 0 and "needs a CUDA GPU" in done.stderr + done.stdout
