@@ -140,6 +140,35 @@ def call(variant: str, inputs: dict, **options):
   return getattr(ops, variant)(*args, **options)
 
 
+def define_op_flags(variants, *, B: int, T: int, H: int, K: int = 128, V: int = 128, gates: str,
+                    T_help: str = "Sequence length."):
+  """The flags of the scripts that run one op's forward and backward at one shape (kernel_phases.py,
+  ptxas_report.py): --variants, --B, --T, --H, --K, --V, --gates, --dtype, with these defaults."""
+  from absl import flags
+  flags.DEFINE_list("variants", list(variants), "Ops to run.")
+  flags.DEFINE_integer("B", B, "Batch.")
+  flags.DEFINE_integer("T", T, T_help)
+  flags.DEFINE_integer("H", H, "Heads.")
+  flags.DEFINE_integer("K", K, "Key channels.")
+  flags.DEFINE_integer("V", V, "Value channels.")
+  flags.DEFINE_enum("gates", gates, GATES, "Gates (make_inputs).")
+  flags.DEFINE_string("dtype", "bfloat16", "Input dtype.")
+
+
+def op_gradient(variant: str, f, seed: int = 0):
+  """`(grads, args)`: `jax.grad` of `sum(o^2)` over every input of `variant` (`impl="pallas"`, not
+  jitted) and its inputs from the flags of `define_op_flags` (`f`)."""
+  names = input_names(variant)
+  inputs = make_inputs(variant, np.random.default_rng(seed), B=f.B, T=f.T, H=f.H, K=f.K, V=f.V,
+                       dtype=dtype_of(f.dtype), gates=f.gates)
+
+  def loss(*args):
+    o, _ = call(variant, dict(zip(names, args)), impl="pallas")
+    return jnp.sum(o.astype(jnp.float32) ** 2)
+
+  return jax.grad(loss, argnums=tuple(range(len(names)))), tuple(inputs[n] for n in names)
+
+
 def median_ms(fn, args, *, warmup: int, iters: int, calls: int = 1) -> float:
   """The median wall time of `fn(*args)` in ms over `iters` rounds, after one call (compilation) and
   `warmup` more. A round issues `calls` calls back to back and waits for them together, and counts its

@@ -39,7 +39,6 @@ if __package__ in (None, ""):  # run as a file: put the repository root on the p
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
@@ -163,22 +162,11 @@ def sm_clock_mhz(fn, seconds: float = 2.0) -> float | None:
 def trace_op(variant: str, directory: str) -> float | None:
   """Runs `variant`'s forward and backward once under `tiles.phase_trace(directory)`; then, compiled
   without the records, back to back for 2 s while the SM clock is sampled. Returns the clock (MHz)."""
-  f = FLAGS
-  rng = np.random.default_rng(0)
-  inputs = common.make_inputs(variant, rng, B=f.B, T=f.T, H=f.H, K=f.K, V=f.V,
-                              dtype=common.dtype_of(f.dtype), gates=f.gates)
-  names = common.input_names(variant)
-
-  def loss(*args):
-    o, _ = common.call(variant, dict(zip(names, args)), impl="pallas")
-    return jnp.sum(o.astype(jnp.float32) ** 2)
-
-  args = tuple(inputs[n] for n in names)
-  with tiles.phase_trace(directory, ranges=f.ranges):
-    grads = jax.jit(jax.grad(loss, argnums=tuple(range(len(names)))))
-    jax.block_until_ready(grads(*args))
+  grads, args = common.op_gradient(variant, FLAGS)
+  with tiles.phase_trace(directory, ranges=FLAGS.ranges):
+    jax.block_until_ready(jax.jit(grads)(*args))
     jax.effects_barrier()   # the traces are written by host callbacks
-  plain = jax.jit(jax.grad(lambda *a: loss(*a), argnums=tuple(range(len(names)))))   # a new trace
+  plain = jax.jit(lambda *a: grads(*a))   # a new trace, without the records
   return sm_clock_mhz(lambda: plain(*args))
 
 
@@ -233,14 +221,7 @@ def main(argv):
 def _define_flags():
   """The script's flags, defined when it runs (importing its functions defines none: several scripts
   share flag names)."""
-  flags.DEFINE_list("variants", ["gated_delta_rule", "kda"], "Ops to trace (the delta family).")
-  flags.DEFINE_integer("B", 8, "Batch.")
-  flags.DEFINE_integer("T", 4096, "Sequence length.")
-  flags.DEFINE_integer("H", 8, "Heads.")
-  flags.DEFINE_integer("K", 128, "Key channels.")
-  flags.DEFINE_integer("V", 128, "Value channels.")
-  flags.DEFINE_enum("gates", "layer", common.GATES, "Gates (experiments/common.py's make_inputs).")
-  flags.DEFINE_string("dtype", "bfloat16", "Input dtype.")
+  common.define_op_flags(["gated_delta_rule", "kda"], B=8, T=4096, H=8, gates="layer")   # the delta family
   flags.DEFINE_integer("ranges", 40, "Phases a warpgroup may record in one program (16 bytes of shared "
                        "memory each a warpgroup: the pair gradients have room for 40).")
   flags.DEFINE_bool("keep_traces", False, "Also keep every kernel call's Chrome trace.")

@@ -92,20 +92,8 @@ def render(results: dict) -> str:
 def compile_once(variant: str) -> None:
   """The child: `variant`'s forward and backward at the flags' shape, compiled and run once."""
   import jax
-  import jax.numpy as jnp
-  import numpy as np
-
-  f = FLAGS
-  names = common.input_names(variant)
-  inputs = common.make_inputs(variant, np.random.default_rng(0), B=f.B, T=f.T, H=f.H, K=f.K, V=f.V,
-                              dtype=common.dtype_of(f.dtype), gates=f.gates)
-
-  def loss(*args):
-    o, _ = common.call(variant, dict(zip(names, args)), impl="pallas")
-    return jnp.sum(o.astype(jnp.float32) ** 2)
-
-  grads = jax.jit(jax.grad(loss, argnums=tuple(range(len(names)))))
-  jax.block_until_ready(grads(*(inputs[n] for n in names)))
+  grads, args = common.op_gradient(variant, FLAGS)
+  jax.block_until_ready(jax.jit(grads)(*args))
 
 
 def main(argv):
@@ -143,14 +131,8 @@ def main(argv):
 def _define_flags():
   """The script's flags, defined when it runs (importing its functions defines none: several scripts
   share flag names)."""
-  flags.DEFINE_list("variants", ["kda", "gated_delta_rule"], "Ops to compile.")
-  flags.DEFINE_integer("B", 1, "Batch.")
-  flags.DEFINE_integer("T", 256, "Sequence length (the kernels' code does not depend on it).")
-  flags.DEFINE_integer("H", 1, "Heads.")
-  flags.DEFINE_integer("K", 128, "Key channels.")
-  flags.DEFINE_integer("V", 128, "Value channels.")
-  flags.DEFINE_enum("gates", "strong", common.GATES, "Gates (experiments/common.py's make_inputs).")
-  flags.DEFINE_string("dtype", "bfloat16", "Input dtype.")
+  common.define_op_flags(["kda", "gated_delta_rule"], B=1, T=256, H=1, gates="strong",
+                         T_help="Sequence length (the kernels' code does not depend on it).")
   flags.DEFINE_integer("timeout", 600, "Seconds a variant's compile may take.")
   flags.DEFINE_bool("child", False, "Internal: compile the one variant of --variants and exit.")
   flags.DEFINE_string("workdir", "runs/ptxas_report", "Where ptxas.json and ptxas.md go.")
