@@ -52,7 +52,10 @@ def forms(g, C: int) -> dict:
   `one_narrow` at `prep.REF_BOUND`; the mean gate; and, over the (row, chunk, head) beyond one
   reference, how many of the head's K channels are beyond it (`beyond_channels`, their mean; 0 where
   none is beyond) and the share with at most 16 such channels (`beyond_within_16`; 1 where none is
-  beyond): what a form that treats only those channels apart would have to take."""
+  beyond): what a form that treats only those channels apart would have to take. `groups_in_16`: the
+  share of all (row, chunk, head) in the groups' form whose 16-token blocks each fit the diagonal
+  bound (`channel.blocks_fit`), which a form with 16-token diagonal blocks (two levels and a
+  diagonal: three products where the groups take four) would serve."""
   B, T = g.shape[:2]
   T_pad = -(-T // C) * C
   refs = channel.chunk_cumsum(g, T_pad, C)[1]
@@ -67,7 +70,8 @@ def forms(g, C: int) -> dict:
               groups=share(at == channel.GROUPS), one_narrow=share(narrow == channel.ONE),
               mean_g=jnp.mean(g),
               beyond_channels=jnp.sum(jnp.where(beyond, channels, 0)) / count,
-              beyond_within_16=1.0 - jnp.sum(beyond & (channels > 16)) / count)
+              beyond_within_16=1.0 - jnp.sum(beyond & (channels > 16)) / count,
+              groups_in_16=share((at == channel.GROUPS) & channel.blocks_fit(refs, C, jnp.bfloat16, 16)))
 
 
 def census_fn(graphdef, C: int):
@@ -117,12 +121,12 @@ def run() -> list[dict]:
 
 
 def table(rows) -> list[str]:
-  lines = ["| step | layer | one (76) | halves | groups | one (60) | mean g | channels beyond | within 16 |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  lines = ["| step | layer | one (76) | halves | groups | groups in 16-token blocks | one (60) | mean g "
+           "| channels beyond | within 16 |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for r in rows:
     lines.append(f"| {r['step']} | {r['layer']} | {r['one']:.1%} | {r['halves']:.1%} | {r['groups']:.1%} "
-                 f"| {r['one_narrow']:.1%} | {r['mean_g']:.3f} | {r['beyond_channels']:.1f} "
-                 f"| {r['beyond_within_16']:.1%} |")
+                 f"| {r['groups_in_16']:.1%} | {r['one_narrow']:.1%} | {r['mean_g']:.3f} "
+                 f"| {r['beyond_channels']:.1f} | {r['beyond_within_16']:.1%} |")
   return lines
 
 

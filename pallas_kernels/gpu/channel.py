@@ -50,17 +50,24 @@ def channels_beyond(refs, dtype, bound: float | None = None):
   return ~(refs[:, :, 0] - refs[:, :, 1] <= bound)
 
 
+def blocks_fit(refs, C: int, dtype, block: int):
+  """`[B, NC, H_v]` bool: every block of `block` tokens (a multiple of `groups.GROUP`) of the chunk
+  spans, on every channel, at most twice the diagonal bound (`groups.group_bound(dtype)`): the chunks
+  whose diagonal blocks of that size one product each serves. From the groups' end rows of refs."""
+  per = block // groups.GROUP
+  ends = [refs[:, :, groups.FIRST_ROW + (b + 1) * per - 1] for b in range(C // block)]
+  spans = [-ends[0]] + [ends[b - 1] - ends[b] for b in range(1, len(ends))]
+  return jnp.all(jnp.stack(spans) <= 2.0 * groups.group_bound(dtype), axis=(0, -1))
+
+
 def chunk_forms(refs, C: int, dtype, bound: float | None = None):
   """`[B, NC, H_v]` int32, each chunk's form: ONE where every channel spans at most twice the
   one-reference bound (`bound`: a number or one per chunk `[B, NC, H_v]`, default
   `prep.ref_bound(dtype)`; G is non-increasing down a chunk, so `R - G_C`, refs rows 0 and 1, is half
   its span), else HALVES where each block of `groups.HALVES` tokens spans at most twice the diagonal
-  bound (`groups.group_bound(dtype)`), else GROUPS."""
+  bound (`blocks_fit`), else GROUPS."""
   one = ~jnp.any(channels_beyond(refs, dtype, bound), axis=-1)
-  per = groups.HALVES // groups.GROUP
-  ends = [refs[:, :, groups.FIRST_ROW + (b + 1) * per - 1] for b in range(C // groups.HALVES)]
-  spans = [-ends[0]] + [ends[b - 1] - ends[b] for b in range(1, len(ends))]
-  halves = jnp.all(jnp.stack(spans) <= 2.0 * groups.group_bound(dtype), axis=(0, -1))
+  halves = blocks_fit(refs, C, dtype, groups.HALVES)
   return lax.stop_gradient(jnp.where(one, ONE, jnp.where(halves, HALVES, GROUPS)).astype(jnp.int32))
 
 

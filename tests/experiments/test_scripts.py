@@ -295,18 +295,25 @@ def test_lm_benchmark_counts_the_forms_after_each_round(tmp_path):
     assert abs(shares["one"] + shares["halves"] + shares["groups"] - 1) < 1e-6, shares
     assert 0 <= shares["one_narrow"] <= shares["one"], shares
     assert shares["beyond_channels"] >= 0 and 0 <= shares["beyond_within_16"] <= 1, shares
+    assert 0 <= shares["groups_in_16"] <= shares["groups"], shares
 
 
 def test_forms_census_counts_the_channels_beyond_one_reference():
   # chunk 0 fits; in chunk 1, 3 of 32 channels decay 3 nats a token (192 nats over the chunk: beyond
-  # 2 x 76); in chunk 2, 20 of them (more than 16)
+  # 2 x 76; 96 over 32 tokens: the halves' form); in chunk 2, 20 of them (more than 16); in chunk 3,
+  # 3 channels at 8 nats a token (256 over 32 tokens: the groups', 128 over 16: within 2 x 84); in
+  # chunk 4, at 15 (240 over 16 tokens: beyond)
   from experiments import forms_census
-  g = np.full((1, 192, 1, 32), -0.01, np.float32)
+  g = np.full((1, 320, 1, 32), -0.01, np.float32)
   g[0, 64:128, 0, :3] = -3.0
-  g[0, 128:, 0, :20] = -3.0
+  g[0, 128:192, 0, :20] = -3.0
+  g[0, 192:256, 0, :3] = -8.0
+  g[0, 256:, 0, :3] = -15.0
   got = {k: float(v) for k, v in forms_census.forms(jnp.asarray(g), 64).items()}
-  assert got["one"] == pytest.approx(1 / 3) and got["beyond_channels"] == pytest.approx(11.5), got
-  assert got["beyond_within_16"] == pytest.approx(0.5), got
+  assert got["one"] == pytest.approx(1 / 5) and got["halves"] == pytest.approx(2 / 5), got
+  assert got["beyond_channels"] == pytest.approx((3 + 20 + 3 + 3) / 4), got
+  assert got["beyond_within_16"] == pytest.approx(3 / 4), got
+  assert got["groups"] == pytest.approx(2 / 5) and got["groups_in_16"] == pytest.approx(1 / 5), got
 
 
 def test_lm_benchmark_counts_model_flops_by_hand():
