@@ -28,6 +28,7 @@ import sys
 if __package__ in (None, ""):  # run as a file: put the repository root on the path
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import jax
 from absl import app, flags
 
 from experiments import common
@@ -91,7 +92,6 @@ def render(results: dict) -> str:
 
 def compile_once(variant: str) -> None:
   """The child: `variant`'s forward and backward at the flags' shape, compiled and run once."""
-  import jax
   grads, args = common.op_gradient(variant, FLAGS)
   jax.block_until_ready(jax.jit(grads)(*args))
 
@@ -103,7 +103,6 @@ def main(argv):
   if f.child:
     compile_once(variants[0])
     return
-  import jax
   if jax.default_backend() != "gpu":
     raise app.UsageError(f"ptxas_report.py needs a CUDA GPU (Mosaic GPU compiles there); the backend "
                          f"here is {jax.default_backend()!r}")
