@@ -123,8 +123,7 @@ def level_mask(C: int, s: int):
   """`[C, C]` bool: the lower-left block of every pair of `s`-token blocks."""
   i = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
   j = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
-  return (lax.div(i, 2 * s) == lax.div(j, 2 * s)) & (lax.rem(lax.div(i, s), 2) == 1) & \
-      (lax.rem(lax.div(j, s), 2) == 0)
+  return (lax.div(i, 2 * s) == lax.div(j, 2 * s)) & later_rows((C, C), s) & (lax.rem(lax.div(j, s), 2) == 0)
 
 
 def diagonal_mask(C: int, inclusive: bool, block: int = GROUP):
