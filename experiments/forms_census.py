@@ -46,7 +46,7 @@ LETTERS = "K"   # the per-channel delta mixers whose layers the census reads (Ki
 C = 64          # the GPU kernels' chunk (`plan.CHUNK_SIZES`), whatever the model's --chunk_size
 
 
-def forms(g, C: int) -> dict:
+def forms(g, C: int, strength=None) -> dict:
   """The shares of `g [B, T, H_v, K]`'s (row, chunk, head) in each form for bfloat16 operands: `one`,
   `halves`, `groups` at the bound of l2-normalised q, k (`prep.UNIT_REF_BOUND`, kda's default),
   `one_narrow` at `prep.REF_BOUND`; the mean gate; and, over the (row, chunk, head) beyond one
@@ -55,7 +55,14 @@ def forms(g, C: int) -> dict:
   beyond): what a form that treats only those channels apart would have to take. `groups_in_16`: the
   share of all (row, chunk, head) in the groups' form whose 16-token blocks each fit the diagonal
   bound (`channel.blocks_fit`), which a form with 16-token diagonal blocks (two levels and a
-  diagonal: three products where the groups take four) would serve."""
+  diagonal: three products where the groups take four) would serve.
+
+  A form that keeps one reference for most channels and the groups' products for a slice of n
+  (`beyond_within_32`, `beyond_within_64`: the share of beyond chunks with at most n channels beyond)
+  needs those channels in one place: `mean_top_n`, the share of beyond chunks whose every channel
+  beyond lies among the n that decay most over the row's whole sequence (one channel order a row and
+  head); with `strength [H_v, K]` (a layer's per-channel gate bias: larger decays more),
+  `strength_top_n`, among the n strongest by it (one order a head, from the parameters)."""
   B, T = g.shape[:2]
   T_pad = -(-T // C) * C
   refs = channel.chunk_cumsum(g, T_pad, C)[1]
@@ -66,12 +73,25 @@ def forms(g, C: int) -> dict:
   channels = jnp.sum(channel.channels_beyond(refs, jnp.bfloat16, bound), axis=-1)   # [B, NC, H_v]
   beyond = at != channel.ONE
   count = jnp.maximum(jnp.sum(beyond), 1)
-  return dict(one=share(at == channel.ONE), halves=share(at == channel.HALVES),
-              groups=share(at == channel.GROUPS), one_narrow=share(narrow == channel.ONE),
-              mean_g=jnp.mean(g),
-              beyond_channels=jnp.sum(jnp.where(beyond, channels, 0)) / count,
-              beyond_within_16=1.0 - jnp.sum(beyond & (channels > 16)) / count,
-              groups_in_16=share((at == channel.GROUPS) & channel.blocks_fit(refs, C, jnp.bfloat16, 16)))
+  which = channel.channels_beyond(refs, jnp.bfloat16, bound)   # [B, NC, H_v, K]
+  within = lambda top: 1.0 - jnp.sum(beyond & jnp.any(which & ~top[:, None], axis=-1)) / count
+  out = dict(one=share(at == channel.ONE), halves=share(at == channel.HALVES),
+             groups=share(at == channel.GROUPS), one_narrow=share(narrow == channel.ONE),
+             mean_g=jnp.mean(g), beyond_channels=jnp.sum(jnp.where(beyond, channels, 0)) / count,
+             groups_in_16=share((at == channel.GROUPS) & channel.blocks_fit(refs, C, jnp.bfloat16, 16)))
+  for n in (16, 32, 64):
+    out[f"beyond_within_{n}"] = 1.0 - jnp.sum(beyond & (channels > n)) / count
+  for n in (32, 64):
+    out[f"mean_top_{n}"] = within(strongest(-jnp.mean(g.astype(jnp.float32), axis=1), n))   # [B, H_v, K]
+    if strength is not None:
+      out[f"strength_top_{n}"] = within(jnp.broadcast_to(strongest(strength, n), which[:, 0].shape))
+  return out
+
+
+def strongest(key, n: int):
+  """`key`'s shape, bool: the n largest of `key` along its last axis."""
+  rank = jnp.argsort(jnp.argsort(-key, axis=-1), axis=-1)
+  return rank < n
 
 
 def census_fn(graphdef, C: int):
@@ -86,7 +106,8 @@ def census_fn(graphdef, C: int):
     for block in model.blocks:
       if block.letter in LETTERS:
         g, _ = block.mixer.gates(block.mixer_norm(h))
-        out.append(forms(g, C))
+        strength = block.mixer.dt_bias[...].astype(jnp.float32).reshape(g.shape[2:])
+        out.append(forms(g, C, strength))
       h, _ = block(h)
     return out
 
@@ -122,11 +143,15 @@ def run() -> list[dict]:
 
 def table(rows) -> list[str]:
   lines = ["| step | layer | one (76) | halves | groups | groups in 16-token blocks | one (60) | mean g "
-           "| channels beyond | within 16 |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| channels beyond | within 16 / 32 / 64 | in the 32 / 64 decaying most (row) "
+           "| in the 32 / 64 strongest (bias) |", "| --- " * 12 + "|"]
+  pct = lambda r, keys: " / ".join(f"{r[k]:.0%}" if k in r else "-" for k in keys)
   for r in rows:
     lines.append(f"| {r['step']} | {r['layer']} | {r['one']:.1%} | {r['halves']:.1%} | {r['groups']:.1%} "
                  f"| {r['groups_in_16']:.1%} | {r['one_narrow']:.1%} | {r['mean_g']:.3f} "
-                 f"| {r['beyond_channels']:.1f} | {r['beyond_within_16']:.1%} |")
+                 f"| {r['beyond_channels']:.1f} "
+                 f"| {pct(r, ['beyond_within_16', 'beyond_within_32', 'beyond_within_64'])} "
+                 f"| {pct(r, ['mean_top_32', 'mean_top_64'])} | {pct(r, ['strength_top_32', 'strength_top_64'])} |")
   return lines
 
 

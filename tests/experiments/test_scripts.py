@@ -198,6 +198,7 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
       assert abs(r["one"] + r["halves"] + r["groups"] - 1) < 1e-6 and r["one_narrow"] <= r["one"] <= 1, r
       assert r["mean_g"] < 0, r
       assert 0 <= r["beyond_channels"] <= 16 and 0 <= r["beyond_within_16"] <= 1, r
+      assert all(0 <= r[f"{by}_top_{n}"] <= 1 for by in ("mean", "strength") for n in (32, 64)), r
   if script == "kernel_breakdown.py":  # a stage that fails is reported as NaN: none may here
     stages = next(f for f in flags if f.startswith("--stages="))[len("--stages="):].split(",")
     variant = next(f for f in flags if f.startswith("--variants="))[len("--variants="):]
@@ -314,6 +315,23 @@ def test_forms_census_counts_the_channels_beyond_one_reference():
   assert got["beyond_channels"] == pytest.approx((3 + 20 + 3 + 3) / 4), got
   assert got["beyond_within_16"] == pytest.approx(3 / 4), got
   assert got["groups"] == pytest.approx(2 / 5) and got["groups_in_16"] == pytest.approx(1 / 5), got
+
+
+def test_forms_census_places_the_channels_beyond_in_an_order():
+  # 128 channels; chunk 1: channels 0-39 decay 3 nats a token (40 beyond: within 64, not 32); chunk 2:
+  # channels 100-109 at 4 (10 beyond). Over the row channels 100-109 decay most, then 0-39, so the 32
+  # decaying most hold chunk 2's and not chunk 1's; the 64 hold both. By a strength that ranks channel
+  # 0 first, the 32 strongest hold neither chunk's, the 64 strongest chunk 1's
+  from experiments import forms_census
+  g = np.full((1, 192, 1, 128), -0.01, np.float32)
+  g[0, 64:128, 0, :40] = -3.0
+  g[0, 128:, 0, 100:110] = -4.0
+  strength = -jnp.arange(128.0)[None]
+  got = {k: float(v) for k, v in forms_census.forms(jnp.asarray(g), 64, strength).items()}
+  assert got["beyond_within_32"] == pytest.approx(1 / 2) and got["beyond_within_64"] == 1.0, got
+  assert got["mean_top_32"] == pytest.approx(1 / 2) and got["mean_top_64"] == 1.0, got
+  assert got["strength_top_32"] == 0.0 and got["strength_top_64"] == pytest.approx(1 / 2), got
+  assert "strength_top_32" not in forms_census.forms(jnp.asarray(g), 64), got
 
 
 def test_lm_benchmark_counts_model_flops_by_hand():
