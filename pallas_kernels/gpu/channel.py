@@ -50,24 +50,37 @@ def channels_beyond(refs, dtype, bound: float | None = None):
   return ~(refs[:, :, 0] - refs[:, :, 1] <= bound)
 
 
-def blocks_fit(refs, C: int, dtype, block: int):
-  """`[B, NC, H_v]` bool: every block of `block` tokens (a multiple of `groups.GROUP`) of the chunk
-  spans, on every channel, at most twice the diagonal bound (`groups.group_bound(dtype)`): the chunks
-  whose diagonal blocks of that size one product each serves. From the groups' end rows of refs."""
+def blocks_fit(refs, C: int, dtype, block: int, width: int | None = None):
+  """`[B, NC, H_v]` bool (`[B, NC, H_v, K // width]` with `width`: each part of `width` channels apart):
+  every block of `block` tokens (a multiple of `groups.GROUP`) of the chunk spans, on every channel, at
+  most twice the diagonal bound (`groups.group_bound(dtype)`): the chunks whose diagonal blocks of that
+  size one product each serves. From the groups' end rows of refs."""
   per = block // groups.GROUP
   ends = [refs[:, :, groups.FIRST_ROW + (b + 1) * per - 1] for b in range(C // block)]
   spans = [-ends[0]] + [ends[b - 1] - ends[b] for b in range(1, len(ends))]
-  return jnp.all(jnp.stack(spans) <= 2.0 * groups.group_bound(dtype), axis=(0, -1))
+  fit = jnp.all(jnp.stack(spans) <= 2.0 * groups.group_bound(dtype), axis=0)   # [B, NC, H_v, K]
+  return jnp.all(_parts(fit, width), axis=-1)
 
 
-def chunk_forms(refs, C: int, dtype, bound: float | None = None):
+def _parts(x, width: int | None):
+  """`x [..., K]` as `[..., K // width, width]`, or unchanged (`width` None: the whole K, one part)."""
+  if width is None:
+    return x
+  if x.shape[-1] % width:
+    raise ValueError(f"width must divide K = {x.shape[-1]}; got {width}")
+  return x.reshape(*x.shape[:-1], x.shape[-1] // width, width)
+
+
+def chunk_forms(refs, C: int, dtype, bound: float | None = None, width: int | None = None):
   """`[B, NC, H_v]` int32, each chunk's form: ONE where every channel spans at most twice the
   one-reference bound (`bound`: a number or one per chunk `[B, NC, H_v]`, default
   `prep.ref_bound(dtype)`; G is non-increasing down a chunk, so `R - G_C`, refs rows 0 and 1, is half
   its span), else HALVES where each block of `groups.HALVES` tokens spans at most twice the diagonal
-  bound (`blocks_fit`), else GROUPS."""
-  one = ~jnp.any(channels_beyond(refs, dtype, bound), axis=-1)
-  halves = blocks_fit(refs, C, dtype, groups.HALVES)
+  bound (`blocks_fit`), else GROUPS. With `width`, `[B, NC, H_v, K // width]`: the form of each part
+  of `width` channels of the chunk on its own (a kernel that takes the key channels a part at a time
+  gives each part the products its channels need; the chunk's form is the largest of its parts')."""
+  one = ~jnp.any(_parts(channels_beyond(refs, dtype, bound), width), axis=-1)
+  halves = blocks_fit(refs, C, dtype, groups.HALVES, width)
   return lax.stop_gradient(jnp.where(one, ONE, jnp.where(halves, HALVES, GROUPS)).astype(jnp.int32))
 
 
@@ -78,10 +91,20 @@ def with_form_row(refs, C: int, dtype, bound: float | None = None):
   return jnp.concatenate([refs, jnp.broadcast_to(form[:, :, None, :, None], refs[:, :, :1].shape)], axis=2)
 
 
-def form_tokens(refs, C: int, dtype, bound=None):
+def form_tokens(refs, C: int, dtype, bound=None, width: int | None = None):
   """`[B, H_v, T_pad]` float32: `chunk_forms` (one-reference `bound`) on each of the chunk's tokens, the
-  layout of the gradient kernels' per-token vectors (their `grams="chunk"` reads it)."""
-  return jnp.repeat(jnp.swapaxes(chunk_forms(refs, C, dtype, bound), 1, 2).astype(F32), C, axis=2)
+  layout of the gradient kernels' per-token vectors (their `grams="chunk"` reads it). With `width`, the
+  chunk's token p holds the form of its part p of `width` channels (`chunk_forms(..., width)`), and its
+  tokens after the last part the chunk's form."""
+  if width is None:
+    return jnp.repeat(jnp.swapaxes(chunk_forms(refs, C, dtype, bound), 1, 2).astype(F32), C, axis=2)
+  parts = chunk_forms(refs, C, dtype, bound, width)   # [B, NC, H_v, P]
+  if parts.shape[-1] > C:
+    raise ValueError(f"at most C = {C} parts of width {width}; got {parts.shape[-1]}")
+  rest = jnp.broadcast_to(jnp.max(parts, axis=-1, keepdims=True), parts.shape[:-1] + (C - parts.shape[-1],))
+  tokens = jnp.concatenate([parts, rest], axis=-1)   # [B, NC, H_v, C]
+  B, NC, Hv = parts.shape[:3]
+  return jnp.swapaxes(tokens, 1, 2).reshape(B, Hv, NC * C).astype(F32)
 
 
 def cotangent_bound(dP, dM, C: int):

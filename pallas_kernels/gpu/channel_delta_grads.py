@@ -179,8 +179,10 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
   grams: "one" (the module docstring's one reference), "groups" (groups.py's products, for chunks
     beyond the one-reference bound: every gram term is their sum, each product's factors about its own
     references, dP and dM kept on each product's entries in turn), "halves" (the same with 32-token
-    diagonal blocks) or "chunk" (each chunk the first of one, halves, groups that fits it,
-    `channel.chunk_forms`: a `lax.cond` in the kernel on `channel.form_tokens`).
+    diagonal blocks) or "chunk" (each half of a chunk's key channels the first of one, halves, groups
+    that fits its channels, `channel.chunk_forms(..., width=HALF)`: a `lax.cond` in the kernel on
+    `channel.form_tokens`; a chunk whose strong channels lie in one half takes one reference in the
+    other).
   unit_bound: q and k are l2-normalised (entries within [-1, 1]): with `grams="chunk"`, a chunk takes one
     reference up to its own bound from its cotangents (`channel.cotangent_bound`, at most
     `prep.UNIT_REF_BOUND`) instead of `prep.ref_bound(dtype)`.
@@ -231,7 +233,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
                  (g_r.at[bi, rows_t, h, cols(i)], g_s.at[i]), (st_r.at[bi, h, n, :, cols(i)], st_s.at[i]),
                  (dst_r.at[bi, h, n, :, cols(i)], dst_s.at[i])]
     copies += [(m_r.at[bi, j, rows_t], m_s.at[j]) for j in range(SEG_ROWS if has_seg else 0)]
-    if chunkwise:   # the chunk's form (`channel.form_tokens`), in dbeta's tile until dbeta is written
+    if chunkwise:   # each half's form (`channel.form_tokens`), in dbeta's tile until dbeta is written
       copies.append((fit_r.at[bi, h, rows_t], vec_s))
     for src, dst in copies:   # one arrival each
       plgpu.copy_gmem_to_smem(src, dst, bar)
@@ -251,15 +253,17 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
     gb = groups.group_bound(dtype)
     vec_end = lambda i: lambda t: colv(groups.FIRST_ROW + t, i)
 
-    # "chunk": this chunk's own form (`channel.chunk_forms`), by `channel.form_tokens`
-    form = vec_s[0] if chunkwise else None
+    # "chunk": each half of the key channels its own form (`channel.chunk_forms(..., width=HALF)`),
+    # the chunk's token i holding half i's (`channel.form_tokens`)
+    forms = [vec_s[i] for i in range(KH)] if chunkwise else None
     blocks = {"halves": groups.HALVES, "groups": groups.GROUP}
 
-    def by_form(one, grouped):
+    def by_form(i, one, grouped):
       if grams == "one":
         return one()
       if grams in blocks:
         return grouped(blocks[grams])
+      form = forms[i]
       return lax.cond(form < 0.5, one, lambda: lax.cond(form < 1.5, lambda: grouped(groups.HALVES),
                                                          lambda: grouped(groups.GROUP)))
 
@@ -309,7 +313,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
 
     for i in range(KH):
       with phase(f"keys.terms_{i}"):
-        dqg, dkd, dBk, dq_p, minus, plus = by_form(lambda: one_terms(i), lambda b: group_terms(i, b))
+        dqg, dkd, dBk, dq_p, minus, plus = by_form(i, lambda: one_terms(i), lambda b: group_terms(i, b))
       with phase(f"keys.dq_{i}"):
         Gt = fresh(load(g_s.at[i]))
         qt = load(q_s.at[i])
@@ -355,7 +359,8 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
   args = [q.astype(dtype), k.astype(dtype), G, refs, b, do.astype(dtype), u, dr, dP, dM,
           states.astype(dtype), dstates.astype(dtype)] + ([masks] if has_seg else [])
   if chunkwise:
-    args.append(channel.form_tokens(refs, C, dtype, channel.cotangent_bound(dP, dM, C) if unit else None))
+    args.append(channel.form_tokens(refs, C, dtype, channel.cotangent_bound(dP, dM, C) if unit else None,
+                                    width=HALF))
   out_type = (jax.ShapeDtypeStruct((B, T_pad, Hv, K), dtype), jax.ShapeDtypeStruct((B, T_pad, Hv, K), dtype),
               jax.ShapeDtypeStruct((B, T_pad, Hv, K), F32), jax.ShapeDtypeStruct((B, Hv, T_pad), F32))
   outs = plgpu.kernel(

@@ -9,7 +9,7 @@ grams in the Mosaic GPU interpreter, bfloat16 operands.
   both forms in one call) and with -inf tokens, grouped heads and packed rows; a spy checks which
   kernels ran, forward and backward (`grams="chunk"`, gla's gradients "groups").
 - `grams="chunk"`: each chunk gets exactly the one-reference, the halves' or the groups' tensors, by its
-  own form.
+  own form; in kda's key side, each half of a chunk's key channels by its own channels' form.
 - A level's one factor tile (`groups.level_factor`, the levels' products in both kernels) equals
   `groups.factors`' up and down exactly on the rows the level reads them, at decays from 0 to -inf.
 - The bound: bfloat16 operands always fit the groups (no per-head XLA branch is built); float16 ones
@@ -160,6 +160,45 @@ def test_each_chunk_takes_its_own_form(delta):
       for n in range(4):
         want = by[name[forms[0, n, h]]][i]
         np.testing.assert_array_equal(np.asarray(got[0, h, n]), np.asarray(want[0, h, n]))
+
+
+def test_each_half_of_the_key_channels_takes_its_own_form():
+  # kda's key side, grams="chunk", K = 128 (two halves of 64 channels): each half of each chunk gets
+  # exactly the dq, dk, dG columns of the form its own channels need, so a chunk whose strong channels
+  # lie in one half takes one reference in the other
+  B, T, Hv, K, V, C = 1, 256, 1, 128, 64, 64
+  NC = T // C
+  r = np.random.default_rng(9)
+  g = r.uniform(-0.5, 0.0, (B, T, Hv, K)).astype(np.float32)
+  g[:, 64:128, :, :64] = r.uniform(-20.0, 0.0, (B, 64, Hv, 64))   # chunk 1: groups | one
+  g[:, 128:192, :, 64:] = -2.5                                     # chunk 2: one | halves
+  g[:, 192:, :, :64] = -2.5                                        # chunk 3: halves | groups
+  g[:, 192:, :, 64:] = r.uniform(-20.0, 0.0, (B, 64, Hv, 64))
+  G, refs = channel.chunk_cumsum(jnp.asarray(g), T, C)
+  one, halves, grouped = channel.ONE, channel.HALVES, channel.GROUPS
+  parts = np.asarray(channel.chunk_forms(refs, C, jnp.bfloat16, width=64))[0, :, 0]
+  np.testing.assert_array_equal(parts, [[one, one], [grouped, one], [one, halves], [halves, grouped]])
+  np.testing.assert_array_equal(np.asarray(channel.chunk_forms(refs, C, jnp.bfloat16))[0, :, 0],
+                                parts.max(axis=-1))
+  bf = lambda *shape: jnp.asarray(r.normal(size=shape) * 0.3, jnp.bfloat16)
+  q, k = bf(B, T, Hv, K), bf(B, T, Hv, K)
+  b = jnp.asarray(r.uniform(0.1, 1.0, (B, Hv, T)), jnp.float32)
+  do, u, dr = bf(B, T, Hv, V), bf(B, Hv, T, V), bf(B, Hv, T, V)
+  lower = np.tril(np.ones((C, C), bool))
+  dP = jnp.asarray(np.asarray(bf(B, Hv, T, C), np.float32) * np.tile(lower, (NC, 1)), jnp.bfloat16)
+  dM = jnp.asarray(np.asarray(bf(B, Hv, T, C), np.float32) * np.tile(np.tril(lower, -1), (NC, 1)),
+                   jnp.bfloat16)
+  states, dstates = bf(B, Hv, NC, V, K), bf(B, Hv, NC, V, K)
+  run = lambda grams: channel_delta_grads.key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates,
+                                                   dtype=jnp.bfloat16, interpret=PARAMS, grams=grams)[:3]
+  by = {grams: [np.asarray(x) for x in run(grams)] for grams in ("one", "halves", "groups", "chunk")}
+  name = {one: "one", halves: "halves", grouped: "groups"}
+  for i in range(3):   # dq, dk, dG [B, T, H_v, K]
+    for n in range(NC):
+      for half in range(2):
+        at = (0, slice(n * C, (n + 1) * C), 0, slice(half * 64, (half + 1) * 64))
+        np.testing.assert_array_equal(by["chunk"][i][at], by[name[parts[n, half]]][i][at])
+  assert all(np.isfinite(x).all() for x in by["chunk"])
 
 
 def test_bfloat16_always_fits_the_groups_and_float16_does_not():
