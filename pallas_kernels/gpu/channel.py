@@ -5,7 +5,11 @@ bound (`fits`), the key channels per pass (`HALF`) and the gradients' last steps
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .. import prep
@@ -128,6 +132,52 @@ def fits(G, C: int, dtype, bound: float | None = None):
   B, T_pad, Hv, K = G.shape
   return prep.one_reference_fits(jnp.moveaxis(G.reshape(B, T_pad // C, C, Hv, K), 2, -2),
                                  prep.ref_bound(dtype) if bound is None else bound)
+
+
+def channel_order(g, H: int):
+  """`(order, inverse)` int32 `[B, H, K]`: each batch row's and key head's channels by how much they
+  decay over the row (`-sum_t g`, summed over the head's value heads), strongest first, and the
+  inverse permutation (`GpuConfig.order_channels`). Not differentiated (an order is piecewise
+  constant)."""
+  B, T, Hv, K = g.shape
+  decay = -jnp.sum(lax.stop_gradient(g).astype(F32), axis=1).reshape(B, H, Hv // H, K).sum(axis=2)
+  order = jnp.argsort(-decay, axis=-1, stable=True).astype(jnp.int32)
+  return order, jnp.argsort(order, axis=-1).astype(jnp.int32)
+
+
+def permute_channels(x, order, inverse, heads_axis: int, axis: int):
+  """`x` with its channel `axis` taken in `order` (`[B, H', K]`, one order a batch row and head along
+  `heads_axis`, repeated over grouped heads where x has more heads than order); differentiable, its
+  cotangent taken back by `inverse` (a gather, not a scatter-add)."""
+  return _permute(x, order, inverse, heads_axis, axis)
+
+
+def _take(x, order, heads_axis: int, axis: int):
+  """`x` gathered along `axis` by `order [B, H', K]` (batch on axis 0, heads on `heads_axis < axis`)."""
+  B, Hp, K = order.shape
+  reps = x.shape[heads_axis] // Hp
+  idx = jnp.repeat(order, reps, axis=1) if reps > 1 else order   # [B, H_x, K]
+  shape = [1] * x.ndim
+  shape[0], shape[heads_axis], shape[axis] = B, x.shape[heads_axis], K
+  return jnp.take_along_axis(x, jnp.broadcast_to(idx.reshape(shape), x.shape), axis=axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _permute(x, order, inverse, heads_axis, axis):
+  return _take(x, order, heads_axis, axis)
+
+
+def _permute_fwd(x, order, inverse, heads_axis, axis):
+  return _take(x, order, heads_axis, axis), (order, inverse)
+
+
+def _permute_bwd(heads_axis, axis, res, ct):
+  order, inverse = res
+  zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)
+  return _take(ct, inverse, heads_axis, axis), zero(order), zero(inverse)
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 def key_grads(dq, dk, dG, q, k, g, C: int):

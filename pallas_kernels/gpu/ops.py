@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from .. import common, prep, prepared, vjp
 from . import plan as plans
-from . import walk
+from . import channel, walk
 from .interpret import check_interpreter_threads, interpreting
 from .plan import GpuConfig
 
@@ -154,8 +154,18 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
                            options=Options(sequence_pieces=p.sequence_pieces, interpret=interpret or None),
                            chunk_size=chunk_size, compute_dtype=dtype, out_dtype=jnp.dtype(out_dtype),
                            inverse_dtype=jnp.dtype(jnp.float32), gram_method=p.gram_method)
-  return vjp.chunked_op(static, q, k, v, g, beta, scale=K ** -0.5 if scale is None else scale,
-                        initial_state=initial_state, segment_ids=segment_ids)
+  scale = K ** -0.5 if scale is None else scale
+  if not p.order_channels:
+    return vjp.chunked_op(static, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                          segment_ids=segment_ids)
+  # the strongest channels first (`GpuConfig.order_channels`); the final state back in the callers' order
+  order, inverse = channel.channel_order(g, H)
+  q, k, g = (channel.permute_channels(x, order, inverse, 2, 3) for x in (q, k, g))
+  if initial_state is not None:
+    initial_state = channel.permute_channels(initial_state, order, inverse, 1, 2)
+  o, final = vjp.chunked_op(static, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                            segment_ids=segment_ids)
+  return o, channel.permute_channels(final, inverse, order, 1, 2)
 
 
 def _by_head_blocks(q, k, v, g, beta, *, scale, initial_state, segment_ids, out_dtype, qk_l2norm, **call):

@@ -119,6 +119,13 @@ class GpuConfig:
     KDA layer's fwd+bwd holds two tests and 9 Mosaic GPU kernels, 5 without them. Float16 operands
     keep the test (beyond the groups' bound they take the merge form per head), as does gla's
     backward (its gradient kernel has no per-chunk form).
+  order_channels: kda (the per-channel delta family, whose key-side gradients take the key channels
+    in halves of 64, each half its own form: `channel.chunk_forms(..., width=HALF)`) reorders each
+    batch row's and key head's channels by how much they decay over the row, strongest first
+    (`channel.channel_order`), before the kernels, and restores the order of dq, dk, dg and the final
+    state after them: a chunk whose channels beyond one reference all lie among the row's 64 strongest
+    takes one reference in its other half. The call's values are the same up to the order of the
+    float32 sums over channels. Off by default until it is timed on a device.
   gram_method: XLA's per-channel decayed grams (`prep.GRAM_METHODS`) where XLA prepares: "auto" (one
     product about a per-channel reference within the bound, else the merge form) or "merge" (NOTES.md
     v25: a third form, whole-tile levels, was slower on the H200 and is gone).
@@ -138,13 +145,14 @@ class GpuConfig:
   grads_programs: int | None = None
   unit_ref_bound: bool = True
   call_test: bool = True
+  order_channels: bool = False
 
   def __post_init__(self):
     for name, allowed in (("forward", FORWARDS), ("backward", BACKWARDS), ("forward_warpgroups", (1, 3)),
                           ("delta_warpgroups", (1, 2)), ("gram_method", prep.GRAM_METHODS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"GpuConfig.{name} must be one of {allowed}; got {getattr(self, name)!r}")
-    for name in ("unit_ref_bound", "call_test"):
+    for name in ("unit_ref_bound", "call_test", "order_channels"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"GpuConfig.{name} must be a bool; got {getattr(self, name)!r}")
     for name in ("sequence_pieces", "grads_programs"):
@@ -176,6 +184,7 @@ class Plan:
   forward_ref_bound: float = prep.REF_BOUND   # the per-channel forward's one-reference bound
   unit_bound: bool = False     # GpuConfig.unit_ref_bound where it holds (q, k l2-normalised, bfloat16)
   call_test: bool = True       # GpuConfig.call_test: a call-wide lax.cond before per-chunk kernels
+  order_channels: bool = False  # GpuConfig.order_channels where kda's key-side kernel runs
 
   def row(self) -> tuple[str, ...]:
     """The module table's columns from plan.forward on."""
@@ -244,7 +253,8 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
               and not groups.always_fits(dtype),
               forward_ref_bound=prep.ref_bound(dtype, unit=unit and forward == "channel_prep"),
               unit_bound=unit and jnp.dtype(dtype) != jnp.float16,
-              call_test=config.call_test or not groups.always_fits(dtype))
+              call_test=config.call_test or not groups.always_fits(dtype),
+              order_channels=config.order_channels and backward == "channel_delta_grads")
 
 
 def hopper_reason(backend: str | None = None) -> str | None:

@@ -171,14 +171,15 @@ def test_per_channel_preparation_kernel_exports_for_hopper(kind, D, packed):
   assert "chunk_prep_channel" in fwd and "chunk_prep_channel_chunk" in fwd and "chunk_walk_fwd" in fwd
 
 
-@pytest.mark.parametrize("kind,D,group,packed,pieces", [("gla", 128, 1, True, 2), ("gla", 64, 2, False, 1),
-                                                        ("kda", 128, 1, True, 2), ("kda", 64, 2, False, 1)])
-def test_per_channel_gradient_kernels_export_for_hopper(kind, D, group, packed, pieces):
+@pytest.mark.parametrize("kind,D,group,packed,pieces,order", [
+    ("gla", 128, 1, True, 2, False), ("gla", 64, 2, False, 1, False), ("kda", 128, 1, True, 2, False),
+    ("kda", 64, 2, False, 1, True)])
+def test_per_channel_gradient_kernels_export_for_hopper(kind, D, group, packed, pieces, order):
   # the backward: the reverse walk over the saved tensors, then gla's chunk_grads_channel (halves of 64
   # key channels, ~209 KB of shared memory at K = V = 128) or kda's value-side and key-side kernels
   # (~192 / ~218 KB), inside the lax.cond whose other branch is the same kernels on the 8-token groups'
   # products (chunk_grads_channel_groups) or, for kda, choosing per chunk between the two forms
-  # (chunk_grads_channel_delta_k_chunk)
+  # (chunk_grads_channel_delta_k_chunk); `order`: kda's channels strongest first (GpuConfig.order_channels)
   Hv = group * H
   delta = kind == "kda"
   args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, Hv, D), _spec(B, T, Hv, D, dtype=jnp.float32),
@@ -187,12 +188,13 @@ def test_per_channel_gradient_kernels_export_for_hopper(kind, D, group, packed, 
 
   def loss(q, k, v, g, beta, h0):
     o, final = gpu.chunked_attention(q, k, v, g, beta, initial_state=h0, segment_ids=seg,
-                                     config=gpu.GpuConfig(sequence_pieces=pieces))
+                                     config=gpu.GpuConfig(sequence_pieces=pieces, order_channels=order))
     return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
 
   argnums = tuple(i for i, a in enumerate(args) if a is not None)
   with jax.sharding.use_abstract_mesh(H200):
     bwd = jax.export.export(jax.jit(jax.grad(loss, argnums=argnums)), platforms=["cuda"])(*args).mlir_module()
+  assert ("stablehlo.gather" in bwd) == order   # the order's gathers, forward and back
   names = ["chunk_grads_channel_delta_v", "chunk_grads_channel_delta_k"] if delta else ["chunk_grads_channel"]
   names += ["chunk_grads_channel_delta_k_chunk"] if delta else ["chunk_grads_channel_groups"]
   assert all(name in bwd for name in names)
