@@ -19,7 +19,9 @@ default's one program a chunk in the same process; ":sN" (e.g. `G:s4`) walks eac
 pieces (`GpuConfig.sequence_pieces`); the suffix ":n" (e.g. `K:n`) gives kda's kernels of
 l2-normalised q, k the narrower one-reference bound of other operands (`GpuConfig(unit_ref_bound=False)`;
 ":u" the default's wider one, explicitly); ":c" (e.g. `K:c`) runs the per-channel kernels that choose
-each chunk's form without the call-wide `lax.cond` before them (`GpuConfig(call_test=False)`). Writes
+each chunk's form without the call-wide `lax.cond` before them (`GpuConfig(call_test=False)`); ":o"
+(e.g. `K:o`) takes kda's channels strongest first, so that each half of the key-side gradients' channels
+takes its own form (`GpuConfig(order_channels=True)`). Writes
 `{workdir}/layers.json` and `layers.md`; with several `--T`, also `layers.png`: each mixer's time per
 token against T next to softmax attention's, and the T from which each mixer is faster.
 """
@@ -51,7 +53,7 @@ def build(mixer: str, *, width: int, heads: int, impl: str, dtype):
   """The layer of `mixer` (module docstring), bfloat16 compute over float32 parameters."""
   name, _, variant = mixer.partition(":")
   if variant != "xlaconv" and kernel_options(mixer) is None:
-    raise ValueError(f"mixer suffix must be ':xlaconv', ':pN' or ':sN' (N > 0), ':u', ':n', ':c' or none; "
+    raise ValueError(f"mixer suffix must be ':xlaconv', ':pN' or ':sN' (N > 0), ':u', ':n', ':c', ':o' or none; "
                      f"got {mixer!r}")
   layer = _build(name, width=width, heads=heads, impl=impl, dtype=dtype)
   for conv in getattr(layer, "convs", ()) if variant == "xlaconv" else ():
@@ -64,12 +66,15 @@ def kernel_options(mixer: str) -> dict | None:
   ':xlaconv', which is the layer's own), `grads_programs=N` for ':pN' (persistent pair-gradient
   programs), `sequence_pieces=N` for ':sN' (each sequence's walks in N pieces), `unit_ref_bound=True`
   for ':u' (the default) and False for ':n' (the narrower one-reference bound), `call_test=False` for
-  ':c' (per-chunk kernels without the call-wide lax.cond); None for any other suffix."""
+  ':c' (per-chunk kernels without the call-wide lax.cond), `order_channels=True` for ':o' (kda's
+  channels strongest first); None for any other suffix."""
   _, _, suffix = mixer.partition(":")
   if suffix in ("", "xlaconv"):
     return {}
   if suffix == "c":
     return dict(call_test=False)
+  if suffix == "o":
+    return dict(order_channels=True)
   if suffix in ("u", "n"):
     return dict(unit_ref_bound=suffix == "u")
   match = re.fullmatch(r"([ps])([1-9][0-9]*)", suffix)

@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from experiments import data, layer_benchmark, sharded_throughput, train
+from experiments import common, data, layer_benchmark, sharded_throughput, train
 from linear_attention_jax.pallas_kernels.gpu import shared_compiles
 
 FLAGS = flags.FLAGS
@@ -356,13 +356,18 @@ def main(argv):
     shared_compiles.enable()
   rows = []
   os.makedirs(f.workdir, exist_ok=True)
-  targets = [(f"layer_{m}", lambda m=m: layer_target(m, f)) for m in f.mixers]
-  targets += [(f"lm_{p}_T{f.seq_len}", lambda p=p: lm_target(p, f)) for p in f.patterns]
-  for name, make in targets:
+  # a suffix (layer_benchmark.kernel_options: e.g. K:o) sets the kernels' configuration while traced
+  targets = [(f"layer_{m}", m, lambda m=m: layer_target(m, f)) for m in f.mixers]
+  targets += [(f"lm_{p}_T{f.seq_len}", p, lambda p=p: lm_target(p.partition(":")[0], f)) for p in f.patterns]
+  for name, spec, make in targets:
     try:
-      t = make()
-      rows.append(profile(name, t["args"], t["lower"], f, threaded=t.get("threaded", False),
-                          batch=t.get("batch")))
+      options = layer_benchmark.kernel_options(spec)
+      if options is None:
+        raise ValueError(f"unknown suffix in {spec!r} (layer_benchmark.kernel_options)")
+      with common.kernel_config(**options):
+        t = make()
+        rows.append(profile(name, t["args"], t["lower"], f, threaded=t.get("threaded", False),
+                            batch=t.get("batch")))
     except Exception as e:  # a target that cannot run here says why
       rows.append(dict(target=name, error=f"{type(e).__name__}: {str(e)[:400]}"))
     print(json.dumps({k: v for k, v in rows[-1].items() if k in ("target", "wall_ms", "kernel_ms",
@@ -381,8 +386,10 @@ def main(argv):
 def _define_flags():
   """This script's own flags, defined only when it runs (lm_benchmark.py defines --patterns, --tokens
   and --share_kernel_compiles too: importing both into one process must not collide)."""
-  flags.DEFINE_list("mixers", ["A", "G"], f"Layers to profile: {layer_benchmark.MIXERS}.")
-  flags.DEFINE_list("patterns", [], "LM patterns to profile (train.py's step, as lm_benchmark.py runs it).")
+  flags.DEFINE_list("mixers", ["A", "G"], f"Layers to profile: {layer_benchmark.MIXERS}, each with "
+                    "layer_benchmark.py's suffixes (e.g. K:o).")
+  flags.DEFINE_list("patterns", [], "LM patterns to profile (train.py's step, as lm_benchmark.py runs it), "
+                    "each with lm_benchmark.py's suffixes (e.g. K:o).")
   flags.DEFINE_integer("tokens", 32768, "Tokens per call: batch = tokens / seq_len.")
   flags.DEFINE_bool("share_kernel_compiles", True, "Compile a Mosaic GPU kernel that several layers share "
                     "once (pallas_kernels.gpu.shared_compiles), as lm_benchmark.py can.")

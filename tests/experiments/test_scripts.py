@@ -155,7 +155,7 @@ def test_gate_recipes_give_the_documented_values():
                          "--breakdown_seq_lens=32", "--share_kernel_compiles", "--rounds=1", "--step_rounds=2",
                          "--placed_batches"],
      "lm.json"),
-    ("profile_step.py", ["--mixers=G", "--patterns=A", "--seq_len=32", "--tokens=64", "--width=16",
+    ("profile_step.py", ["--mixers=G", "--patterns=A:o", "--seq_len=32", "--tokens=64", "--width=16",
                          "--depth=1", "--num_heads=2", "--impl=chunk", "--chunk_size=16", "--dtype=float32",
                          "--warmup=1", "--calls=1"], "profile.json"),
     ("conv_benchmark.py", ["--B=1", "--T=16", "--D=128", "--W=4", "--dtype=float32", "--iters=1", "--stream=1",
@@ -214,9 +214,10 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
   if script == "profile_step.py":  # each kernel of the trace found in the compiled module
     with open(tmp_path / output, encoding="utf-8") as f:
       rows = {r["target"]: r for r in json.load(f)}
-    assert set(rows) == {"layer_G", "lm_A_T32"} and all("error" not in r for r in rows.values()), rows
+    # a pattern's suffix (here ':o', a kernel option) is read, not taken for a layer
+    assert set(rows) == {"layer_G", "lm_A:o_T32"} and all("error" not in r for r in rows.values()), rows
     # the LM trains through every call, each on the next batch of the data (not one batch again)
-    losses = rows["lm_A_T32"]["losses"]
+    losses = rows["lm_A:o_T32"]["losses"]
     assert len(losses) == 3 and len(set(losses)) == 3 and "losses" not in rows["layer_G"], losses
     for r in rows.values():
       # every thunk is an instruction of the module, those the compiler added without metadata too
@@ -394,8 +395,9 @@ def test_layer_benchmark_reads_the_kernel_option_suffixes():
   assert options("G:p132") == dict(grads_programs=132) and options("G2:p8") == dict(grads_programs=8)
   assert options("K:u") == dict(unit_ref_bound=True) and options("K:n") == dict(unit_ref_bound=False)
   assert options("G:s4") == dict(sequence_pieces=4) and options("K:c") == dict(call_test=False)
+  assert options("K:o") == dict(order_channels=True)
   assert options("G") == {} and options("G:xlaconv") == {}
-  for bad in ("G:p0", "G:p", "G:q4", "G:p4x", "K:uu", "K:nu", "G:s0", "G:s", "K:cc"):
+  for bad in ("G:p0", "G:p", "G:q4", "G:p4x", "K:uu", "K:nu", "G:s0", "G:s", "K:cc", "K:oo"):
     with pytest.raises(ValueError, match="suffix"):
       layer_benchmark.build(bad, width=32, heads=2, impl="chunk", dtype=jnp.float32)
 
