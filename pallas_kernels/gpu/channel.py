@@ -88,11 +88,15 @@ def chunk_forms(refs, C: int, dtype, bound: float | None = None, width: int | No
   return lax.stop_gradient(jnp.where(one, ONE, jnp.where(halves, HALVES, GROUPS)).astype(jnp.int32))
 
 
-def with_form_row(refs, C: int, dtype, bound: float | None = None):
+def with_form_row(refs, C: int, dtype, bound: float | None = None, width: int | None = None):
   """`refs [B, NC, 2 + NG, H_v, K]` with one more row (`form_row`): the chunk's form (`chunk_forms`,
-  one-reference `bound`) as a float across K; the preparation kernel's `grams="chunk"` reads it."""
-  form = chunk_forms(refs, C, dtype, bound).astype(F32)
-  return jnp.concatenate([refs, jnp.broadcast_to(form[:, :, None, :, None], refs[:, :, :1].shape)], axis=2)
+  one-reference `bound`) as a float across K, or with `width` on each channel the form of its part of
+  `width` channels; the preparation kernel's `grams="chunk"` reads it."""
+  if width is None:
+    form = jnp.broadcast_to(chunk_forms(refs, C, dtype, bound)[..., None], refs[:, :, 0].shape)
+  else:
+    form = jnp.repeat(chunk_forms(refs, C, dtype, bound, width), width, axis=-1)   # [B, NC, H_v, K]
+  return jnp.concatenate([refs, form[:, :, None].astype(F32)], axis=2)
 
 
 def form_tokens(refs, C: int, dtype, bound=None, width: int | None = None):

@@ -18,9 +18,13 @@ whose factors all lie within e^(+-bound) when the chunk's decay spans at most tw
 `GpuConfig.unit_ref_bound`). A call where some chunk does not fit
 takes the 8-token groups' products instead (`grams="groups"`, groups.py: exact at any decay above
 `prep.LOG_DECAY_FLOOR` for bfloat16 operands; float16 operands beyond its bound take prep.py's XLA
-preparation with the merge form): the caller's `lax.cond` (`vjp.py`). With `grams="chunk"` each
-program chooses for its own chunk (a `lax.cond` in the kernel on the chunk's `channel.form_row`): one
-reference, the halves' products (32-token diagonal blocks) or the groups', the first that fits.
+preparation with the merge form): the caller's `lax.cond` (`vjp.py`). The grams sum over the key
+channels, taken in halves of 64, each half's part a product (or the groups' products) of its own.
+With `grams="chunk"` each program chooses for each half of its own chunk (a `lax.cond` in the kernel
+on the chunk's `channel.form_row`, which holds the form of each channel's half): one reference, the
+halves' products (32-token diagonal blocks) or the groups', the first that fits the half's channels.
+A chunk whose strong channels lie in one half (`GpuConfig.order_channels` puts them there) pays the
+groups' products on that half alone.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from .. import common, prep
 from . import groups
 from . import channel
-from .channel import chunk_cumsum
+from .channel import HALF, chunk_cumsum
 from .masks import SEG_ROWS, segment_masks, segment_vectors
 from .tiles import (COLS, F32, ROWS, WGMMA, compiler_params, matmul, matmuls, phase, smem,
                     unit_lower_inverse, vary_like)
@@ -63,10 +67,10 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
   instead of forming M again. grams: "one" (one product about
   the reference R, for chunks within `prep.ref_bound`), "groups" (groups.py's products, exact at any
   decay within `groups.group_bound`), "halves" (the same with diagonal blocks of 32 tokens: one level
-  and two diagonal products, for chunks whose halves each fit that bound) or "chunk" (each chunk the
-  first of one, halves, groups that fits it, `channel.chunk_forms`: a call with a few strong chunks
-  pays the extra products only there). bound: the one-reference form's bound on `|G - R|` (default
-  `prep.ref_bound(dtype)`; `prep.UNIT_REF_BOUND` only for l2-normalised q and k, whose entries lie in
+  and two diagonal products, for chunks whose halves each fit that bound) or "chunk" (each half of
+  each chunk's key channels the first of one, halves, groups that fits it, `channel.chunk_forms(...,
+  width=HALF)`: a call with a few strong chunks pays the extra products only there). bound: the
+  one-reference form's bound on `|G - R|` (default `prep.ref_bound(dtype)`; `prep.UNIT_REF_BOUND` only for l2-normalised q and k, whose entries lie in
   [-1, 1]); the caller's test of which chunks fit takes the same."""
   if grams not in GRAMS:
     raise ValueError(f"grams must be one of {GRAMS}; got {grams!r}")
@@ -79,7 +83,7 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
     raise ValueError(f"bound must be in (0, {prep.ref_bound(dtype, unit=True)}] for {jnp.dtype(dtype).name} "
                      f"operands; got {bound}")
   if grams == "chunk":
-    refs = channel.with_form_row(refs, C, dtype, bound)
+    refs = channel.with_form_row(refs, C, dtype, bound, width=HALF)
   if with_inverse and beta is None:
     raise ValueError("with_inverse is for the delta family (kda): beta must be given")
   return _prepare_kernel(q, k, v, G, refs, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
@@ -103,14 +107,17 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
   has_seg = segment_ids is not None
   masks = segment_vectors(segment_ids, C, T_pad) if has_seg else None
 
+  if K % HALF:
+    raise ValueError(f"K must be a multiple of {HALF}; got {K}")
+  KH = K // HALF
+  halves = lambda dt: smem((KH, C, HALF), dt)   # the key channels in halves of 64, each its own grams
   # gla reads no v (its u is v itself): 104 KB at K = 128, two programs a multiprocessor
   scratch = dict(
-      q_s=smem((C, K), dtype), k_s=smem((C, K), dtype),
-      g_s=smem((C, K), F32), r_s=plgpu.SMEM((refs.shape[2], K), F32),
-      a_s=smem((C, K), dtype), bk_s=smem((C, K), dtype), p_s=smem((C, C), dtype),
-      bar=plgpu.Barrier(num_arrivals=4 + 2 * delta + SEG_ROWS * has_seg))
+      q_s=halves(dtype), k_s=halves(dtype), g_s=halves(F32), r_s=plgpu.SMEM((refs.shape[2], K), F32),
+      a_s=halves(dtype), bk_s=halves(dtype), p_s=smem((C, C), dtype),
+      bar=plgpu.Barrier(num_arrivals=3 * KH + 1 + 2 * delta + SEG_ROWS * has_seg))
   if delta:
-    scratch.update(v_s=smem((C, V), dtype), out_v=smem((C, V), dtype), ak_s=smem((C, K), dtype),
+    scratch.update(v_s=smem((C, V), dtype), out_v=smem((C, V), dtype), ak_s=halves(dtype),
                    b_s=plgpu.SMEM((C,), F32), x_s=smem((C, C), dtype), e_s=smem((C, C), dtype),
                    y_s=smem((C, C), dtype), l_s=smem((C, C), dtype))
   if has_seg:
@@ -129,8 +136,11 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
     bi, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
     hk = lax.div(h, group)
     rows_t = pl.ds(n * C, C)
-    copies = [(q_r.at[bi, rows_t, hk], q_s), (k_r.at[bi, rows_t, hk], k_s),
-              (g_r.at[bi, rows_t, h], g_s), (ref_r.at[bi, n, :, h], r_s)]
+    cols = lambda i: pl.ds(i * HALF, HALF)
+    copies = [(ref_r.at[bi, n, :, h], r_s)]
+    for i in range(KH):
+      copies += [(q_r.at[bi, rows_t, hk, cols(i)], q_s.at[i]), (k_r.at[bi, rows_t, hk, cols(i)], k_s.at[i]),
+                 (g_r.at[bi, rows_t, h, cols(i)], g_s.at[i])]
     if delta:
       copies += [(v_r.at[bi, rows_t, h], v_s), (b_r.at[bi, h, rows_t], b_s)]
     copies += [(m_r.at[bi, r, rows_t], m_s.at[r]) for r in range(SEG_ROWS if has_seg else 0)]
@@ -140,64 +150,72 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
       plgpu.barrier_wait(bar)
 
     rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
-    sq, ck, cv = (C, C), (C, K), (C, V)
+    sq, ch, cv = (C, C), (C, HALF), (C, V)
     load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
     fresh = lax.optimization_barrier
-    load_G = lambda: fresh(load(g_s))
-    col = lambda row: lax.broadcast_in_dim(plgpu.load(r_s.at[row], layout=COLS), ck, [1])
+    load_G = lambda i: fresh(load(g_s.at[i]))
+    col = lambda row, i: lax.broadcast_in_dim(plgpu.load(r_s.at[row, cols(i)], layout=COLS), ch, [1])
     clamp = lambda x: jnp.exp(jnp.minimum(x, bound))
     i_sq = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
     j_sq = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
 
-    def one_grams():   # the decayed grams about the reference R (module docstring)
-      G, R = load_G(), col(0)
-      kt = load(k_s)
-      bk_s[...] = (kt * clamp(R - G)).astype(dtype)
+    def one_grams(i):   # half i's part of the decayed grams about the reference R (module docstring)
+      G, R = load_G(i), col(0, i)
+      kt = load(k_s.at[i])
+      bk_s.at[i][...] = (kt * clamp(R - G)).astype(dtype)
       up = clamp(G - R)
-      a_s[...] = (load(q_s) * up).astype(dtype)
+      a_s.at[i][...] = (load(q_s.at[i]) * up).astype(dtype)
       if delta:
-        ak_s[...] = (kt * up).astype(dtype)
+        ak_s.at[i][...] = (kt * up).astype(dtype)
       plgpu.commit_smem()
       if delta:
-        P, M = matmuls((sq, [(a_s, bk_s.T)]), (sq, [(ak_s, bk_s.T)]))
+        P, M = matmuls((sq, [(a_s.at[i], bk_s.at[i].T)]), (sq, [(ak_s.at[i], bk_s.at[i].T)]))
         return P, M
-      return matmuls((sq, [(a_s, bk_s.T)]))[0], None
+      return matmuls((sq, [(a_s.at[i], bk_s.at[i].T)]))[0], 0.0
 
-    def group_grams(block):   # groups.py's products with diagonal blocks of `block` tokens
+    def group_grams(i, block):   # half i's part by groups.py's products, diagonal blocks of `block` tokens
       P = M = 0.0
-      vec_end = lambda t: col(groups.FIRST_ROW + t)
+      vec_end = lambda t: col(groups.FIRST_ROW + t, i)
       for s in groups.products(C, block):
-        kt = load(k_s)
+        kt = load(k_s.at[i])
         if s is None:   # the diagonal blocks: both factors on the same rows
-          up, down = groups.factors(load_G(), vec_end, s, group_bound, block)
-          bk_s[...] = (kt * down).astype(dtype)
-          a_s[...] = (load(q_s) * up).astype(dtype)
+          up, down = groups.factors(load_G(i), vec_end, s, group_bound, block)
+          bk_s.at[i][...] = (kt * down).astype(dtype)
+          a_s.at[i][...] = (load(q_s.at[i]) * up).astype(dtype)
           if delta:
-            ak_s[...] = (kt * up).astype(dtype)
-          ak = ak_s
+            ak_s.at[i][...] = (kt * up).astype(dtype)
+          ak = ak_s.at[i] if delta else None
         else:   # a level: one factor tile (`groups.level_factor`), k's serving both sides of M
-          E = groups.level_factor(load_G(), vec_end, s)
-          bk_s[...] = (kt * E).astype(dtype)
-          a_s[...] = (load(q_s) * E).astype(dtype)
-          ak = bk_s
+          E = groups.level_factor(load_G(i), vec_end, s)
+          bk_s.at[i][...] = (kt * E).astype(dtype)
+          a_s.at[i][...] = (load(q_s.at[i]) * E).astype(dtype)
+          ak = bk_s.at[i]
         plgpu.commit_smem()
         if delta:
-          Ps, Ms = matmuls((sq, [(a_s, bk_s.T)]), (sq, [(ak, bk_s.T)]))
+          Ps, Ms = matmuls((sq, [(a_s.at[i], bk_s.at[i].T)]), (sq, [(ak, bk_s.at[i].T)]))
           M = M + jnp.where(groups.keep_mask(C, s, block), Ms, 0.0)
         else:
-          (Ps,) = matmuls((sq, [(a_s, bk_s.T)]))
+          (Ps,) = matmuls((sq, [(a_s.at[i], bk_s.at[i].T)]))
         P = P + jnp.where(groups.keep_mask(C, s, block), Ps, 0.0)
-      return groups.with_diagonal(P, load(q_s), load(k_s)), (M if delta else None)
+      return groups.with_diagonal(P, load(q_s.at[i]), load(k_s.at[i])), M
 
-    forms = {"one": one_grams, "halves": lambda: group_grams(groups.HALVES),
-             "groups": lambda: group_grams(groups.GROUP)}
-    with phase("cprep.grams"):
+    forms = {"one": one_grams, "halves": lambda i: group_grams(i, groups.HALVES),
+             "groups": lambda i: group_grams(i, groups.GROUP)}
+
+    def half_grams(i):
       if grams in forms:
-        P, M = forms[grams]()
-      else:   # "chunk": this chunk's own form (`channel.chunk_forms`), by its refs row `channel.form_row`
-        form = r_s[channel.form_row(C), 0]
-        P, M = lax.cond(form < 0.5, forms["one"],
-                        lambda: lax.cond(form < 1.5, forms["halves"], forms["groups"]))
+        return forms[grams](i)
+      # "chunk": the half's own form (`channel.chunk_forms(..., width=HALF)`), its refs row
+      # `channel.form_row` holding on each channel the form of the channel's half
+      form = r_s[channel.form_row(C), i * HALF]
+      return lax.cond(form < 0.5, lambda: forms["one"](i),
+                      lambda: lax.cond(form < 1.5, lambda: forms["halves"](i), lambda: forms["groups"](i)))
+
+    with phase("cprep.grams"):   # the halves' parts summed: P and M sum over the key channels
+      P, M = half_grams(0)
+      for i in range(1, KH):
+        P_i, M_i = half_grams(i)
+        P, M = P + P_i, M + M_i
 
     same = carry = to_last = None
     if has_seg:
@@ -215,17 +233,19 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(tile, dst)
 
+    def e_q(i):   # e^G, and zero on rows reading no carried state
+      e = jnp.exp(load_G(i))
+      return e if carry is None else e * rows(carry, ch)
+
     # qg = q e^G (rows reading the carried state); kd = k e^(G_C - G) (rows whose write reaches the
     # chunk's end)
     with phase("cprep.qg_kd"):
-      e_q = jnp.exp(load_G())
-      if carry is not None:
-        e_q = e_q * rows(carry, ck)
-      emit(load(q_s) * e_q, a_s, qg_r.at[bi, h, rows_t])
-      e_k = jnp.exp(col(1) - load_G())
-      if to_last is not None:
-        e_k = e_k * rows(to_last, ck)
-      emit(load(k_s) * e_k, bk_s, kd_r.at[bi, h, rows_t])
+      for i in range(KH):
+        emit(load(q_s.at[i]) * e_q(i), a_s.at[i], qg_r.at[bi, h, rows_t, cols(i)])
+        e_k = jnp.exp(col(1, i) - load_G(i))
+        if to_last is not None:
+          e_k = e_k * rows(to_last, ch)
+        emit(load(k_s.at[i]) * e_k, bk_s.at[i], kd_r.at[bi, h, rows_t, cols(i)])
     if not delta:
       plgpu.wait_smem_to_gmem(0)
       return
@@ -244,13 +264,12 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
         plgpu.copy_smem_to_gmem(x_s, x_r.at[bi, h, rows_t])
     # beta k e^G and beta v replace k and v (their other uses are done); w = X (beta k e^G), u = X (beta v)
     with phase("cprep.w_u"):
-      e_q = jnp.exp(load_G())
-      if carry is not None:
-        e_q = e_q * rows(carry, ck)
-      k_s[...] = (load(k_s) * e_q * rows(beta_rows(), ck)).astype(dtype)
+      for i in range(KH):
+        k_s.at[i][...] = (load(k_s.at[i]) * e_q(i) * rows(beta_rows(), ch)).astype(dtype)
       v_s[...] = (load(v_s) * rows(beta_rows(), cv)).astype(dtype)
       plgpu.commit_smem()
-      emit(matmul(x_s, k_s, ck), ak_s, w_r.at[bi, h, rows_t])
+      for i in range(KH):
+        emit(matmul(x_s, k_s.at[i], ch), ak_s.at[i], w_r.at[bi, h, rows_t, cols(i)])
       emit(matmul(x_s, v_s, cv), out_v, u_r.at[bi, h, rows_t])
     with phase("cprep.exit"):
       plgpu.wait_smem_to_gmem(0)

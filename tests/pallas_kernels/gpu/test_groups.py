@@ -3,7 +3,8 @@ grams in the Mosaic GPU interpreter, bfloat16 operands.
 
 - The preparation kernel's grams (`grams="groups"`) against float64 sums at g = -20 on every channel,
   uniform in [-20, 0], and -inf on some tokens (floored at prep.LOG_DECAY_FLOOR: finite); the halves'
-  form (`grams="halves"`) at g = -4.
+  form (`grams="halves"`) at g = -4; `grams="chunk"` with each half of K = 128 key channels in a form
+  of its own.
 - gla and kda end to end (the preparation kernel, the walks, the gradient kernels) against the float64
   loop: o, the final state and every gradient, at strong gates, at the KDA layer's own gates (chunks of
   both forms in one call) and with -inf tokens, grouped heads and packed rows; a spy checks which
@@ -45,9 +46,12 @@ def _float64_grams(q, k, g):
 
 
 @pytest.mark.parametrize("gates,grams", [("minus20", "groups"), ("uniform", "groups"),
-                                         ("minus_inf", "groups"), ("minus4", "halves")])
+                                         ("minus_inf", "groups"), ("minus4", "halves"), ("apart", "chunk")])
 def test_group_grams_equal_float64_sums_at_any_gate_strength(gates, grams):
-  B, T, H, K = 1, 128, 1, 64
+  # "apart": K = 128, each half of the key channels its own form (the grams sum the halves' parts):
+  # chunk 0 the groups' in its first half and one reference in its second, chunk 1 the halves' in
+  # its first and the groups' in its second
+  B, T, H, K = 1, 128, 1, 128 if gates == "apart" else 64
   r = np.random.default_rng(5)
   q, k, v = (r.normal(size=(B, T, H, K)).astype(np.float32) for _ in range(3))
   k /= np.linalg.norm(k, axis=-1, keepdims=True)
@@ -56,6 +60,14 @@ def test_group_grams_equal_float64_sums_at_any_gate_strength(gates, grams):
   if gates == "minus_inf":
     g[0, 5, 0, :16] = -np.inf
     g[0, 70] = -np.inf
+  if gates == "apart":
+    g = r.uniform(-0.5, 0.0, (B, T, H, K)).astype(np.float32)
+    g[0, :64, 0, :64] = r.uniform(-20.0, 0.0, (64, 64))
+    g[0, 64:, 0, :64] = -2.5
+    g[0, 64:, 0, 64:] = r.uniform(-20.0, 0.0, (64, 64))
+    parts = np.asarray(channel.chunk_forms(channel.chunk_cumsum(jnp.asarray(g), T, 64)[1], 64, jnp.bfloat16,
+                                           width=64))[0, :, 0]
+    np.testing.assert_array_equal(parts, [[channel.GROUPS, channel.ONE], [channel.HALVES, channel.GROUPS]])
   beta = r.uniform(0.1, 1.0, (B, T, H)).astype(np.float32)
   cumsum = channel.chunk_cumsum(jnp.asarray(g), T, 64)
   assert not bool(channel.fits(cumsum[0], 64, jnp.bfloat16))   # beyond one reference
