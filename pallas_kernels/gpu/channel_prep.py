@@ -159,63 +159,69 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
     i_sq = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
     j_sq = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
 
-    def one_grams(i):   # half i's part of the decayed grams about the reference R (module docstring)
-      G, R = load_G(i), col(0, i)
-      kt = load(k_s.at[i])
-      bk_s.at[i][...] = (kt * clamp(R - G)).astype(dtype)
-      up = clamp(G - R)
-      a_s.at[i][...] = (load(q_s.at[i]) * up).astype(dtype)
-      if delta:
-        ak_s.at[i][...] = (kt * up).astype(dtype)
-      plgpu.commit_smem()
-      if delta:
-        P, M = matmuls((sq, [(a_s.at[i], bk_s.at[i].T)]), (sq, [(ak_s.at[i], bk_s.at[i].T)]))
-        return P, M
-      return matmuls((sq, [(a_s.at[i], bk_s.at[i].T)]))[0], 0.0
-
-    def group_grams(i, block):   # half i's part by groups.py's products, diagonal blocks of `block` tokens
-      P = M = 0.0
-      vec_end = lambda t: col(groups.FIRST_ROW + t, i)
-      for s in groups.products(C, block):
+    # each gram's part over the halves `parts` of the key channels in one form: their products chain in
+    # one accumulator (a fixed form takes every half at once; "chunk" each half apart)
+    def one_grams(parts):   # the decayed grams about the reference R (module docstring)
+      for i in parts:
+        G, R = load_G(i), col(0, i)
         kt = load(k_s.at[i])
-        if s is None:   # the diagonal blocks: both factors on the same rows
-          up, down = groups.factors(load_G(i), vec_end, s, group_bound, block)
-          bk_s.at[i][...] = (kt * down).astype(dtype)
-          a_s.at[i][...] = (load(q_s.at[i]) * up).astype(dtype)
-          if delta:
-            ak_s.at[i][...] = (kt * up).astype(dtype)
-          ak = ak_s.at[i] if delta else None
-        else:   # a level: one factor tile (`groups.level_factor`), k's serving both sides of M
-          E = groups.level_factor(load_G(i), vec_end, s)
-          bk_s.at[i][...] = (kt * E).astype(dtype)
-          a_s.at[i][...] = (load(q_s.at[i]) * E).astype(dtype)
-          ak = bk_s.at[i]
-        plgpu.commit_smem()
+        bk_s.at[i][...] = (kt * clamp(R - G)).astype(dtype)
+        up = clamp(G - R)
+        a_s.at[i][...] = (load(q_s.at[i]) * up).astype(dtype)
         if delta:
-          Ps, Ms = matmuls((sq, [(a_s.at[i], bk_s.at[i].T)]), (sq, [(ak, bk_s.at[i].T)]))
+          ak_s.at[i][...] = (kt * up).astype(dtype)
+      plgpu.commit_smem()
+      P_pairs = [(a_s.at[i], bk_s.at[i].T) for i in parts]
+      if delta:
+        return matmuls((sq, P_pairs), (sq, [(ak_s.at[i], bk_s.at[i].T) for i in parts]))
+      return matmuls((sq, P_pairs))[0], 0.0
+
+    def group_grams(parts, block):   # groups.py's products with diagonal blocks of `block` tokens
+      P = M = 0.0
+      for s in groups.products(C, block):
+        for i in parts:
+          kt = load(k_s.at[i])
+          vec_end = lambda t, i=i: col(groups.FIRST_ROW + t, i)
+          if s is None:   # the diagonal blocks: both factors on the same rows
+            up, down = groups.factors(load_G(i), vec_end, s, group_bound, block)
+            bk_s.at[i][...] = (kt * down).astype(dtype)
+            a_s.at[i][...] = (load(q_s.at[i]) * up).astype(dtype)
+            if delta:
+              ak_s.at[i][...] = (kt * up).astype(dtype)
+          else:   # a level: one factor tile (`groups.level_factor`), k's serving both sides of M
+            E = groups.level_factor(load_G(i), vec_end, s)
+            bk_s.at[i][...] = (kt * E).astype(dtype)
+            a_s.at[i][...] = (load(q_s.at[i]) * E).astype(dtype)
+        plgpu.commit_smem()
+        ak = ak_s if s is None else bk_s
+        P_pairs = [(a_s.at[i], bk_s.at[i].T) for i in parts]
+        if delta:
+          Ps, Ms = matmuls((sq, P_pairs), (sq, [(ak.at[i], bk_s.at[i].T) for i in parts]))
           M = M + jnp.where(groups.keep_mask(C, s, block), Ms, 0.0)
         else:
-          (Ps,) = matmuls((sq, [(a_s.at[i], bk_s.at[i].T)]))
+          (Ps,) = matmuls((sq, P_pairs))
         P = P + jnp.where(groups.keep_mask(C, s, block), Ps, 0.0)
-      return groups.with_diagonal(P, load(q_s.at[i]), load(k_s.at[i])), M
+      for i in parts:
+        P = groups.with_diagonal(P, load(q_s.at[i]), load(k_s.at[i]))
+      return P, M
 
-    forms = {"one": one_grams, "halves": lambda i: group_grams(i, groups.HALVES),
-             "groups": lambda i: group_grams(i, groups.GROUP)}
+    forms = {"one": one_grams, "halves": lambda parts: group_grams(parts, groups.HALVES),
+             "groups": lambda parts: group_grams(parts, groups.GROUP)}
 
-    def half_grams(i):
-      if grams in forms:
-        return forms[grams](i)
-      # "chunk": the half's own form (`channel.chunk_forms(..., width=HALF)`), its refs row
-      # `channel.form_row` holding on each channel the form of the channel's half
+    def half_grams(i):   # "chunk": half i's own form (`channel.chunk_forms(..., width=HALF)`), its refs
+      # row `channel.form_row` holding on each channel the form of the channel's half
       form = r_s[channel.form_row(C), i * HALF]
-      return lax.cond(form < 0.5, lambda: forms["one"](i),
-                      lambda: lax.cond(form < 1.5, lambda: forms["halves"](i), lambda: forms["groups"](i)))
+      return lax.cond(form < 0.5, lambda: forms["one"]([i]),
+                      lambda: lax.cond(form < 1.5, lambda: forms["halves"]([i]), lambda: forms["groups"]([i])))
 
-    with phase("cprep.grams"):   # the halves' parts summed: P and M sum over the key channels
-      P, M = half_grams(0)
-      for i in range(1, KH):
-        P_i, M_i = half_grams(i)
-        P, M = P + P_i, M + M_i
+    with phase("cprep.grams"):   # P and M sum over the key channels: the halves' parts add
+      if grams in forms:
+        P, M = forms[grams](range(KH))
+      else:
+        P, M = half_grams(0)
+        for i in range(1, KH):
+          P_i, M_i = half_grams(i)
+          P, M = P + P_i, M + M_i
 
     same = carry = to_last = None
     if has_seg:
