@@ -48,7 +48,7 @@ def _pieces(static: Static) -> int:
 
 def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
                     chunk_multiple: int = 1, cumsum=None, with_inverse: bool = False, beyond: str = "chunk",
-                    bound: float | None = None, call_test: bool = True):
+                    bound: float | None = None, call_test: bool = True, half_forms: bool = False):
   """The per-channel forward's chunk tensors (the plan's "channel_prep" stage and its `forward_beyond`),
   arguments as `channel_prep.prepare`'s: the preparation kernel with one reference per chunk and channel
   where every chunk's decay fits that bound, else with the 8-token groups' products (groups.py; one
@@ -58,13 +58,16 @@ def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=Non
   `with_inverse` returns `(tensors, X, M)` (`channel_prep.prepare`'s), X and M zeros in the merge-form
   branch (whose backward recomputes). `bound`: the one-reference form's (`channel_prep.prepare`'s),
   in both the test and the kernels. `call_test=False` (`Plan.call_test`) calls the `beyond` kernels
-  without the test where they choose per chunk ("chunk") and the operands always fit the groups."""
+  without the test where they choose per chunk ("chunk") and the operands always fit the groups.
+  `half_forms`: the "chunk" kernel chooses for each half of a chunk's key channels apart (the plan's
+  `order_channels`)."""
   C = chunk_size
   if cumsum is None:
     cumsum = channel.chunk_cumsum(g, prep.padded_length(q.shape[1], C, chunk_multiple), C)
   kernel = lambda grams: lambda: channel_prep.prepare(
       q, k, v, g, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids, interpret=interpret,
-      chunk_multiple=chunk_multiple, cumsum=cumsum, with_inverse=with_inverse, grams=grams, bound=bound)
+      chunk_multiple=chunk_multiple, cumsum=cumsum, with_inverse=with_inverse, grams=grams, bound=bound,
+      half_forms=half_forms and grams == "chunk")
 
   def per_head():
     t = prepared.merge_tensors_per_head(q, k, v, prep.floor_log_decay(g), beta, segment_ids, chunk_size=C,
@@ -125,7 +128,8 @@ def _forward(static: Static, q, k, v, g, beta, h0, segment_ids, *, keep: bool):
       out = channel_tensors(q, k, v, g, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
                             interpret=interpret, chunk_multiple=_pieces(static), cumsum=cumsum,
                             with_inverse=inverse, beyond=plan.forward_beyond,
-                            bound=plan.forward_ref_bound, call_test=plan.call_test)
+                            bound=plan.forward_ref_bound, call_test=plan.call_test,
+                            half_forms=plan.order_channels)
       t, X, M = out if inverse else (out, None, None)
       o, states, final = _walk(static, t, h0, with_states=saves)
       if not saves:

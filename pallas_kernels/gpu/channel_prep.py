@@ -19,12 +19,13 @@ whose factors all lie within e^(+-bound) when the chunk's decay spans at most tw
 takes the 8-token groups' products instead (`grams="groups"`, groups.py: exact at any decay above
 `prep.LOG_DECAY_FLOOR` for bfloat16 operands; float16 operands beyond its bound take prep.py's XLA
 preparation with the merge form): the caller's `lax.cond` (`vjp.py`). The grams sum over the key
-channels, taken in halves of 64, each half's part a product (or the groups' products) of its own.
-With `grams="chunk"` each program chooses for each half of its own chunk (a `lax.cond` in the kernel
-on the chunk's `channel.form_row`, which holds the form of each channel's half): one reference, the
-halves' products (32-token diagonal blocks) or the groups', the first that fits the half's channels.
-A chunk whose strong channels lie in one half (`GpuConfig.order_channels` puts them there) pays the
-groups' products on that half alone.
+channels, held in halves of 64. With `grams="chunk"` each program chooses for its own chunk (a
+`lax.cond` in the kernel on the chunk's `channel.form_row`): one reference, the halves' products
+(32-token diagonal blocks) or the groups', the first that fits; with `half_forms` for each half of
+the chunk's key channels apart (the row then holds on each channel its half's form, and each half's
+part of the grams is a product, or the groups' products, of its own): a chunk whose strong channels
+lie in one half (`GpuConfig.order_channels` puts them there) pays the groups' products on that half
+alone.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def serves(g, beta, segment_ids) -> bool:
 
 def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
             chunk_multiple: int = 1, cumsum=None, with_inverse: bool = False, grams: str = "one",
-            bound: float | None = None):
+            bound: float | None = None, half_forms: bool = False):
   """`prep.prepare(q, k, v, g, beta, segment_ids, ...)` for per-channel `g: [B, T, H_v, K]` whose every
   chunk fits the one-reference bound (`channel_grads.fits`; the caller takes XLA's merge form for the
   others), with every matmul operand in `dtype` (16-bit), the tensors in `dtype` and `decay` float32;
@@ -67,10 +68,12 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
   instead of forming M again. grams: "one" (one product about
   the reference R, for chunks within `prep.ref_bound`), "groups" (groups.py's products, exact at any
   decay within `groups.group_bound`), "halves" (the same with diagonal blocks of 32 tokens: one level
-  and two diagonal products, for chunks whose halves each fit that bound) or "chunk" (each half of
-  each chunk's key channels the first of one, halves, groups that fits it, `channel.chunk_forms(...,
-  width=HALF)`: a call with a few strong chunks pays the extra products only there). bound: the
-  one-reference form's bound on `|G - R|` (default `prep.ref_bound(dtype)`; `prep.UNIT_REF_BOUND` only for l2-normalised q and k, whose entries lie in
+  and two diagonal products, for chunks whose halves each fit that bound) or "chunk" (each chunk the
+  first of one, halves, groups that fits it, `channel.chunk_forms`: a call with a few strong chunks
+  pays the extra products only there; with `half_forms`, each half of a chunk's key channels the
+  first that fits the half, `channel.chunk_forms(..., width=HALF)`: for channels ordered strongest
+  first, `GpuConfig.order_channels`). bound: the one-reference form's bound on `|G - R|` (default
+  `prep.ref_bound(dtype)`; `prep.UNIT_REF_BOUND` only for l2-normalised q and k, whose entries lie in
   [-1, 1]); the caller's test of which chunks fit takes the same."""
   if grams not in GRAMS:
     raise ValueError(f"grams must be one of {GRAMS}; got {grams!r}")
@@ -82,16 +85,20 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
   if not 0.0 < bound <= prep.ref_bound(dtype, unit=True):
     raise ValueError(f"bound must be in (0, {prep.ref_bound(dtype, unit=True)}] for {jnp.dtype(dtype).name} "
                      f"operands; got {bound}")
+  if half_forms and q.shape[-1] % HALF:
+    raise ValueError(f"half_forms takes K a multiple of {HALF}; got {q.shape[-1]}")
   if grams == "chunk":
-    refs = channel.with_form_row(refs, C, dtype, bound, width=HALF)
+    refs = channel.with_form_row(refs, C, dtype, bound, width=HALF if half_forms else None)
   if with_inverse and beta is None:
     raise ValueError("with_inverse is for the delta family (kda): beta must be given")
   return _prepare_kernel(q, k, v, G, refs, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
-                         interpret=interpret, with_inverse=with_inverse, grams=grams, bound=bound)
+                         interpret=interpret, with_inverse=with_inverse, grams=grams, bound=bound,
+                         half_forms=half_forms)
 
 
 def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_ids, interpret,
-                    with_inverse: bool = False, grams: str = "one", bound: float):
+                    with_inverse: bool = False, grams: str = "one", bound: float,
+                    half_forms: bool = False):
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
   C = chunk_size
@@ -107,17 +114,14 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
   has_seg = segment_ids is not None
   masks = segment_vectors(segment_ids, C, T_pad) if has_seg else None
 
-  if K % HALF:
-    raise ValueError(f"K must be a multiple of {HALF}; got {K}")
-  KH = K // HALF
-  halves = lambda dt: smem((KH, C, HALF), dt)   # the key channels in halves of 64, each its own grams
   # gla reads no v (its u is v itself): 104 KB at K = 128, two programs a multiprocessor
   scratch = dict(
-      q_s=halves(dtype), k_s=halves(dtype), g_s=halves(F32), r_s=plgpu.SMEM((refs.shape[2], K), F32),
-      a_s=halves(dtype), bk_s=halves(dtype), p_s=smem((C, C), dtype),
-      bar=plgpu.Barrier(num_arrivals=3 * KH + 1 + 2 * delta + SEG_ROWS * has_seg))
+      q_s=smem((C, K), dtype), k_s=smem((C, K), dtype),
+      g_s=smem((C, K), F32), r_s=plgpu.SMEM((refs.shape[2], K), F32),
+      a_s=smem((C, K), dtype), bk_s=smem((C, K), dtype), p_s=smem((C, C), dtype),
+      bar=plgpu.Barrier(num_arrivals=4 + 2 * delta + SEG_ROWS * has_seg))
   if delta:
-    scratch.update(v_s=smem((C, V), dtype), out_v=smem((C, V), dtype), ak_s=halves(dtype),
+    scratch.update(v_s=smem((C, V), dtype), out_v=smem((C, V), dtype), ak_s=smem((C, K), dtype),
                    b_s=plgpu.SMEM((C,), F32), x_s=smem((C, C), dtype), e_s=smem((C, C), dtype),
                    y_s=smem((C, C), dtype), l_s=smem((C, C), dtype))
   if has_seg:
@@ -136,11 +140,8 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
     bi, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
     hk = lax.div(h, group)
     rows_t = pl.ds(n * C, C)
-    cols = lambda i: pl.ds(i * HALF, HALF)
-    copies = [(ref_r.at[bi, n, :, h], r_s)]
-    for i in range(KH):
-      copies += [(q_r.at[bi, rows_t, hk, cols(i)], q_s.at[i]), (k_r.at[bi, rows_t, hk, cols(i)], k_s.at[i]),
-                 (g_r.at[bi, rows_t, h, cols(i)], g_s.at[i])]
+    copies = [(q_r.at[bi, rows_t, hk], q_s), (k_r.at[bi, rows_t, hk], k_s),
+              (g_r.at[bi, rows_t, h], g_s), (ref_r.at[bi, n, :, h], r_s)]
     if delta:
       copies += [(v_r.at[bi, rows_t, h], v_s), (b_r.at[bi, h, rows_t], b_s)]
     copies += [(m_r.at[bi, r, rows_t], m_s.at[r]) for r in range(SEG_ROWS if has_seg else 0)]
@@ -150,78 +151,83 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
       plgpu.barrier_wait(bar)
 
     rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
-    sq, ch, cv = (C, C), (C, HALF), (C, V)
+    sq, ck, cv = (C, C), (C, K), (C, V)
     load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
     fresh = lax.optimization_barrier
-    load_G = lambda i: fresh(load(g_s.at[i]))
-    col = lambda row, i: lax.broadcast_in_dim(plgpu.load(r_s.at[row, cols(i)], layout=COLS), ch, [1])
+    load_G = lambda: fresh(load(g_s))
+    col = lambda row: lax.broadcast_in_dim(plgpu.load(r_s.at[row], layout=COLS), ck, [1])
+    # the grams' key channels: all of them, or with half_forms (grams="chunk") one half at a time
+    # (the tiles' column slices; the grams sum over the channels, so the halves' parts add)
+    part_of = lambda ref, cols: ref if cols is None else ref.at[:, cols]
+    width = lambda cols: K if cols is None else HALF
+    part_col = lambda row, cols: lax.broadcast_in_dim(
+        plgpu.load(r_s.at[row] if cols is None else r_s.at[row, cols], layout=COLS), (C, width(cols)), [1])
     clamp = lambda x: jnp.exp(jnp.minimum(x, bound))
     i_sq = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
     j_sq = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
 
-    # each gram's part over the halves `parts` of the key channels in one form: their products chain in
-    # one accumulator (a fixed form takes every half at once; "chunk" each half apart)
-    def one_grams(parts):   # the decayed grams about the reference R (module docstring)
-      for i in parts:
-        G, R = load_G(i), col(0, i)
-        kt = load(k_s.at[i])
-        bk_s.at[i][...] = (kt * clamp(R - G)).astype(dtype)
-        up = clamp(G - R)
-        a_s.at[i][...] = (load(q_s.at[i]) * up).astype(dtype)
-        if delta:
-          ak_s.at[i][...] = (kt * up).astype(dtype)
-      plgpu.commit_smem()
-      P_pairs = [(a_s.at[i], bk_s.at[i].T) for i in parts]
+    def one_grams(cols=None):   # the decayed grams about the reference R (module docstring)
+      q_p, k_p, g_p, a_p, bk_p = (part_of(x, cols) for x in (q_s, k_s, g_s, a_s, bk_s))
+      G, R = fresh(load(g_p)), part_col(0, cols)
+      kt = load(k_p)
+      bk_p[...] = (kt * clamp(R - G)).astype(dtype)
+      up = clamp(G - R)
+      a_p[...] = (load(q_p) * up).astype(dtype)
       if delta:
-        return matmuls((sq, P_pairs), (sq, [(ak_s.at[i], bk_s.at[i].T) for i in parts]))
-      return matmuls((sq, P_pairs))[0], 0.0
+        part_of(ak_s, cols)[...] = (kt * up).astype(dtype)
+      plgpu.commit_smem()
+      if delta:
+        P, M = matmuls((sq, [(a_p, bk_p.T)]), (sq, [(part_of(ak_s, cols), bk_p.T)]))
+        return P, M
+      return matmuls((sq, [(a_p, bk_p.T)]))[0], 0.0
 
-    def group_grams(parts, block):   # groups.py's products with diagonal blocks of `block` tokens
+    def group_grams(block, cols=None):   # groups.py's products with diagonal blocks of `block` tokens
+      q_p, k_p, g_p, a_p, bk_p = (part_of(x, cols) for x in (q_s, k_s, g_s, a_s, bk_s))
       P = M = 0.0
+      vec_end = lambda t: part_col(groups.FIRST_ROW + t, cols)
       for s in groups.products(C, block):
-        for i in parts:
-          kt = load(k_s.at[i])
-          vec_end = lambda t, i=i: col(groups.FIRST_ROW + t, i)
-          if s is None:   # the diagonal blocks: both factors on the same rows
-            up, down = groups.factors(load_G(i), vec_end, s, group_bound, block)
-            bk_s.at[i][...] = (kt * down).astype(dtype)
-            a_s.at[i][...] = (load(q_s.at[i]) * up).astype(dtype)
-            if delta:
-              ak_s.at[i][...] = (kt * up).astype(dtype)
-          else:   # a level: one factor tile (`groups.level_factor`), k's serving both sides of M
-            E = groups.level_factor(load_G(i), vec_end, s)
-            bk_s.at[i][...] = (kt * E).astype(dtype)
-            a_s.at[i][...] = (load(q_s.at[i]) * E).astype(dtype)
+        kt = load(k_p)
+        if s is None:   # the diagonal blocks: both factors on the same rows
+          up, down = groups.factors(fresh(load(g_p)), vec_end, s, group_bound, block)
+          bk_p[...] = (kt * down).astype(dtype)
+          a_p[...] = (load(q_p) * up).astype(dtype)
+          if delta:
+            part_of(ak_s, cols)[...] = (kt * up).astype(dtype)
+          ak = part_of(ak_s, cols) if delta else None
+        else:   # a level: one factor tile (`groups.level_factor`), k's serving both sides of M
+          E = groups.level_factor(fresh(load(g_p)), vec_end, s)
+          bk_p[...] = (kt * E).astype(dtype)
+          a_p[...] = (load(q_p) * E).astype(dtype)
+          ak = bk_p
         plgpu.commit_smem()
-        ak = ak_s if s is None else bk_s
-        P_pairs = [(a_s.at[i], bk_s.at[i].T) for i in parts]
         if delta:
-          Ps, Ms = matmuls((sq, P_pairs), (sq, [(ak.at[i], bk_s.at[i].T) for i in parts]))
+          Ps, Ms = matmuls((sq, [(a_p, bk_p.T)]), (sq, [(ak, bk_p.T)]))
           M = M + jnp.where(groups.keep_mask(C, s, block), Ms, 0.0)
         else:
-          (Ps,) = matmuls((sq, P_pairs))
+          (Ps,) = matmuls((sq, [(a_p, bk_p.T)]))
         P = P + jnp.where(groups.keep_mask(C, s, block), Ps, 0.0)
-      for i in parts:
-        P = groups.with_diagonal(P, load(q_s.at[i]), load(k_s.at[i]))
-      return P, M
+      return groups.with_diagonal(P, load(q_p), load(k_p)), M
 
-    forms = {"one": one_grams, "halves": lambda parts: group_grams(parts, groups.HALVES),
-             "groups": lambda parts: group_grams(parts, groups.GROUP)}
+    forms = {"one": one_grams, "halves": lambda cols=None: group_grams(groups.HALVES, cols),
+             "groups": lambda cols=None: group_grams(groups.GROUP, cols)}
 
-    def half_grams(i):   # "chunk": half i's own form (`channel.chunk_forms(..., width=HALF)`), its refs
-      # row `channel.form_row` holding on each channel the form of the channel's half
-      form = r_s[channel.form_row(C), i * HALF]
-      return lax.cond(form < 0.5, lambda: forms["one"]([i]),
-                      lambda: lax.cond(form < 1.5, lambda: forms["halves"]([i]), lambda: forms["groups"]([i])))
+    def chosen(cols=None):   # "chunk": the form in the refs row `channel.form_row` (on each channel the
+      # chunk's form, or with half_forms its half's)
+      form = r_s[channel.form_row(C), 0 if cols is None else cols.start]
+      return lax.cond(form < 0.5, lambda: forms["one"](cols),
+                      lambda: lax.cond(form < 1.5, lambda: forms["halves"](cols), lambda: forms["groups"](cols)))
 
-    with phase("cprep.grams"):   # P and M sum over the key channels: the halves' parts add
+    with phase("cprep.grams"):
       if grams in forms:
-        P, M = forms[grams](range(KH))
-      else:
-        P, M = half_grams(0)
-        for i in range(1, KH):
-          P_i, M_i = half_grams(i)
+        P, M = forms[grams]()
+      elif not half_forms:
+        P, M = chosen()
+      else:   # each half's part in its own form; the parts add
+        P, M = chosen(pl.ds(0, HALF))
+        for i in range(1, K // HALF):
+          P_i, M_i = chosen(pl.ds(i * HALF, HALF))
           P, M = P + P_i, M + M_i
+      M = M if delta else None
 
     same = carry = to_last = None
     if has_seg:
@@ -239,19 +245,17 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(tile, dst)
 
-    def e_q(i):   # e^G, and zero on rows reading no carried state
-      e = jnp.exp(load_G(i))
-      return e if carry is None else e * rows(carry, ch)
-
     # qg = q e^G (rows reading the carried state); kd = k e^(G_C - G) (rows whose write reaches the
     # chunk's end)
     with phase("cprep.qg_kd"):
-      for i in range(KH):
-        emit(load(q_s.at[i]) * e_q(i), a_s.at[i], qg_r.at[bi, h, rows_t, cols(i)])
-        e_k = jnp.exp(col(1, i) - load_G(i))
-        if to_last is not None:
-          e_k = e_k * rows(to_last, ch)
-        emit(load(k_s.at[i]) * e_k, bk_s.at[i], kd_r.at[bi, h, rows_t, cols(i)])
+      e_q = jnp.exp(load_G())
+      if carry is not None:
+        e_q = e_q * rows(carry, ck)
+      emit(load(q_s) * e_q, a_s, qg_r.at[bi, h, rows_t])
+      e_k = jnp.exp(col(1) - load_G())
+      if to_last is not None:
+        e_k = e_k * rows(to_last, ck)
+      emit(load(k_s) * e_k, bk_s, kd_r.at[bi, h, rows_t])
     if not delta:
       plgpu.wait_smem_to_gmem(0)
       return
@@ -270,12 +274,13 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
         plgpu.copy_smem_to_gmem(x_s, x_r.at[bi, h, rows_t])
     # beta k e^G and beta v replace k and v (their other uses are done); w = X (beta k e^G), u = X (beta v)
     with phase("cprep.w_u"):
-      for i in range(KH):
-        k_s.at[i][...] = (load(k_s.at[i]) * e_q(i) * rows(beta_rows(), ch)).astype(dtype)
+      e_q = jnp.exp(load_G())
+      if carry is not None:
+        e_q = e_q * rows(carry, ck)
+      k_s[...] = (load(k_s) * e_q * rows(beta_rows(), ck)).astype(dtype)
       v_s[...] = (load(v_s) * rows(beta_rows(), cv)).astype(dtype)
       plgpu.commit_smem()
-      for i in range(KH):
-        emit(matmul(x_s, k_s.at[i], ch), ak_s.at[i], w_r.at[bi, h, rows_t, cols(i)])
+      emit(matmul(x_s, k_s, ck), ak_s, w_r.at[bi, h, rows_t])
       emit(matmul(x_s, v_s, cv), out_v, u_r.at[bi, h, rows_t])
     with phase("cprep.exit"):
       plgpu.wait_smem_to_gmem(0)
@@ -287,7 +292,8 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
   outs = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
       compiler_params=compiler_params(approx_math=True), interpret=interpret,
-      kernel_name="chunk_prep_channel" + ("" if grams == "one" else "_" + grams))(*args)
+      kernel_name="chunk_prep_channel" + ("" if grams == "one" else "_" + grams)
+      + ("_parts" if half_forms and grams == "chunk" else ""))(*args)
   outs = [x.reshape(B, Hv, NC, C, x.shape[-1]) for x in vary_like(outs, args)]
   qg, kd, p = outs[:3]
   decay = jnp.swapaxes(jnp.exp(refs[:, :, 1]), 1, 2)     # e^(G_C), [B, H_v, NC, K]

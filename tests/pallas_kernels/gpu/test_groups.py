@@ -77,7 +77,7 @@ def test_group_grams_equal_float64_sums_at_any_gate_strength(gates, grams):
   cast = lambda x: jnp.asarray(x, jnp.bfloat16)
   t, _, M_got = channel_prep.prepare(cast(q), cast(k), cast(v), jnp.asarray(g), jnp.asarray(beta),
                                      chunk_size=64, dtype=jnp.bfloat16, interpret=PARAMS, with_inverse=True,
-                                     grams=grams)
+                                     grams=grams, half_forms=gates == "apart")
   qb, kb = (np.asarray(cast(x).astype(jnp.float32))[0, :, 0] for x in (q, k))
   P, M = _float64_grams(qb, kb, g[0, :, 0])
   for c in range(2):

@@ -195,6 +195,8 @@ def test_per_channel_gradient_kernels_export_for_hopper(kind, D, group, packed, 
   with jax.sharding.use_abstract_mesh(H200):
     bwd = jax.export.export(jax.jit(jax.grad(loss, argnums=argnums)), platforms=["cuda"])(*args).mlir_module()
   assert ("stablehlo.gather" in bwd) == order   # the order's gathers, forward and back
+  # with the order, the per-chunk preparation chooses each half's form (delta and order go together)
+  assert ("chunk_prep_channel_chunk_parts" in bwd) == order
   names = ["chunk_grads_channel_delta_v", "chunk_grads_channel_delta_k"] if delta else ["chunk_grads_channel"]
   names += ["chunk_grads_channel_delta_k_chunk"] if delta else ["chunk_grads_channel_groups"]
   assert all(name in bwd for name in names)
