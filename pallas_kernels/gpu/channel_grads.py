@@ -123,6 +123,14 @@ def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, int
 
     gb = groups.group_bound(dtype)
     vec_end = lambda i: lambda t: colv(groups.FIRST_ROW + t, i)
+
+    def factors(Gt, i, s):
+      """Product s's `(up, down)` for half i: q's rows take up, k's down. A level's are one tile
+      (`groups.level_factor`: each is read only on the rows where the other is not)."""
+      if s is None:
+        return groups.factors(Gt, vec_end(i), s, gb)
+      E = groups.level_factor(Gt, vec_end(i), s)
+      return E, E
     if grams == "one":
       # Qr = q e^(G - R), Kr = k e^(R - G), half by half
       for i in range(KH):
@@ -139,7 +147,7 @@ def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, int
       for s in groups.products(C):
         Ps = None
         for i in range(KH):
-          up, down = groups.factors(load(g_s.at[i]), vec_end(i), s, gb)
+          up, down = factors(load(g_s.at[i]), i, s)
           a_s.at[0][...] = (load(q_s.at[i]) * up).astype(dtype)
           b_s.at[i][...] = (load(k_s.at[i]) * down).astype(dtype)
           plgpu.commit_smem()
@@ -167,7 +175,7 @@ def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, int
         d = rows(groups.diagonal_of(load(dp_s)))
         dq_p, dk_p = d * load(k_s.at[i]), d * load(q_s.at[i])
         for s in groups.products(C):
-          up, down = groups.factors(fresh(load(g_s.at[i])), vec_end(i), s, gb)
+          up, down = factors(fresh(load(g_s.at[i])), i, s)
           a_s.at[0][...] = (load(q_s.at[i]) * up).astype(dtype)
           b_s.at[i][...] = (load(k_s.at[i]) * down).astype(dtype)
           keep = groups.keep_mask(C, s)
