@@ -61,7 +61,8 @@ def forms(g, C: int, strength=None) -> dict:
   (`beyond_within_32`, `beyond_within_64`: the share of beyond chunks with at most n channels beyond)
   needs those channels in one place: `mean_top_n`, the share of beyond chunks whose every channel
   beyond lies among the n that decay most over the row's whole sequence (one channel order a row and
-  head); with `strength [H_v, K]` (a layer's per-channel gate bias: larger decays more),
+  head); `batch_top_n`, among the n that decay most over the whole batch (one order a head, which a
+  layer could apply to its projections' columns instead of gathering activations); with `strength [H_v, K]` (a layer's per-channel gate bias: larger decays more),
   `strength_top_n`, among the n strongest by it (one order a head, from the parameters)."""
   B, T = g.shape[:2]
   T_pad = -(-T // C) * C
@@ -81,8 +82,10 @@ def forms(g, C: int, strength=None) -> dict:
              groups_in_16=share((at == channel.GROUPS) & channel.blocks_fit(refs, C, jnp.bfloat16, 16)))
   for n in (16, 32, 64):
     out[f"beyond_within_{n}"] = 1.0 - jnp.sum(beyond & (channels > n)) / count
+  decay = -jnp.mean(g.astype(jnp.float32), axis=1)   # [B, H_v, K]
   for n in (32, 64):
-    out[f"mean_top_{n}"] = within(strongest(-jnp.mean(g.astype(jnp.float32), axis=1), n))   # [B, H_v, K]
+    out[f"mean_top_{n}"] = within(strongest(decay, n))
+    out[f"batch_top_{n}"] = within(jnp.broadcast_to(strongest(jnp.mean(decay, axis=0), n), decay.shape))
     if strength is not None:
       out[f"strength_top_{n}"] = within(jnp.broadcast_to(strongest(strength, n), which[:, 0].shape))
   return out
@@ -144,14 +147,15 @@ def run() -> list[dict]:
 def table(rows) -> list[str]:
   lines = ["| step | layer | one (76) | halves | groups | groups in 16-token blocks | one (60) | mean g "
            "| channels beyond | within 16 / 32 / 64 | in the 32 / 64 decaying most (row) "
-           "| in the 32 / 64 strongest (bias) |", "| --- " * 12 + "|"]
+           "| (batch) | in the 32 / 64 strongest (bias) |", "| --- " * 13 + "|"]
   pct = lambda r, keys: " / ".join(f"{r[k]:.0%}" if k in r else "-" for k in keys)
   for r in rows:
     lines.append(f"| {r['step']} | {r['layer']} | {r['one']:.1%} | {r['halves']:.1%} | {r['groups']:.1%} "
                  f"| {r['groups_in_16']:.1%} | {r['one_narrow']:.1%} | {r['mean_g']:.3f} "
                  f"| {r['beyond_channels']:.1f} "
                  f"| {pct(r, ['beyond_within_16', 'beyond_within_32', 'beyond_within_64'])} "
-                 f"| {pct(r, ['mean_top_32', 'mean_top_64'])} | {pct(r, ['strength_top_32', 'strength_top_64'])} |")
+                 f"| {pct(r, ['mean_top_32', 'mean_top_64'])} | {pct(r, ['batch_top_32', 'batch_top_64'])} "
+                 f"| {pct(r, ['strength_top_32', 'strength_top_64'])} |")
   return lines
 
 

@@ -198,7 +198,7 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
       assert abs(r["one"] + r["halves"] + r["groups"] - 1) < 1e-6 and r["one_narrow"] <= r["one"] <= 1, r
       assert r["mean_g"] < 0, r
       assert 0 <= r["beyond_channels"] <= 16 and 0 <= r["beyond_within_16"] <= 1, r
-      assert all(0 <= r[f"{by}_top_{n}"] <= 1 for by in ("mean", "strength") for n in (32, 64)), r
+      assert all(0 <= r[f"{by}_top_{n}"] <= 1 for by in ("mean", "batch", "strength") for n in (32, 64)), r
   if script == "kernel_breakdown.py":  # a stage that fails is reported as NaN: none may here
     stages = next(f for f in flags if f.startswith("--stages="))[len("--stages="):].split(",")
     variant = next(f for f in flags if f.startswith("--variants="))[len("--variants="):]
@@ -332,6 +332,15 @@ def test_forms_census_places_the_channels_beyond_in_an_order():
   assert got["beyond_within_32"] == pytest.approx(1 / 2) and got["beyond_within_64"] == 1.0, got
   assert got["mean_top_32"] == pytest.approx(1 / 2) and got["mean_top_64"] == 1.0, got
   assert got["strength_top_32"] == 0.0 and got["strength_top_64"] == pytest.approx(1 / 2), got
+  assert got["batch_top_32"] == got["mean_top_32"] and got["batch_top_64"] == 1.0, got   # one row
+  # a second row whose strong channels are 50-99 (chunk 1's 40 at 3 nats, chunk 2's 10 at 4): over the
+  # batch the 64 most decaying are 90-109 and, of the 80 tied at 3 nats (0-39, 50-89), the first 44 in
+  # order (0-39, 50-53), so row 1's chunk 1 (50-89) falls outside them; each row's own order holds all
+  g2 = np.full_like(g, -0.01)
+  g2[0, 64:128, 0, 50:90] = -3.0
+  g2[0, 128:, 0, 90:100] = -4.0
+  both = {k: float(v) for k, v in forms_census.forms(jnp.asarray(np.concatenate([g, g2])), 64).items()}
+  assert both["mean_top_64"] == 1.0 and both["batch_top_64"] == pytest.approx(3 / 4), both
   assert "strength_top_32" not in forms_census.forms(jnp.asarray(g), 64), got
 
 
