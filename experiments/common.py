@@ -213,7 +213,8 @@ def kernel_config(grads_programs: int = 0, unit_ref_bound: bool | None = None,
   `order_channels` True takes kda's channels strongest first (`GpuConfig.order_channels`)."""
   if grads_programs < 0:
     raise ValueError(f"grads_programs must be >= 0; got {grads_programs}")
-  switches = (("unit_ref_bound", unit_ref_bound), ("call_test", call_test), ("order_channels", order_channels))
+  switches = (("unit_ref_bound", unit_ref_bound), ("call_test", call_test),
+              ("order_channels", order_channels))
   if not grads_programs and sequence_pieces is None and all(value is None for _, value in switches):
     return contextlib.nullcontext()
   from linear_attention_jax.pallas_kernels import gpu

@@ -53,8 +53,8 @@ def build(mixer: str, *, width: int, heads: int, impl: str, dtype):
   """The layer of `mixer` (module docstring), bfloat16 compute over float32 parameters."""
   name, _, variant = mixer.partition(":")
   if variant != "xlaconv" and kernel_options(mixer) is None:
-    raise ValueError(f"mixer suffix must be ':xlaconv', ':pN' or ':sN' (N > 0), ':u', ':n', ':c', ':o' or none; "
-                     f"got {mixer!r}")
+    raise ValueError(f"mixer suffix must be ':xlaconv', ':pN' or ':sN' (N > 0), ':u', ':n', ':c', ':o' or "
+                     f"none; got {mixer!r}")
   layer = _build(name, width=width, heads=heads, impl=impl, dtype=dtype)
   for conv in getattr(layer, "convs", ()) if variant == "xlaconv" else ():
     conv.impl = "xla"

@@ -123,9 +123,11 @@ class GpuConfig:
     in halves of 64, each half its own form: `channel.chunk_forms(..., width=HALF)`) reorders each
     batch row's and key head's channels by how much they decay over the row, strongest first
     (`channel.channel_order`), before the kernels, and restores the order of dq, dk, dg and the final
-    state after them: a chunk whose channels beyond one reference all lie among the row's 64 strongest
-    takes one reference in its other half. The call's values are the same up to the order of the
-    float32 sums over channels. Off by default until it is timed on a device.
+    state after them; its per-chunk preparation kernel then also gives each half its own form
+    (`channel_prep.prepare(..., half_forms=True)`). A chunk whose channels beyond one reference all
+    lie among the row's 64 strongest (every trained chunk of the CPU census, NOTES.md v57) takes one
+    reference in its other half. The call's values are the same up to the order of the float32 sums
+    over channels. Off by default until it is timed on a device.
   gram_method: XLA's per-channel decayed grams (`prep.GRAM_METHODS`) where XLA prepares: "auto" (one
     product about a per-channel reference within the bound, else the merge form) or "merge" (NOTES.md
     v25: a third form, whole-tile levels, was slower on the H200 and is gone).

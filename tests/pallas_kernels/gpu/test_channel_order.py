@@ -30,10 +30,12 @@ def test_permute_channels_gathers_by_the_order_and_its_cotangent_by_the_inverse(
   got = channel.permute_channels(x, order, inverse, 2, 3)
   for b in range(B):
     for h in range(Hv):   # value head h reads key head h // 2's order
-      np.testing.assert_array_equal(np.asarray(got[b, :, h]), np.asarray(x[b, :, h])[:, np.asarray(order)[b, h // 2]])
+      want = np.asarray(x[b, :, h])[:, np.asarray(order)[b, h // 2]]
+      np.testing.assert_array_equal(np.asarray(got[b, :, h]), want)
   ct = jnp.asarray(r.normal(size=x.shape), jnp.float32)
   (dx,) = jax.vjp(lambda x: channel.permute_channels(x, order, inverse, 2, 3), x)[1](ct)
-  np.testing.assert_array_equal(np.asarray(channel.permute_channels(dx, order, inverse, 2, 3)), np.asarray(ct))
+  back = channel.permute_channels(dx, order, inverse, 2, 3)
+  np.testing.assert_array_equal(np.asarray(back), np.asarray(ct))
   state = jnp.asarray(r.normal(size=(B, Hv, K, 3)), jnp.float32)   # channels on axis 2
   back = channel.permute_channels(channel.permute_channels(state, order, inverse, 1, 2), inverse, order, 1, 2)
   np.testing.assert_array_equal(np.asarray(back), np.asarray(state))
