@@ -61,7 +61,7 @@ def forms(g, C: int, strength=None) -> dict:
   (`beyond_within_32`, `beyond_within_64`: the share of beyond chunks with at most n channels beyond)
   needs those channels in one place: `mean_top_n`, the share of beyond chunks whose every channel
   beyond lies among the n that decay most over the row's whole sequence (one channel order a row and
-  head); `batch_top_n`, among the n that decay most over the whole batch (one order a head, which a
+  head: `channel.channel_order`'s, which `GpuConfig.order_channels` applies); `batch_top_n`, among the n that decay most over the whole batch (one order a head, which a
   layer could apply to its projections' columns instead of gathering activations); with `strength
   [H_v, K]` (a layer's per-channel gate bias: larger decays more), `strength_top_n`, among the n
   strongest by it (one order a head, from the parameters)."""
@@ -84,8 +84,9 @@ def forms(g, C: int, strength=None) -> dict:
   for n in (16, 32, 64):
     out[f"beyond_within_{n}"] = 1.0 - jnp.sum(beyond & (channels > n)) / count
   decay = -jnp.mean(g.astype(jnp.float32), axis=1)   # [B, H_v, K]
+  row_rank = channel.channel_order(g, g.shape[2])[1]   # the order GpuConfig.order_channels applies
   for n in (32, 64):
-    out[f"mean_top_{n}"] = within(strongest(decay, n))
+    out[f"mean_top_{n}"] = within(row_rank < n)
     out[f"batch_top_{n}"] = within(jnp.broadcast_to(strongest(jnp.mean(decay, axis=0), n), decay.shape))
     if strength is not None:
       out[f"strength_top_{n}"] = within(jnp.broadcast_to(strongest(strength, n), which[:, 0].shape))
