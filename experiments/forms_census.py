@@ -61,8 +61,9 @@ def forms(g, C: int, strength=None) -> dict:
   (`beyond_within_32`, `beyond_within_64`: the share of beyond chunks with at most n channels beyond)
   needs those channels in one place: `mean_top_n`, the share of beyond chunks whose every channel
   beyond lies among the n that decay most over the row's whole sequence (one channel order a row and
-  head: `channel.channel_order`'s, which `GpuConfig.order_channels` applies); `batch_top_n`, among the n that decay most over the whole batch (one order a head, which a
-  layer could apply to its projections' columns instead of gathering activations); with `strength
+  head: `channel.channel_order`'s, which `GpuConfig.order_channels` applies); `batch_top_n`, among
+  the n that decay most over the whole batch (one order a head, which a layer could apply to its
+  projections' columns instead of gathering activations); with `strength
   [H_v, K]` (a layer's per-channel gate bias: larger decays more), `strength_top_n`, among the n
   strongest by it (one order a head, from the parameters)."""
   B, T = g.shape[:2]
