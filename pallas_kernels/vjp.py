@@ -48,7 +48,8 @@ def _pieces(static: Static) -> int:
 
 def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
                     chunk_multiple: int = 1, cumsum=None, with_inverse: bool = False, beyond: str = "chunk",
-                    bound: float | None = None, call_test: bool = True, half_forms: bool = False):
+                    bound: float | None = None, call_test: bool = True, half_forms: bool = False,
+                    qk_l2norm: bool = False):
   """The per-channel forward's chunk tensors (the plan's "channel_prep" stage and its `forward_beyond`),
   arguments as `channel_prep.prepare`'s: the preparation kernel with one reference per chunk and channel
   where every chunk's decay fits that bound, else with the 8-token groups' products (groups.py; one
@@ -60,17 +61,19 @@ def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=Non
   in both the test and the kernels. `call_test=False` (`Plan.call_test`) calls the `beyond` kernels
   without the test where they choose per chunk ("chunk") and the operands always fit the groups.
   `half_forms`: the "chunk" kernel chooses for each half of a chunk's key channels apart (the plan's
-  `order_channels`)."""
+  `order_channels`). `qk_l2norm`: q, k are l2-normalised here (on load in the kernels, in XLA for the
+  merge form)."""
   C = chunk_size
   if cumsum is None:
     cumsum = channel.chunk_cumsum(g, prep.padded_length(q.shape[1], C, chunk_multiple), C)
   kernel = lambda grams: lambda: channel_prep.prepare(
       q, k, v, g, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids, interpret=interpret,
       chunk_multiple=chunk_multiple, cumsum=cumsum, with_inverse=with_inverse, grams=grams, bound=bound,
-      half_forms=half_forms and grams == "chunk")
+      half_forms=half_forms and grams == "chunk", qk_l2norm=qk_l2norm)
 
   def per_head():
-    t = prepared.merge_tensors_per_head(q, k, v, prep.floor_log_decay(g), beta, segment_ids, chunk_size=C,
+    qn, kn = (common.l2_normalize(q), common.l2_normalize(k)) if qk_l2norm else (q, k)
+    t = prepared.merge_tensors_per_head(qn, kn, v, prep.floor_log_decay(g), beta, segment_ids, chunk_size=C,
                                         chunk_multiple=chunk_multiple, dtype=dtype)
     zeros = jnp.zeros(t.qg.shape[:3] + (C, C), dtype)
     return (t, zeros, zeros) if with_inverse else t
@@ -129,7 +132,7 @@ def _forward(static: Static, q, k, v, g, beta, h0, segment_ids, *, keep: bool):
                             interpret=interpret, chunk_multiple=_pieces(static), cumsum=cumsum,
                             with_inverse=inverse, beyond=plan.forward_beyond,
                             bound=plan.forward_ref_bound, call_test=plan.call_test,
-                            half_forms=plan.order_channels)
+                            half_forms=plan.order_channels, qk_l2norm=plan.l2 == "on_load")
       t, X, M = out if inverse else (out, None, None)
       o, states, final = _walk(static, t, h0, with_states=saves)
       if not saves:
@@ -167,7 +170,8 @@ def _backward(static: Static, q, k, v, g, beta, h0, segment_ids, saved, do, dfin
     case "channel_delta_grads":
       kernels = lambda grams: lambda: channel_delta_grads.backward(
           q, k, v, g, beta, h0, do, dfinal, **kw, sequence_pieces=_sequence_pieces(static),
-          scale=static.scale, saved=saved, grams=grams, unit_bound=plan.unit_bound)
+          scale=static.scale, saved=saved, grams=grams, unit_bound=plan.unit_bound,
+          qk_l2norm=plan.l2 == "on_load")
     case other:
       raise ValueError(f"no backward stage {other!r}")
   # the kernels sum their gradients over the mesh axes their primals do not vary over, as the per-head

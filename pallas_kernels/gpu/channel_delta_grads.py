@@ -32,7 +32,8 @@ value side reads it for dbeta, and no program forms it again (NOTES.md v52).
 
 Like channel_grads.py, a call where some chunk's decay does not fit the one-reference bound takes the
 8-token groups' products in the key side (`grams="groups"`, groups.py); the value side has no decayed
-gram.
+gram. With `qk_l2norm` the key side normalises the q, k it loads (as the preparation kernel did) and
+XLA takes the norm's backward after it; the value side reads neither.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ from .. import common, prep
 from . import channel, groups, walk
 from .channel import HALF, fits, key_grads
 from .masks import SEG_ROWS, segment_masks, segment_vectors
-from .tiles import COLS, F32, ROWS, WGMMA, compiler_params, flat, matmul, matmuls, phase, smem, vary_like
+from .tiles import (COLS, F32, ROWS, WGMMA, compiler_params, flat, l2_normalize_halves, matmul, matmuls, phase,
+                    smem, vary_like)
 
 
 def serves(g, beta, segment_ids) -> bool:
@@ -168,7 +170,7 @@ def value_side(t: prep.ChunkTensors, X, M, states, dstates, do, v, b, *, dtype, 
 
 
 def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, masks=None, interpret=None,
-             grams: str = "one", unit_bound: bool = False):
+             grams: str = "one", unit_bound: bool = False, qk_l2norm: bool = False):
   """The key side of every chunk (module docstring), one program per chunk of one value head.
 
   Args: q, k `[B, T_pad, H, K]`; G, refs as `channel.chunk_cumsum` returns them; b `[B, H_v,
@@ -186,6 +188,9 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
   unit_bound: q and k are l2-normalised (entries within [-1, 1]): with `grams="chunk"`, a chunk takes one
     reference up to its own bound from its cotangents (`channel.cotangent_bound`, at most
     `prep.UNIT_REF_BOUND`) instead of `prep.ref_bound(dtype)`.
+  qk_l2norm: q and k are l2-normalised as they load (their halves' norm over all K, as the forward's
+    `channel_prep.prepare(..., qk_l2norm=True)`), and dq, dk are the gradients of the normalised q, k
+    (the caller applies the norm's backward).
   """
   if grams not in ("one", "halves", "groups", "chunk"):
     raise ValueError(f"grams must be 'one', 'halves', 'groups' or 'chunk'; got {grams!r}")
@@ -239,6 +244,10 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
       plgpu.copy_gmem_to_smem(src, dst, bar)
     with phase("keys.loads"):
       plgpu.barrier_wait(bar)
+    if qk_l2norm:
+      with phase("keys.l2"):
+        l2_normalize_halves(q_s)
+        l2_normalize_halves(k_s)
 
     ck = (C, HALF)
     rows = lambda x, shape=ck: lax.broadcast_in_dim(x, shape, [0])
@@ -372,14 +381,15 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
 
 def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None,
              interpret=None, sequence_pieces=None, scale: float = 1.0, saved: Saved, grams: str = "one",
-             unit_bound: bool = False):
+             unit_bound: bool = False, qk_l2norm: bool = False):
   """`(dq, dk, dv, dg, dbeta, dh0)` of kda's prepared forward (`o` scaled by `scale`; in q, k, v, g,
   beta's dtypes, dh0 float32) for `do: [B, T, H_v, V]` and `dfinal` None or `[B, H_v, K, V]`, from what
   the forward `saved`: the reverse walk over the saved tensors, then `value_side` and `key_side`; XLA
   takes dG's reverse cumsum within the chunks and, for grouped heads, adds the value heads' dq, dk.
   `grams`: `key_side`'s; the caller's `lax.cond` (`vjp.py`) takes "one" where every chunk's decay fits the
   one-reference bound, else "groups" (or XLA's vjp, for float16 beyond the groups' bound). `unit_bound`:
-  `key_side`'s (q, k l2-normalised)."""
+  `key_side`'s (q, k l2-normalised). `qk_l2norm`: the forward normalised q, k on load; the key side
+  does too, and XLA takes the norm's backward from its dq, dk and the raw q, k."""
   del h0   # the state entering each chunk is saved
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
@@ -402,8 +412,10 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
                                             b, dtype=dtype, masks=masks, interpret=interpret)
     dq, dk, dG, dbeta_k = key_side(pad(q), pad(k), G, refs, b, do_t, u, dr, dP, dM, saved.states,
                                    dstates, dtype=dtype, masks=masks, interpret=interpret, grams=grams,
-                                   unit_bound=unit_bound)
+                                   unit_bound=unit_bound, qk_l2norm=qk_l2norm)
     dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C)
+    if qk_l2norm:
+      dq, dk = (jax.vjp(common.l2_normalize, x)[1](dx)[0] for x, dx in ((q, dq), (k, dk)))
     dbeta = jnp.swapaxes(dbeta_v + dbeta_k, 1, 2)[:, :T].astype(beta.dtype)
     grads = (dq, dk, dv[:, :T].astype(v.dtype), dg, dbeta)
     return common.summed_like(grads, (q, k, v, g, beta)) + (dh0.astype(F32),)

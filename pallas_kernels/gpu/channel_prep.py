@@ -1,8 +1,8 @@
 """Per-channel decay (gla, kda): the per-chunk tensors in one Mosaic GPU kernel, every chunk in parallel,
 packed or not.
 
-One program per (batch, value head, chunk) reads q, k, v, beta and the chunk-local cumulative
-log-decay G `[C, K]` (float32) once and writes the walk's inputs (`prep.ChunkTensors`, module docstring
+One program per (batch, value head, chunk) reads q, k (l2-normalising them as they load, with
+`qk_l2norm`), v, beta and the chunk-local cumulative log-decay G `[C, K]` (float32) once and writes the walk's inputs (`prep.ChunkTensors`, module docstring
 of prep.py) in the operand dtype: `qg = q e^G`, `kd = k e^(G_C - G)`, `P` (the decayed gram of q and k,
 j <= i) and, for the delta family (kda), `w = X (beta k e^G)`, `u = X (beta v)` with `X = (I + L)^-1`,
 `L = Diag(beta) M`, `M` the strict decayed gram of k.
@@ -41,8 +41,8 @@ from . import groups
 from . import channel
 from .channel import HALF, chunk_cumsum
 from .masks import SEG_ROWS, segment_masks, segment_vectors
-from .tiles import (COLS, F32, ROWS, WGMMA, compiler_params, matmul, matmuls, phase, smem,
-                    unit_lower_inverse, vary_like)
+from .tiles import (COLS, F32, ROWS, WGMMA, compiler_params, l2_normalize_rows, matmul, matmuls, phase,
+                    smem, unit_lower_inverse, vary_like)
 
 
 GRAMS = ("one", "halves", "groups", "chunk")
@@ -56,7 +56,7 @@ def serves(g, beta, segment_ids) -> bool:
 
 def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
             chunk_multiple: int = 1, cumsum=None, with_inverse: bool = False, grams: str = "one",
-            bound: float | None = None, half_forms: bool = False):
+            bound: float | None = None, half_forms: bool = False, qk_l2norm: bool = False):
   """`prep.prepare(q, k, v, g, beta, segment_ids, ...)` for per-channel `g: [B, T, H_v, K]` whose every
   chunk fits the one-reference bound (`channel_grads.fits`; the caller takes XLA's merge form for the
   others), with every matmul operand in `dtype` (16-bit), the tensors in `dtype` and `decay` float32;
@@ -74,7 +74,9 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
   first that fits the half, `channel.chunk_forms(..., width=HALF)`: for channels ordered strongest
   first, `GpuConfig.order_channels`). bound: the one-reference form's bound on `|G - R|` (default
   `prep.ref_bound(dtype)`; `prep.UNIT_REF_BOUND` only for l2-normalised q and k, whose entries lie in
-  [-1, 1]); the caller's test of which chunks fit takes the same."""
+  [-1, 1]); the caller's test of which chunks fit takes the same. qk_l2norm: q and k are l2-normalised
+  in the kernel as they load (over K, float32 sums, rounded to `dtype`, as `common.l2_normalize`)
+  before anything reads them."""
   if grams not in GRAMS:
     raise ValueError(f"grams must be one of {GRAMS}; got {grams!r}")
   T = q.shape[1]
@@ -93,12 +95,12 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
     raise ValueError("with_inverse is for the delta family (kda): beta must be given")
   return _prepare_kernel(q, k, v, G, refs, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
                          interpret=interpret, with_inverse=with_inverse, grams=grams, bound=bound,
-                         half_forms=half_forms)
+                         half_forms=half_forms, qk_l2norm=qk_l2norm)
 
 
 def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_ids, interpret,
                     with_inverse: bool = False, grams: str = "one", bound: float,
-                    half_forms: bool = False):
+                    half_forms: bool = False, qk_l2norm: bool = False):
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
   C = chunk_size
@@ -149,6 +151,10 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
       plgpu.copy_gmem_to_smem(src, dst, bar)
     with phase("cprep.loads"):
       plgpu.barrier_wait(bar)
+    if qk_l2norm:
+      with phase("cprep.l2"):
+        l2_normalize_rows(q_s, C)
+        l2_normalize_rows(k_s, C)
 
     rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
     sq, ck, cv = (C, C), (C, K), (C, V)

@@ -133,6 +133,23 @@ def l2_normalize_rows(ref, C):
   return r
 
 
+def l2_normalize_halves(ref):
+  """`l2_normalize_rows` of a `[C, K]` tile held as its column blocks, the 16-bit `[n, C, K / n]`
+  shared-memory `ref` (block i the columns `[i K / n, (i + 1) K / n)`): the norm over all K, each block
+  scaled in place. Returns the `[C]` reciprocal norms."""
+  load = lambda i: plgpu.load(ref.at[i], layout=WGMMA).astype(jnp.float32)
+  sums = None
+  for i in range(ref.shape[0]):   # one block live at a time
+    x = load(i)
+    sums = jnp.sum(x * x, axis=1) if sums is None else sums + jnp.sum(x * x, axis=1)
+  r = lax.rsqrt(sums + L2_EPS)
+  for i in range(ref.shape[0]):
+    x = load(i)
+    ref.at[i][...] = (x * lax.broadcast_in_dim(r, x.shape, [0])).astype(ref.dtype)
+  plgpu.commit_smem()
+  return r
+
+
 def l2_normalize_grad(dy, y_ref, r):
   """`dx` of `y = l2_normalize(x)` for the float32 `[C, K]` tile `dy`, `y` the normalised tile in shared
   memory and `r` the rows' reciprocal norms."""
