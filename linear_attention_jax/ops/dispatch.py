@@ -96,9 +96,11 @@ def gate_for(form: str, g):
   -inf gives NaN (-inf - -inf) and a huge finite g drowns the small gates after it; they take
   `floor_log_decay(g)`, g floored at `LOG_DECAY_FLOOR` (-20) per token and key channel (gradient 0
   below the floor). A token at the floor keeps e^-20 ~ 2e-9 of the state instead of 0, so the forms
-  agree with the scan to float32 rounding for any `g <= 0`, -inf included. NaN stays NaN.
+  agree with the scan to float32 rounding for any `g <= 0`, -inf included. NaN stays NaN. "pallas"
+  takes g as given too: each backend's `chunked_attention` floors it, the GPU's inside its
+  per-channel kernels where they run both ways (no second copy of g for the floor).
   """
-  return g if form == "recurrent" else floor_log_decay(g)
+  return g if form in ("recurrent", "pallas") else floor_log_decay(g)
 
 
 def scan_forward_chunk_derivatives(scan, chunk):
@@ -113,8 +115,8 @@ def scan_forward_chunk_derivatives(scan, chunk):
 def pallas_form(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_size, compute_dtype,
                 qk_l2norm, v_extra, mapped_qk, packing):
   """The running backend's kernels on float32 `q, k` (raw when `qk_l2norm`), `v` with `v_extra`
-  appended columns, g, beta; the columns the kernels do not walk take the chunked form on `mapped_qk()`
-  (q, k through the variant's map). Returns float32 `(o, final)`."""
+  appended columns, g (unfloored: `gate_for`), beta; the columns the kernels do not walk take the
+  chunked form on `mapped_qk()` (q, k through the variant's map). Returns float32 `(o, final)`."""
   kernels = BACKENDS[kernel_backend()]
   V = v.shape[-1]
   cols = kernels.walked_columns(V, v_extra)
@@ -126,7 +128,7 @@ def pallas_form(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_si
   o = o.astype(jnp.float32)
   if cols < V:
     q_m, k_m = mapped_qk()
-    o_x, final_x = chunk_form(q_m, k_m, v[..., cols:], g, beta, scale=scale,
+    o_x, final_x = chunk_form(q_m, k_m, v[..., cols:], gate_for("chunk", g), beta, scale=scale,
                               initial_state=None if h0 is None else h0[..., cols:], packing=packing,
                               chunk_size=chunk_size)
     o, final = jnp.concatenate([o, o_x], axis=-1), jnp.concatenate([final, final_x], axis=-1)

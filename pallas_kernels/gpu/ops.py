@@ -97,7 +97,8 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
 
   Args:
     q, k: `[B, T, H, K]`. v: `[B, T, H_v, V]`, `H_v % H == 0` (grouped value heads).
-    g: None (no decay), `[B, T, H_v]` (scalar) or `[B, T, H_v, K]` (per channel) log-decay.
+    g: None (no decay), `[B, T, H_v]` (scalar) or `[B, T, H_v, K]` (per channel) log-decay, floored
+      at `prep.LOG_DECAY_FLOOR` here (or inside the stages: `Plan.gate_floor`), gradient 0 below it.
     beta: None (additive family) or `[B, T, H_v]` (delta family).
     scale: read-out scale, default `K ** -0.5`.
     initial_state: None or `[B, H_v, K, V]`, used as float32.
@@ -143,9 +144,10 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
                            compute_dtype=dtype, out_dtype=out_dtype, qk_l2norm=qk_l2norm, config=config,
                            interpret=interpret)
   q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
-  g = prep.floor_log_decay(g)   # -inf (forget everything) is e^-20 a token: finite differences of G
   p = call_plan(q, k, v, g, beta, segment_ids=segment_ids, chunk_size=chunk_size, qk_l2norm=qk_l2norm,
                 config=config)
+  if p.gate_floor == "xla":   # -inf (forget everything) is e^-20 a token: finite differences of G
+    g = prep.floor_log_decay(g)
   if interpret:
     check_interpreter_threads(p.interpreter_threads())
   if p.l2 == "xla":

@@ -15,7 +15,10 @@ one reference, the halves' products, the groups'). Float16
 operands beyond the groups' bound (2.2 nats a token) take XLA's merge form one (batch row, value head)
 at a time (`Plan.per_head_beyond`). "l2" is where
 `qk_l2norm=True` normalises q and k: in the kernels on load, or in XLA before them (`Plan.l2` is "none"
-for a call without it).
+for a call without it; kda's kernels normalise on load and XLA takes the norm's backward from their
+dq, dk). The gates are floored at `prep.LOG_DECAY_FLOOR` before the stages, except where the
+per-channel kernels run both ways (`Plan.gate_floor` "stages": their cumsum floors g and their
+backward zeroes dg below the floor, so the op keeps the caller's g).
 
     | variants                                | forward  | backward | plan.forward | keeps                            | plan.backward       | beyond: forward    | beyond: backward | l2      |
     | --------------------------------------- | -------- | -------- | ------------ | -------------------------------- | ------------------- | ------------------ | ---------------- | ------- |
@@ -31,7 +34,7 @@ for a call without it).
     | delta_rule, gated_delta_rule            | kernel   | xla_vjp  | delta_prep   | inputs                           | xla_vjp             | -                  | -                | xla     |
     | delta_rule, gated_delta_rule            | xla_prep | kernel   | xla_prep     | inputs                           | delta_grads         | -                  | -                | xla     |
     | delta_rule, gated_delta_rule            | xla_prep | xla_vjp  | xla_prep     | inputs                           | xla_vjp             | -                  | -                | xla     |
-    | kda                                     | kernel   | kernel   | channel_prep | tensors, inverse, states, cumsum | channel_delta_grads | chunk              | chunk            | xla     |
+    | kda                                     | kernel   | kernel   | channel_prep | tensors, inverse, states, cumsum | channel_delta_grads | chunk              | chunk            | on_load |
     | kda                                     | kernel   | xla_vjp  | channel_prep | inputs                           | xla_vjp             | chunk              | xla_vjp          | xla     |
     | kda                                     | xla_prep | xla_vjp  | xla_prep     | inputs                           | xla_vjp             | xla_prep           | xla_vjp          | xla     |
 
@@ -187,6 +190,7 @@ class Plan:
   unit_bound: bool = False     # GpuConfig.unit_ref_bound where it holds (q, k l2-normalised, bfloat16)
   call_test: bool = True       # GpuConfig.call_test: a call-wide lax.cond before per-chunk kernels
   order_channels: bool = False  # GpuConfig.order_channels where kda's key-side kernel runs
+  gate_floor: str = "xla"      # "xla": g floored before the stages | "stages": by the per-channel ones
 
   def row(self) -> tuple[str, ...]:
     """The module table's columns from plan.forward on."""
@@ -243,20 +247,25 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
       backward, "chunk")
   pair = (backward == "delta_grads" and config.delta_warpgroups == 2
           and delta_grads.pair_serves(V, chunk_size, v_dtype, dtype))
+  per_head = bool({"chunk", "groups"} & {forward_beyond, backward_beyond}) and not groups.always_fits(dtype)
+  # the per-channel kernels both ways, with no XLA branch beside them (float16's per-head merge form)
+  channel_kernels = (forward == "channel_prep" and backward in ("channel_grads", "channel_delta_grads")
+                     and not per_head)
+  on_load = (forward, backward) == ("delta_prep", "delta_grads") or (
+      channel_kernels and backward == "channel_delta_grads")
   return Plan(cell=c, forward=forward, keeps=_KEEPS.get((forward, backward), "inputs"), backward=backward,
               forward_beyond=forward_beyond, backward_beyond=backward_beyond,
-              l2=("none" if not qk_l2norm else
-                  "on_load" if (forward, backward) == ("delta_prep", "delta_grads") else "xla"),
+              l2="none" if not qk_l2norm else "on_load" if on_load else "xla",
               forward_warpgroups=config.forward_warpgroups if forward == "fused" else 1,
               grads_warpgroups=2 if pair else 1, sequence_pieces=config.sequence_pieces,
               grads_programs=config.grads_programs if pair else None,
               gram_method=config.gram_method,
-              per_head_beyond=bool({"chunk", "groups"} & {forward_beyond, backward_beyond})
-              and not groups.always_fits(dtype),
+              per_head_beyond=per_head,
               forward_ref_bound=prep.ref_bound(dtype, unit=unit and forward == "channel_prep"),
               unit_bound=unit and jnp.dtype(dtype) != jnp.float16,
               call_test=config.call_test or not groups.always_fits(dtype),
-              order_channels=config.order_channels and backward == "channel_delta_grads")
+              order_channels=config.order_channels and backward == "channel_delta_grads",
+              gate_floor="stages" if channel_kernels else "xla")
 
 
 def hopper_reason(backend: str | None = None) -> str | None:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from .. import common, prepared, vjp
+from .. import common, prep, prepared, vjp
 from ..common import explicitly_sharded  # noqa: F401  (re-exported)
 from . import walk
 from .walk import BlockSizes
@@ -114,7 +114,8 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
 
   Args:
     q, k: `[B, T, H, K]`. v: `[B, T, H_v, V]`, `H_v % H == 0` (grouped value heads).
-    g: None (no decay), `[B, T, H_v]` (scalar) or `[B, T, H_v, K]` (per channel) log-decay.
+    g: None (no decay), `[B, T, H_v]` (scalar) or `[B, T, H_v, K]` (per channel) log-decay, floored
+      at `prep.LOG_DECAY_FLOOR` here (gradient 0 below it).
     beta: None (additive family) or `[B, T, H_v]` (delta family).
     scale: read-out scale, default `K ** -0.5`.
     initial_state: None or `[B, H_v, K, V]`, used as float32.
@@ -141,6 +142,7 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
     raise ValueError(reason)
   if qk_l2norm:
     q, k = common.l2_normalize(q), common.l2_normalize(k)
+  g = prep.floor_log_decay(g)   # -inf (forget everything) is e^-20 a token: finite differences of G
   static = prepared.Static(plan=vjp.PREPARED, walk=TPU_WALK,
                            options=_Options(block_sizes=bs, interpret=interpret or False),
                            chunk_size=chunk_size, compute_dtype=jnp.dtype(dtype), out_dtype=v.dtype)

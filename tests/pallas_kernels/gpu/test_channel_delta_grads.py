@@ -2,15 +2,21 @@
 preparation kernel writing the inverse, the forward walk keeping the chunk states, the reverse walk, the
 value-side and key-side kernels) against the float64 loop, with grouped heads, packed rows, sequence
 pieces and an initial state; strong decay within the bound; decay beyond it takes the XLA merge form's
-vjp. A spy checks that the kernels ran."""
+vjp; q, k l2-normalised on load (bfloat16, every form) against the float64 loop on the normalised q, k.
+A spy checks that the kernels ran."""
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from linear_attention_jax.pallas_kernels.gpu import channel, channel_delta_grads
-from tests.ops.conftest import make_inputs
-from tests.pallas_kernels.gpu.util import KERNELS, check, packed_runs
+from linear_attention_jax.pallas_kernels import gpu
+from linear_attention_jax.pallas_kernels.gpu import call_plan, channel, channel_delta_grads, channel_prep, plan
+from tests.ops.conftest import make_inputs, rel_rms
+from tests.ops.test_equivalence import _reference
+from tests.pallas_kernels.gpu.util import KERNELS, PARAMS, check, packed_runs
 
 
 def _spy(monkeypatch):
@@ -64,3 +70,70 @@ def test_kda_beyond_the_bound_takes_the_merge_form():
   seg = np.zeros((2, 70), np.int32)
   seg[0, 30:], seg[1, 66:] = 1, 1
   check("kda", inp, seg=seg, config=KERNELS)
+
+
+def test_kda_normalises_q_and_k_on_load_and_matches_the_float64_loop(monkeypatch):
+  # qk_l2norm=True, bfloat16: the preparation and key-side kernels normalise the raw q, k (norms ~3-8)
+  # as they load them, XLA takes the norm's backward from the kernels' dq, dk. Against the float64 loop
+  # on the normalised q, k, dq and dk through the norm's float64 backward; grouped value heads, packed
+  # rows, an initial state, and gates from mild to -20 a token (every chunk form), -inf on some channels
+  # of one token (the floor: the kernels' cumsum floors g, their backward zeroes dg below it). Then
+  # against the same kernels with q, k normalised by XLA before them (the plan's l2 "xla").
+  seen = []
+  for module, name in ((channel_prep, "prepare"), (channel_delta_grads, "key_side")):
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **kw: seen.append(
+        (_n, kw.get("qk_l2norm"))) or _f(*a, **kw))
+  T, Hv, K, V = 150, 2, 64, 64
+  inp = make_inputs("kda", B=1, T=T, H=1, Hv=Hv, K=K, V=V, gates="normal", seed=44)
+  r = np.random.default_rng(45)
+  q, k = (np.asarray(jnp.asarray(x * r.uniform(1.0, 8.0, x.shape[:-1] + (1,)), jnp.bfloat16), np.float64)
+          for x in (inp["q"], inp["k"] * 5.0))
+  v = np.asarray(jnp.asarray(inp["v"], jnp.bfloat16), np.float64)
+  g = np.asarray(inp["g"], np.float32).copy()
+  g[:, 64:128, :, :8] = -r.uniform(3.0, 20.0, (1, 64, Hv, 8))   # chunk 1: beyond one reference
+  g[:, 130, :, 20:24] = -np.inf
+  beta, h0, seg = inp["beta"], inp["h0"], packed_runs(T)
+  do = r.normal(size=v.shape).astype(np.float32)
+  dhT = r.normal(size=h0.shape).astype(np.float32)
+  args = [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta, h0)]
+
+  @jax.jit
+  def run(*a):
+    def f(q, k, v, g, beta, h0):
+      return gpu.chunked_attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
+                                   g, beta, initial_state=h0, segment_ids=jnp.asarray(seg), qk_l2norm=True,
+                                   config=KERNELS, interpret=PARAMS)
+    (o, hT), pull = jax.vjp(f, *a)
+    return o, hT, pull((jnp.asarray(do, o.dtype), jnp.asarray(dhT)))
+
+  o, hT, grads = run(*args)
+  p = call_plan(*(x.astype(jnp.bfloat16) for x in args[:3]), args[3], args[4], qk_l2norm=True,
+                config=KERNELS)
+  assert (p.l2, p.gate_floor) == ("on_load", "stages")
+  assert {n for n, on in seen if on} == {"prepare", "key_side"}, seen
+  norm = lambda x: np.linalg.norm(x, axis=-1, keepdims=True)
+  qn, kn = q / norm(q), k / norm(k)
+  ref = dict(q=qn, k=kn, v=v, g=np.maximum(g, -20.0), beta=beta, h0=h0)
+  ro, rhT, rgrads = _reference("kda", ref, do, dhT, segment_ids=seg)
+  rgrads["g"] = np.where(g >= -20.0, rgrads["g"], 0.0)
+  for n, x, y in (("q", q, qn), ("k", k, kn)):   # the norm's backward, float64
+    dy = rgrads[n]
+    rgrads[n] = (dy - y * np.sum(y * dy, axis=-1, keepdims=True)) / norm(x)
+  errors = {"o": rel_rms(o, ro), "state": rel_rms(hT, rhT)}
+  errors.update({f"d{n}": rel_rms(a, rgrads[n]) for n, a in zip("q k v g beta".split(), grads)})
+  print(errors)
+  assert np.isfinite(list(errors.values())).all() and all(bool(jnp.isfinite(x).all()) for x in grads)
+  for name, e in errors.items():
+    assert e <= 1e-2, (name, errors)
+  # the same call with the norm in XLA before the kernels
+  select = plan.select
+  monkeypatch.setattr(plan, "select", lambda **kw: dataclasses.replace(select(**kw), l2="xla"))
+  seen.clear()
+  o2, hT2, grads2 = run.__wrapped__(*args)
+  assert not any(on for _, on in seen), seen
+  for n, a in zip("q k".split(), grads2):
+    assert rel_rms(a, rgrads[n]) <= 1e-2, n
+  # only the norm's rounding differs (the sums' order); dq, dk also through its backward's cancellation
+  for name, a, b in [("o", o, o2), ("state", hT, hT2)] + list(zip("q k v g beta h0".split(), grads, grads2)):
+    assert rel_rms(a, b) < (6e-3 if name in "qk" else 1e-3), (name, rel_rms(a, b))

@@ -159,16 +159,17 @@ def test_float32_inputs_fit_shared_memory(delta):
 def test_per_channel_preparation_kernel_exports_for_hopper(kind, D, packed):
   # the default: the forward's chunk tensors from chunk_prep_channel (one-reference grams, in a
   # lax.cond with the same kernel choosing per chunk between those and the 8-token groups' products:
-  # chunk_prep_channel_chunk), then the walk
+  # chunk_prep_channel_chunk), then the walk; kda's q, k l2-normalised in the kernels as they load
   delta = kind == "kda"
   args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D, dtype=jnp.float32),
           _spec(B, T, H, dtype=jnp.float32) if delta else None)
   seg = jnp.zeros((B, T), jnp.int32).at[:, T // 3:].set(1) if packed else None
-  fn = lambda q, k, v, g, beta: gpu.chunked_attention(q, k, v, g, beta, segment_ids=seg)
+  fn = lambda q, k, v, g, beta: gpu.chunked_attention(q, k, v, g, beta, segment_ids=seg, qk_l2norm=delta)
   with jax.sharding.use_abstract_mesh(H200):
     fwd = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
   assert fwd.count("custom_call @mosaic_gpu") == 3
   assert "chunk_prep_channel" in fwd and "chunk_prep_channel_chunk" in fwd and "chunk_walk_fwd" in fwd
+  assert "stablehlo.rsqrt" not in fwd   # no XLA norm (kda's in the kernels)
 
 
 @pytest.mark.parametrize("kind,D,group,packed,pieces,order", [
@@ -186,8 +187,8 @@ def test_per_channel_gradient_kernels_export_for_hopper(kind, D, group, packed, 
           _spec(B, T, Hv, dtype=jnp.float32) if delta else None, _spec(B, Hv, D, D, dtype=jnp.float32))
   seg = jnp.zeros((B, T), jnp.int32).at[:, T // 3:].set(1) if packed else None
 
-  def loss(q, k, v, g, beta, h0):
-    o, final = gpu.chunked_attention(q, k, v, g, beta, initial_state=h0, segment_ids=seg,
+  def loss(q, k, v, g, beta, h0):   # kda's q, k l2-normalised on load in its kernels
+    o, final = gpu.chunked_attention(q, k, v, g, beta, initial_state=h0, segment_ids=seg, qk_l2norm=delta,
                                      config=gpu.GpuConfig(sequence_pieces=pieces, order_channels=order))
     return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
 

@@ -78,6 +78,15 @@ def test_the_plan_says_where_the_warpgroups_and_the_l2_norm_go():
   assert p.interpreter_threads() == {"delta_warpgroups=2": 3}
   assert plan.select(delta=True, decay="scalar", config=kernels, V=64).grads_warpgroups == 1
   assert plan.select(delta=True, decay="scalar", config=kernels, qk_l2norm=False).l2 == "none"
+  # kda's kernels normalise on load and floor g themselves, except beside float16's per-head merge form
+  kda = lambda dtype=jnp.bfloat16, **c: plan.select(delta=True, decay="channel", dtype=dtype,
+                                                    config=GpuConfig(**c))
+  assert (kda().l2, kda().gate_floor) == ("on_load", "stages")
+  assert (kda(jnp.float16).l2, kda(jnp.float16).gate_floor) == ("xla", "xla")
+  assert (kda(backward="xla_vjp").l2, kda(backward="xla_vjp").gate_floor) == ("xla", "xla")
+  gla = plan.select(delta=False, decay="channel", config=kernels, qk_l2norm=False)
+  assert (gla.l2, gla.gate_floor) == ("none", "stages")
+  assert plan.select(delta=True, decay="scalar", config=kernels).gate_floor == "xla"
   assert plan.select(delta=False, decay="scalar", config=kernels).interpreter_threads() == {
       "forward_warpgroups=3": 4}
   assert plan.select(delta=True, decay="channel", config=kernels).interpreter_threads() == {}
