@@ -73,7 +73,7 @@ def test_kda_beyond_the_bound_takes_the_merge_form():
 
 
 def test_kda_normalises_q_and_k_on_load_and_matches_the_float64_loop(monkeypatch):
-  # qk_l2norm=True, bfloat16: the preparation and key-side kernels normalise the raw q, k (norms ~3-8)
+  # qk_l2norm=True, bfloat16: the preparation and key-side kernels normalise the raw q, k (norms 5-64)
   # as they load them, XLA takes the norm's backward from the kernels' dq, dk. Against the float64 loop
   # on the normalised q, k, dq and dk through the norm's float64 backward; grouped value heads, packed
   # rows, an initial state, and gates from mild to -20 a token (every chunk form), -inf on some channels
