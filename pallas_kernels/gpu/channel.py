@@ -184,15 +184,19 @@ def _permute_bwd(heads_axis, axis, res, ct):
 _permute.defvjp(_permute_fwd, _permute_bwd)
 
 
-def key_grads(dq, dk, dG, q, k, g, C: int):
+def key_grads(dq, dk, dG, q, k, g, C: int, summed: bool = False):
   """`(dq, dk, dg)` in q, k, g's dtypes and lengths from the kernels' per-value-head dq, dk `[B, T_pad,
-  H_v, K]` and per-token dG: dg is dG's reverse cumsum within each chunk (G = cumsum(g) there), and
-  grouped heads add their value heads' dq, dk."""
+  H_v, K]` and per-token dG: dg is dG's reverse cumsum within each chunk (G = cumsum(g) there; `summed`:
+  the kernel took it, and dG is that sum), zero below the gate's floor, and grouped heads add their
+  value heads' dq, dk."""
   B, T, H, K = q.shape
   T_pad, Hv = dG.shape[1:3]
   group = Hv // H
-  dG = dG.reshape(B, T_pad // C, C, Hv, K)
-  dg = prep.local_cumsum(dG, 2, reverse=True, method="matmul").reshape(B, T_pad, Hv, K)[:, :T]
+  if summed:
+    dg = dG[:, :T]
+  else:
+    dG = dG.reshape(B, T_pad // C, C, Hv, K)
+    dg = prep.local_cumsum(dG, 2, reverse=True, method="matmul").reshape(B, T_pad, Hv, K)[:, :T]
   dg = jnp.where(g >= prep.LOG_DECAY_FLOOR, dg, 0.0)   # the floor's gradient (chunk_cumsum)
   per_head = lambda x: (x[:, :T].astype(F32).reshape(B, T, H, group, K).sum(3) if group > 1
                         else x[:, :T])

@@ -24,8 +24,9 @@ so, with `dS` the gradient of S' and `do` that of the unscaled o:
       dG = q dq + k (plus - minus),  and the last token also takes
            colsum(kd (u dS^T)) + e^(G_C) colsum(S dS)
 
-(`dL = -X^T (du r^T) X^T = -(X^T du)(X r)^T = -dr u^T`: one product.) The caller turns dG into dg by a
-reverse cumsum within the chunk. The value side writes u, dr, dP and dM (16-bit) for the key side: two
+(`dL = -X^T (du r^T) X^T = -(X^T du)(X r)^T = -dr u^T`: one product.) dg is dG's reverse cumsum within
+the chunk: with bfloat16 operands the key side takes it at the end of its program (`U dG` on the
+tensor cores), else XLA after it. The value side writes u, dr, dP and dM (16-bit) for the key side: two
 kernels, because one program holding both sides' tiles needs more than the 227 KB of shared memory. M
 is the preparation kernel's (`channel_prep.prepare(..., with_inverse=True)`, saved by the forward): the
 value side reads it for dbeta, and no program forms it again (NOTES.md v52).
@@ -170,7 +171,8 @@ def value_side(t: prep.ChunkTensors, X, M, states, dstates, do, v, b, *, dtype, 
 
 
 def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, masks=None, interpret=None,
-             grams: str = "one", unit_bound: bool = False, qk_l2norm: bool = False):
+             grams: str = "one", unit_bound: bool = False, qk_l2norm: bool = False,
+             reverse_cumsum: bool = False):
   """The key side of every chunk (module docstring), one program per chunk of one value head.
 
   Args: q, k `[B, T_pad, H, K]`; G, refs as `channel.chunk_cumsum` returns them; b `[B, H_v,
@@ -191,9 +193,16 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
   qk_l2norm: q and k are l2-normalised as they load (their halves' norm over all K, as the forward's
     `channel_prep.prepare(..., qk_l2norm=True)`), and dq, dk are the gradients of the normalised q, k
     (the caller applies the norm's backward).
+  reverse_cumsum: return dG's reverse cumsum within each chunk (dg before the floor's mask) instead of
+    dG, formed at the end of the program as `U dG` (U the `[C, C]` upper triangle of ones) on the
+    tensor cores, dG split into three bfloat16 tiles whose sum is dG to float32's precision (bfloat16
+    operands only: float16's range does not hold dG).
   """
   if grams not in ("one", "halves", "groups", "chunk"):
     raise ValueError(f"grams must be 'one', 'halves', 'groups' or 'chunk'; got {grams!r}")
+  if reverse_cumsum and jnp.dtype(dtype) != jnp.bfloat16:
+    raise ValueError(f"reverse_cumsum splits dG into bfloat16 tiles: dtype must be bfloat16; got "
+                     f"{jnp.dtype(dtype).name}")
   B, T_pad, H, K = q.shape
   Hv, NC = states.shape[1], states.shape[2]
   V = states.shape[3]
@@ -358,7 +367,24 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_s.at[i], dq_r.at[bi, rows_t, h, cols(i)])
         plgpu.copy_smem_to_gmem(k_s.at[i], dk_r.at[bi, rows_t, h, cols(i)])
-        plgpu.copy_smem_to_gmem(g_s.at[i], dg_r.at[bi, rows_t, h, cols(i)])
+        if not reverse_cumsum:
+          plgpu.copy_smem_to_gmem(g_s.at[i], dg_r.at[bi, rows_t, h, cols(i)])
+    if reverse_cumsum:   # dg = U dG, U in dP's tile and dG's three parts in the grams' tiles (all free now)
+      with phase("keys.dg"):
+        i_sq = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
+        j_sq = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
+        dp_s[...] = jnp.where(j_sq >= i_sq, 1.0, 0.0).astype(dtype)
+        for i in range(KH):
+          rest = plgpu.load(g_s.at[i], layout=WGMMA)
+          for part in (qr_s, kr_s, ar_s):   # each the rounding of what the ones before it left
+            head = rest.astype(dtype)
+            part[...] = head
+            rest = rest - head.astype(F32)
+          plgpu.commit_smem()
+          (dg,) = matmuls((ck, [(dp_s, qr_s), (dp_s, kr_s), (dp_s, ar_s)]))
+          g_s.at[i][...] = dg
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(g_s.at[i], dg_r.at[bi, rows_t, h, cols(i)])
     vec_s[...] = dbeta
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(vec_s, db_r.at[bi, h, rows_t])
@@ -384,8 +410,9 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
              unit_bound: bool = False, qk_l2norm: bool = False):
   """`(dq, dk, dv, dg, dbeta, dh0)` of kda's prepared forward (`o` scaled by `scale`; in q, k, v, g,
   beta's dtypes, dh0 float32) for `do: [B, T, H_v, V]` and `dfinal` None or `[B, H_v, K, V]`, from what
-  the forward `saved`: the reverse walk over the saved tensors, then `value_side` and `key_side`; XLA
-  takes dG's reverse cumsum within the chunks and, for grouped heads, adds the value heads' dq, dk.
+  the forward `saved`: the reverse walk over the saved tensors, then `value_side` and `key_side` (which
+  takes dG's reverse cumsum within the chunks, for bfloat16 operands; XLA for float16); XLA masks dg
+  below the gate's floor and, for grouped heads, adds the value heads' dq, dk.
   `grams`: `key_side`'s; the caller's `lax.cond` (`vjp.py`) takes "one" where every chunk's decay fits the
   one-reference bound, else "groups" (or XLA's vjp, for float16 beyond the groups' bound). `unit_bound`:
   `key_side`'s (q, k l2-normalised). `qk_l2norm`: the forward normalised q, k on load; the key side
@@ -410,10 +437,11 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
     b = jnp.swapaxes(jnp.pad(beta.astype(F32), [(0, 0), (0, T_pad - T), (0, 0)]), 1, 2)
     u, dr, dP, dM, dv, dbeta_v = value_side(saved.t, saved.X, saved.M, saved.states, dstates, do_t, pad(v),
                                             b, dtype=dtype, masks=masks, interpret=interpret)
+    summed = jnp.dtype(dtype) == jnp.bfloat16   # the key side takes dG's reverse cumsum itself
     dq, dk, dG, dbeta_k = key_side(pad(q), pad(k), G, refs, b, do_t, u, dr, dP, dM, saved.states,
                                    dstates, dtype=dtype, masks=masks, interpret=interpret, grams=grams,
-                                   unit_bound=unit_bound, qk_l2norm=qk_l2norm)
-    dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C)
+                                   unit_bound=unit_bound, qk_l2norm=qk_l2norm, reverse_cumsum=summed)
+    dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C, summed=summed)
     if qk_l2norm:
       dq, dk = (jax.vjp(common.l2_normalize, x)[1](dx)[0] for x, dx in ((q, dq), (k, dk)))
     dbeta = jnp.swapaxes(dbeta_v + dbeta_k, 1, 2)[:, :T].astype(beta.dtype)

@@ -174,10 +174,9 @@ def test_each_chunk_takes_its_own_form(delta):
         np.testing.assert_array_equal(np.asarray(got[0, h, n]), np.asarray(want[0, h, n]))
 
 
-def test_each_half_of_the_key_channels_takes_its_own_form():
-  # kda's key side, grams="chunk", K = 128 (two halves of 64 channels): each half of each chunk gets
-  # exactly the dq, dk, dG columns of the form its own channels need, so a chunk whose strong channels
-  # lie in one half takes one reference in the other
+def _key_side_inputs():
+  """kda's key side at K = 128 (two halves of 64 channels) over four chunks whose halves take the forms
+  `parts` (one | one, groups | one, one | halves, halves | groups): `(args, parts)`."""
   B, T, Hv, K, V, C = 1, 256, 1, 128, 64, 64
   NC = T // C
   r = np.random.default_rng(9)
@@ -201,8 +200,18 @@ def test_each_half_of_the_key_channels_takes_its_own_form():
   dM = jnp.asarray(np.asarray(bf(B, Hv, T, C), np.float32) * np.tile(np.tril(lower, -1), (NC, 1)),
                    jnp.bfloat16)
   states, dstates = bf(B, Hv, NC, V, K), bf(B, Hv, NC, V, K)
-  run = lambda grams: channel_delta_grads.key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates,
-                                                   dtype=jnp.bfloat16, interpret=PARAMS, grams=grams)[:3]
+  return (q, k, G, refs, b, do, u, dr, dP, dM, states, dstates), parts
+
+
+def test_each_half_of_the_key_channels_takes_its_own_form():
+  # kda's key side, grams="chunk", K = 128 (two halves of 64 channels): each half of each chunk gets
+  # exactly the dq, dk, dG columns of the form its own channels need, so a chunk whose strong channels
+  # lie in one half takes one reference in the other
+  args, parts = _key_side_inputs()
+  C, NC = 64, 4
+  one, halves, grouped = channel.ONE, channel.HALVES, channel.GROUPS
+  run = lambda grams: channel_delta_grads.key_side(*args, dtype=jnp.bfloat16, interpret=PARAMS,
+                                                   grams=grams)[:3]
   by = {grams: [np.asarray(x) for x in run(grams)] for grams in ("one", "halves", "groups", "chunk")}
   name = {one: "one", halves: "halves", grouped: "groups"}
   for i in range(3):   # dq, dk, dG [B, T, H_v, K]
@@ -211,6 +220,25 @@ def test_each_half_of_the_key_channels_takes_its_own_form():
         at = (0, slice(n * C, (n + 1) * C), 0, slice(half * 64, (half + 1) * 64))
         np.testing.assert_array_equal(by["chunk"][i][at], by[name[parts[n, half]]][i][at])
   assert all(np.isfinite(x).all() for x in by["chunk"])
+
+
+def test_the_key_side_takes_the_reverse_cumsum_of_dG_to_float32_precision():
+  # reverse_cumsum=True: dg = U dG at the end of each program, dG as three bfloat16 tiles on the tensor
+  # cores; against dG's reverse cumsum in float64 (every chunk form), the other outputs bit for bit
+  args, _ = _key_side_inputs()
+  run = lambda summed: [np.asarray(x, np.float64) for x in channel_delta_grads.key_side(
+      *args, dtype=jnp.bfloat16, interpret=PARAMS, grams="chunk", reverse_cumsum=summed)]
+  plain, summed = run(False), run(True)
+  dG = plain[2].reshape(1, 4, 64, 1, 128)
+  want = np.flip(np.cumsum(np.flip(dG, 2), 2), 2).reshape(plain[2].shape)
+  err = np.abs(summed[2] - want)
+  assert err.max() <= 1e-6 * np.abs(want).max(), err.max() / np.abs(want).max()
+  assert np.median(err / np.maximum(np.abs(want), 1e-30)) < 1e-6
+  assert np.abs(want - plain[2]).max() > 0.1 * np.abs(want).max()   # the sum is not dG
+  for a, b in zip(plain[:2] + plain[3:], summed[:2] + summed[3:]):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(ValueError, match="bfloat16"):
+    channel_delta_grads.key_side(*args, dtype=jnp.float16, interpret=PARAMS, reverse_cumsum=True)
 
 
 def test_bfloat16_always_fits_the_groups_and_float16_does_not():
