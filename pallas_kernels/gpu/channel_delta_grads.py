@@ -51,8 +51,8 @@ from .. import common, prep
 from . import channel, groups, walk
 from .channel import HALF, fits, key_grads
 from .masks import SEG_ROWS, segment_masks, segment_vectors
-from .tiles import (COLS, F32, ROWS, WGMMA, compiler_params, flat, l2_normalize_halves, matmul, matmuls, phase,
-                    smem, vary_like)
+from .tiles import (COLS, F32, ROWS, WGMMA, compiler_params, flat, l2_normalize_halves, matmul, matmuls,
+                    phase, reverse_cumsum_rows, smem, upper_ones, vary_like)
 
 
 def serves(g, beta, segment_ids) -> bool:
@@ -371,19 +371,9 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
           plgpu.copy_smem_to_gmem(g_s.at[i], dg_r.at[bi, rows_t, h, cols(i)])
     if reverse_cumsum:   # dg = U dG, U in dP's tile and dG's three parts in the grams' tiles (all free now)
       with phase("keys.dg"):
-        i_sq = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
-        j_sq = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
-        dp_s[...] = jnp.where(j_sq >= i_sq, 1.0, 0.0).astype(dtype)
+        upper_ones(dp_s)
         for i in range(KH):
-          rest = plgpu.load(g_s.at[i], layout=WGMMA)
-          for part in (qr_s, kr_s, ar_s):   # each the rounding of what the ones before it left
-            head = rest.astype(dtype)
-            part[...] = head
-            rest = rest - head.astype(F32)
-          plgpu.commit_smem()
-          (dg,) = matmuls((ck, [(dp_s, qr_s), (dp_s, kr_s), (dp_s, ar_s)]))
-          g_s.at[i][...] = dg
-          plgpu.commit_smem()
+          reverse_cumsum_rows(g_s.at[i], dp_s, (qr_s, kr_s, ar_s))
           plgpu.copy_smem_to_gmem(g_s.at[i], dg_r.at[bi, rows_t, h, cols(i)])
     vec_s[...] = dbeta
     plgpu.commit_smem()

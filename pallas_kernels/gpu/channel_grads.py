@@ -17,10 +17,10 @@ so, with `dP = tril(do v^T)`:
     dG = q dq - k dk,  and the last token also takes  sum_i kd_i (v dS^T)_i + e^(G_C) colsum(S dS)
 
 (the e^G-weighted terms of dG collapse into `q dq` and `k dk`: each of q's and k's factors is an
-exponential of +-G). The caller turns dG into dg by a reverse cumsum within the chunk. The key channels
-are processed in halves of 64 columns (`[C, 64]` float32 tiles, 32 registers a thread), so the only
-full-width products are P, dP and dv. Shared memory is reused for the outputs: dq leaves through q's
-tile, dk through k's, kd through Kr's, dG through G's and dv through v's.
+exponential of +-G). dg is dG's reverse cumsum within the chunk (the kernel's, for bfloat16 and C = 64;
+else XLA's). The key channels are processed in halves of 64 columns (`[C, 64]` float32 tiles, 32
+registers a thread), so the only full-width products are P, dP and dv. Shared memory is reused for the
+outputs: dq leaves through q's tile, dk through k's, kd through Kr's, dG through G's and dv through v's.
 
 This form needs every chunk's decay to fit the one-reference bound (`prep.one_reference_fits`); a call
 where some chunk does not takes the 8-token groups' products (`grams="groups"`, groups.py), the same
@@ -42,7 +42,7 @@ from . import groups, walk
 from .channel import HALF, fits, key_grads
 from .channel import chunk_cumsum  # noqa: F401  (the dispatch calls it from here)
 from .masks import SEG_ROWS, segment_masks, segment_vectors
-from .tiles import COLS, F32, WGMMA, matmul, matmuls, smem, vary_like
+from .tiles import COLS, F32, WGMMA, matmul, matmuls, reverse_cumsum_rows, smem, upper_ones, vary_like
 
 
 def serves(g, beta, segment_ids) -> bool:
@@ -52,7 +52,7 @@ def serves(g, beta, segment_ids) -> bool:
 
 
 def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, interpret=None,
-                grams: str = "one"):
+                grams: str = "one", reverse_cumsum: bool = False):
   """Every chunk's `(dq, dk, dv, dG)` (module docstring), one program per chunk of one value head.
 
   Args: q, k `[B, T_pad, H, K]`, v, do `[B, T_pad, H_v, V]` (16-bit; do the gradient of the unscaled
@@ -63,6 +63,9 @@ def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, int
   grams: "one" (the module docstring's one reference) or "groups" (groups.py's products, for chunks
     beyond the one-reference bound: every gram term above is their sum, each product's factors about
     its own references).
+  reverse_cumsum: return dG's reverse cumsum within each chunk instead of dG (`tiles.reverse_cumsum_rows`
+    at the end of the program, U in dP's tile and dG's parts in tiles free by then; bfloat16 operands
+    and C = 64 only).
   """
   if grams not in ("one", "groups"):
     raise ValueError(f"grams must be 'one' or 'groups'; got {grams!r}")
@@ -70,6 +73,9 @@ def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, int
   Hv, V = v.shape[2:]
   NC = states.shape[2]
   C = T_pad // NC
+  if reverse_cumsum and (jnp.dtype(dtype) != jnp.bfloat16 or C != HALF):
+    raise ValueError(f"reverse_cumsum takes bfloat16 operands and C = {HALF}; got "
+                     f"{jnp.dtype(dtype).name} and C = {C}")
   group = Hv // H
   if K % HALF:
     raise ValueError(f"K must be a multiple of {HALF}; got {K}")
@@ -203,7 +209,8 @@ def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, int
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(q_s.at[i], dq_r.at[b, rows_t, h, cols(i)])
       plgpu.copy_smem_to_gmem(k_s.at[i], dk_r.at[b, rows_t, h, cols(i)])
-      plgpu.copy_smem_to_gmem(g_s.at[i], dg_r.at[b, rows_t, h, cols(i)])
+      if not reverse_cumsum:
+        plgpu.copy_smem_to_gmem(g_s.at[i], dg_r.at[b, rows_t, h, cols(i)])
 
     # dv = P^T do + kd dS
     dv = matmul(p_s.T, do_s, (C, V))
@@ -212,6 +219,12 @@ def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, int
     v_s[...] = dv.astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(v_s, dv_r.at[b, rows_t, h])
+    if reverse_cumsum:   # dg = U dG: U in dP's tile, dG's parts in kd's, Qr's and P's (all read by now)
+      upper_ones(dp_s)
+      parts = ([b_s.at[i] for i in range(KH)] + [a_s.at[i] for i in range(a_s.shape[0])] + [p_s])[:3]
+      for i in range(KH):
+        reverse_cumsum_rows(g_s.at[i], dp_s, parts)
+        plgpu.copy_smem_to_gmem(g_s.at[i], dg_r.at[b, rows_t, h, cols(i)])
     plgpu.wait_smem_to_gmem(0)
 
   args = [q.astype(dtype), k.astype(dtype), v.astype(dtype), G, refs, states.astype(dtype),
@@ -243,8 +256,9 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
   `[B, H_v, K, V]`, from what the forward `saved`.
 
   The reverse walk (`walk.backward_states`, over the saved q e^G and decay) gives the gradient of the
-  state leaving every chunk; then `chunk_grads` forms every chunk's gradients and XLA takes dG's
-  reverse cumsum within the chunks and, for grouped heads, adds the value heads' dq, dk. `grams`:
+  state leaving every chunk; then `chunk_grads` forms every chunk's gradients and dG's reverse cumsum
+  within the chunks (bfloat16, C = 64; else XLA takes it), and XLA masks dg below the gate's floor and,
+  for grouped heads, adds the value heads' dq, dk. `grams`:
   `chunk_grads`'; the caller's `lax.cond` (`vjp.py`) takes "one" where every chunk's decay fits the
   one-reference bound (`fits`), else "groups" (or XLA's vjp, for float16 beyond the groups' bound).
   """
@@ -265,9 +279,10 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
     t = prep.ChunkTensors(qg=saved.qg, kd=None, w=None, u=None, p=None, decay=saved.decay)
     dstates, dh0 = walk.backward_states(t, dos, dfinal, interpret=interpret, sequence_pieces=sequence_pieces,
                                         transitions=saved.transitions, token_do=True)
+    summed = jnp.dtype(dtype) == jnp.bfloat16 and C == HALF   # the kernel takes dG's reverse cumsum
     dq, dk, dv, dG = chunk_grads(qp, kp, vp, G, refs, saved.states, dstates, dos, dtype=dtype,
-                                 masks=masks, interpret=interpret, grams=grams)
-    dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C)
+                                 masks=masks, interpret=interpret, grams=grams, reverse_cumsum=summed)
+    dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C, summed=summed)
     grads = (dq, dk, dv[:, :T].astype(v.dtype), dg)
     return common.summed_like(grads, (q, k, v, g)) + (None, dh0.astype(F32))
 

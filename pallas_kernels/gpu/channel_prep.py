@@ -2,8 +2,8 @@
 packed or not.
 
 One program per (batch, value head, chunk) reads q, k (l2-normalising them as they load, with
-`qk_l2norm`), v, beta and the chunk-local cumulative log-decay G `[C, K]` (float32) once and writes the walk's inputs (`prep.ChunkTensors`, module docstring
-of prep.py) in the operand dtype: `qg = q e^G`, `kd = k e^(G_C - G)`, `P` (the decayed gram of q and k,
+`qk_l2norm`), v, beta and the chunk-local cumulative log-decay G `[C, K]` (float32) once and writes
+the walk's inputs (`prep.ChunkTensors`, module docstring of prep.py) in the operand dtype: `qg = q e^G`, `kd = k e^(G_C - G)`, `P` (the decayed gram of q and k,
 j <= i) and, for the delta family (kda), `w = X (beta k e^G)`, `u = X (beta v)` with `X = (I + L)^-1`,
 `L = Diag(beta) M`, `M` the strict decayed gram of k.
 

@@ -159,6 +159,29 @@ def l2_normalize_grad(dy, y_ref, r):
   return rows(r) * (dy - y * rows(dot))
 
 
+def upper_ones(ref):
+  """Writes the `[C, C]` upper triangle of ones, `U[t, s] = 1` for `s >= t`, into the 16-bit `ref`."""
+  C = ref.shape[0]
+  i = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
+  j = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
+  ref[...] = jnp.where(j >= i, 1.0, 0.0).astype(ref.dtype)
+
+
+def reverse_cumsum_rows(x_ref, upper, parts):
+  """Replaces the float32 `[C, W]` shared-memory tile `x_ref` by its rows' reverse cumulative sums,
+  `U x` (`upper`: `upper_ones`), on the tensor cores: x split into the three bfloat16 `[C, W]` tiles
+  `parts`, each the rounding of what the ones before it left, so that their sum is x to float32's
+  precision; the products with ones are exact and summed in float32."""
+  rest = plgpu.load(x_ref, layout=WGMMA)
+  for part in parts:
+    head = rest.astype(part.dtype)
+    part[...] = head
+    rest = rest - head.astype(jnp.float32)
+  plgpu.commit_smem()
+  (x_ref[...],) = matmuls((x_ref.shape, [(upper, part) for part in parts]))
+  plgpu.commit_smem()
+
+
 def unit_lower_inverse(l_s, x_s, e_s, y_s):
   """`X = (I + L)^-1` of the strictly lower `[C, C]` tile `l_s` into `x_s` (the operand dtype) by block
   doubling on whole tiles (delta_prep.py's docstring); `e_s`, `y_s` are scratch tiles of the same shape.

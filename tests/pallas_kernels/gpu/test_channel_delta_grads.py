@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from linear_attention_jax.pallas_kernels import gpu
-from linear_attention_jax.pallas_kernels.gpu import call_plan, channel, channel_delta_grads, channel_prep, plan
+from linear_attention_jax.pallas_kernels.gpu import (call_plan, channel, channel_delta_grads, channel_prep,
+                                                     plan)
 from tests.ops.conftest import make_inputs, rel_rms
 from tests.ops.test_equivalence import _reference
 from tests.pallas_kernels.gpu.util import KERNELS, PARAMS, check, packed_runs

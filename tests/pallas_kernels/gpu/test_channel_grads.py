@@ -1,7 +1,8 @@
 """gla's gradient kernel (`channel_grads.py`) in the Mosaic GPU interpreter: the whole op (prepared
 forward keeping the chunk states, reverse walk, the per-chunk gradient kernel) against the float64 loop,
 with grouped heads, packed rows, sequence pieces and an initial state; decay strong enough to leave the
-one-reference bound takes the XLA merge form's vjp, and the kernel's call is checked to happen."""
+one-reference bound takes the XLA merge form's vjp, and the kernel's call is checked to happen; the
+kernel's own reverse cumsum of dG against float64."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 
 from linear_attention_jax.pallas_kernels.gpu import channel, channel_grads
 from tests.ops.conftest import make_inputs
-from tests.pallas_kernels.gpu.util import KERNEL_BACKWARD, check, packed_runs
+from tests.pallas_kernels.gpu.util import KERNEL_BACKWARD, PARAMS, check, packed_runs
 
 
 @pytest.mark.parametrize("K,V,Hv,packed,pieces,h0", [(64, 64, 2, False, None, False),
@@ -57,3 +58,29 @@ def test_gla_beyond_the_bound_takes_the_merge_form():
   seg = np.zeros((2, 96), np.int32)
   seg[0, 30:], seg[1, 70:] = 1, 1
   check("gla", inp, seg=seg, config=KERNEL_BACKWARD)
+
+
+@pytest.mark.parametrize("K,grams", [(128, "one"), (64, "groups")])
+def test_the_gradient_kernel_takes_the_reverse_cumsum_of_dG_to_float32_precision(K, grams):
+  # reverse_cumsum=True (bfloat16, C = 64): dg = U dG at the end of each program, dG's three bfloat16
+  # parts in tiles free by then (K = 128: kd's two halves and Qr's; K = 64 with the groups: kd's, the
+  # one q factor tile and P's); against dG's reverse cumsum in float64, the other outputs bit for bit
+  B, T, Hv, V, C = 1, 192, 1, 64, 64
+  r = np.random.default_rng(12)
+  g = r.uniform(-0.4 if grams == "one" else -20.0, 0.0, (B, T, Hv, K)).astype(np.float32)
+  G, refs = channel.chunk_cumsum(jnp.asarray(g), T, C)
+  bf = lambda *shape: jnp.asarray(r.normal(size=shape) * 0.3, jnp.bfloat16)
+  args = (bf(B, T, Hv, K), bf(B, T, Hv, K), bf(B, T, Hv, V), G, refs, bf(B, Hv, T // C, V, K),
+          bf(B, Hv, T // C, V, K), bf(B, T, Hv, V))
+  run = lambda summed: [np.asarray(x, np.float64) for x in channel_grads.chunk_grads(
+      *args, dtype=jnp.bfloat16, interpret=PARAMS, grams=grams, reverse_cumsum=summed)]
+  plain, summed = run(False), run(True)
+  dG = plain[3].reshape(B, T // C, C, Hv, K)
+  want = np.flip(np.cumsum(np.flip(dG, 2), 2), 2).reshape(plain[3].shape)
+  err = np.abs(summed[3] - want)
+  assert err.max() <= 1e-6 * np.abs(want).max(), err.max() / np.abs(want).max()
+  assert np.abs(want - plain[3]).max() > 0.1 * np.abs(want).max()   # the sum is not dG
+  for a, b in zip(plain[:3], summed[:3]):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(ValueError, match="bfloat16"):
+    channel_grads.chunk_grads(*args, dtype=jnp.float16, interpret=PARAMS, reverse_cumsum=True)
