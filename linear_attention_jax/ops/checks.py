@@ -52,6 +52,23 @@ def check_gate(name, g, B, T, Hv, K, *, per_channel: bool):
     raise ValueError(f"{name} must be a floating-point array; got dtype {jnp.result_type(g)}")
 
 
+def check_log_decay(name, g, why: str):
+  """`g <= 0` everywhere (-inf allowed, NaN passed through): concrete g at the call, traced g when the
+  program runs with `debug_checks` on (its maximum only leaves the device). `why`: who needs it."""
+  def check(top):
+    if top > 0:
+      raise ValueError(f"{name} must be a log-decay, <= 0 everywhere ({why}); got a maximum of "
+                       f"{float(top):.4g}")
+
+  if debug.is_traced(g) and not debug.enabled():
+    return
+  top = jnp.max(jnp.where(jnp.isnan(g), -jnp.inf, g))
+  if debug.is_traced(top):
+    debug.check_at_run_time(check, top)
+  else:
+    check(np.asarray(top))
+
+
 def check_static(**values):
   """Arguments that set shapes or the program's structure must be Python values, not tracers."""
   for name, value in values.items():

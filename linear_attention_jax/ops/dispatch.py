@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from linear_attention_jax.ops import checks
 from linear_attention_jax.ops.chunk import chunk_form
 from linear_attention_jax.pallas_kernels import gpu as gpu_kernels
 from linear_attention_jax.pallas_kernels.prep import floor_log_decay
@@ -117,7 +118,11 @@ def pallas_form(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_si
   """The running backend's kernels on float32 `q, k` (raw when `qk_l2norm`), `v` with `v_extra`
   appended columns, g (unfloored: `gate_for`), beta; the columns the kernels do not walk take the
   chunked form on `mapped_qk()` (q, k through the variant's map). Returns float32 `(o, final)`."""
-  kernels = BACKENDS[kernel_backend()]
+  backend = kernel_backend()
+  kernels = BACKENDS[backend]
+  if backend == "gpu" and g is not None and g.ndim == 4:
+    # the per-chunk forms of its per-channel kernels take a non-increasing cumulative decay in a chunk
+    checks.check_log_decay("g", g, "the GPU's per-channel kernels; impl='chunk' takes any g")
   V = v.shape[-1]
   cols = kernels.walked_columns(V, v_extra)
   h0 = initial_state

@@ -167,7 +167,11 @@ def simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state
 
 def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False, segment_ids=None,
         cu_seqlens=None, impl="auto", chunk_size=64):
-  """Gated linear attention (Yang et al. 2024): `g: [B, T, H_v, K]` log-decay per key channel."""
+  """Gated linear attention (Yang et al. 2024): `g: [B, T, H_v, K]` log-decay per key channel.
+
+  The GPU's kernels take `g <= 0` only (README, "Non-finite inputs"); the recurrent and chunk forms
+  take any g.
+  """
   o, final = _family("gla", q, k, v, g, None, gated=True, per_channel=True, scale=scale,
                      initial_state=initial_state, output_final_state=output_final_state,
                      segment_ids=segment_ids, cu_seqlens=cu_seqlens, impl=impl, chunk_size=chunk_size)
@@ -202,7 +206,11 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
         segment_ids=None, cu_seqlens=None, impl="auto", chunk_size=64, use_qk_l2norm=False):
-  """Kimi Delta Attention (arXiv 2510.26692): per-channel decay `g: [B, T, H_v, K]`, `beta: [B, T, H_v]`."""
+  """Kimi Delta Attention (arXiv 2510.26692): per-channel decay `g: [B, T, H_v, K]`, `beta: [B, T, H_v]`.
+
+  The GPU's kernels take `g <= 0` only (README, "Non-finite inputs"); the recurrent and chunk forms
+  take any g.
+  """
   o, final = _family("kda", q, k, v, g, beta, gated=True, delta=True, per_channel=True,
                      qk_map=l2_normalize if checks.check_static(use_qk_l2norm=use_qk_l2norm) is None
                      and use_qk_l2norm else None, scale=scale,

@@ -6,6 +6,8 @@ the chunked form's derivatives) and pallas through the Mosaic TPU and GPU interp
   and every gradient finite and equal to the recurrent form's (the other forms floor g at
   `prep.LOG_DECAY_FLOOR`, ops/dispatch.py `gate_for`).
 - A NaN at token t reaches exactly the documented tokens (README, "Non-finite inputs"; `reached` below).
+- g > 0 (a growing state): the chunk form takes it; the GPU's per-channel kernels do not (their
+  per-chunk forms take a non-increasing cumulative decay), and say so.
 
 Shapes are tiny, and every case of a variant and impl shares one compiled function (the cases differ
 in values only), since the interpreters are slow.
@@ -158,6 +160,28 @@ def test_the_floor_is_a_maximum_with_zero_gradient_below():
   np.testing.assert_array_equal(np.asarray(jax.grad(lambda g: floor_log_decay(g).sum())(g[:5])),
                                 [0, 0, 0, 1, 1])
   assert floor_log_decay(None) is None
+
+
+def test_the_gpu_per_channel_kernels_refuse_a_growing_gate():
+  # 8 channels at -3 a token take the per-chunk forms, 4 tokens at +2 make G rise inside that chunk:
+  # the kernels' forms would be wrong there. A concrete g: a ValueError naming g at the call; a traced
+  # one: with debug_checks, when the program runs. The chunk form matches the recurrence.
+  from linear_attention_jax import debug_checks, ops
+  from linear_attention_jax.ops import checks
+  inp = make_inputs("kda", B=1, T=128, H=1, Hv=1, K=64, V=64, seed=3)
+  g = np.asarray(inp["g"]).copy()
+  g[:, :64, :, :8] = -3.0
+  g[:, 30:34, :, :4] = 2.0
+  q, k, v = (jnp.asarray(inp[n], jnp.bfloat16) for n in ("q", "k", "v"))
+  args = (q, k, v, jnp.asarray(g), jnp.asarray(inp["beta"]))
+  with gpu.interpret_kernels():
+    with pytest.raises(ValueError, match="g must be a log-decay, <= 0 everywhere .*maximum of 2"):
+      ops.kda(*args, impl="pallas")
+    with debug_checks(), pytest.raises(Exception, match="g must be a log-decay"):
+      jax.block_until_ready(jax.jit(lambda *a: ops.kda(*a, impl="pallas"))(*args))
+  f32 = [jnp.asarray(x, jnp.float32) for x in args]
+  assert rel_rms(ops.kda(*f32, impl="chunk")[0], ops.kda(*f32, impl="recurrent")[0]) < 1e-5
+  checks.check_log_decay("g", jnp.asarray([-jnp.inf, 0.0, jnp.nan, -1e30]), "the test")   # passes
 
 
 # --- NaN isolation ---------------------------------------------------------------------------------
