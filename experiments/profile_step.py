@@ -364,6 +364,9 @@ def main(argv):
       options = layer_benchmark.kernel_options(spec)
       if options is None:
         raise ValueError(f"unknown suffix in {spec!r} (layer_benchmark.kernel_options)")
+      # jit's caches do not key on the kernels' configuration: a target traced after another of the
+      # same model would reuse its program (K:o's compiled as K's)
+      jax.clear_caches()
       with common.kernel_config(**options):
         t = make()
         rows.append(profile(name, t["args"], t["lower"], f, threaded=t.get("threaded", False),

@@ -166,12 +166,12 @@ def _backward(static: Static, q, k, v, g, beta, h0, segment_ids, saved, do, dfin
     case "channel_grads":
       kernels = lambda grams: lambda: channel_grads.backward(
           q, k, v, g, h0, do, dfinal, **kw, sequence_pieces=_sequence_pieces(static), scale=static.scale,
-          saved=saved, grams=grams)
+          saved=saved, grams=grams, dg_cumsum=plan.dg_cumsum)
     case "channel_delta_grads":
       kernels = lambda grams: lambda: channel_delta_grads.backward(
           q, k, v, g, beta, h0, do, dfinal, **kw, sequence_pieces=_sequence_pieces(static),
           scale=static.scale, saved=saved, grams=grams, unit_bound=plan.unit_bound,
-          qk_l2norm=plan.l2 == "on_load")
+          qk_l2norm=plan.l2 == "on_load", dg_cumsum=plan.dg_cumsum)
     case other:
       raise ValueError(f"no backward stage {other!r}")
   # the kernels sum their gradients over the mesh axes their primals do not vary over, as the per-head

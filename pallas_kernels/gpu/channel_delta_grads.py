@@ -397,12 +397,13 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
 
 def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None,
              interpret=None, sequence_pieces=None, scale: float = 1.0, saved: Saved, grams: str = "one",
-             unit_bound: bool = False, qk_l2norm: bool = False):
+             unit_bound: bool = False, qk_l2norm: bool = False, dg_cumsum: str = "xla"):
   """`(dq, dk, dv, dg, dbeta, dh0)` of kda's prepared forward (`o` scaled by `scale`; in q, k, v, g,
   beta's dtypes, dh0 float32) for `do: [B, T, H_v, V]` and `dfinal` None or `[B, H_v, K, V]`, from what
-  the forward `saved`: the reverse walk over the saved tensors, then `value_side` and `key_side` (which
-  takes dG's reverse cumsum within the chunks, for bfloat16 operands; XLA for float16); XLA masks dg
-  below the gate's floor and, for grouped heads, adds the value heads' dq, dk.
+  the forward `saved`: the reverse walk over the saved tensors, then `value_side` and `key_side`; dG's
+  reverse cumsum within the chunks in XLA, or in `key_side` with `dg_cumsum="kernel"` (bfloat16
+  operands: `GpuConfig.dg_cumsum`); XLA masks dg below the gate's floor and, for grouped heads,
+  adds the value heads' dq, dk.
   `grams`: `key_side`'s; the caller's `lax.cond` (`vjp.py`) takes "one" where every chunk's decay fits the
   one-reference bound, else "groups" (or XLA's vjp, for float16 beyond the groups' bound). `unit_bound`:
   `key_side`'s (q, k l2-normalised). `qk_l2norm`: the forward normalised q, k on load; the key side
@@ -427,7 +428,7 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
     b = jnp.swapaxes(jnp.pad(beta.astype(F32), [(0, 0), (0, T_pad - T), (0, 0)]), 1, 2)
     u, dr, dP, dM, dv, dbeta_v = value_side(saved.t, saved.X, saved.M, saved.states, dstates, do_t, pad(v),
                                             b, dtype=dtype, masks=masks, interpret=interpret)
-    summed = jnp.dtype(dtype) == jnp.bfloat16   # the key side takes dG's reverse cumsum itself
+    summed = dg_cumsum == "kernel"   # the key side takes dG's reverse cumsum itself
     dq, dk, dG, dbeta_k = key_side(pad(q), pad(k), G, refs, b, do_t, u, dr, dP, dM, saved.states,
                                    dstates, dtype=dtype, masks=masks, interpret=interpret, grams=grams,
                                    unit_bound=unit_bound, qk_l2norm=qk_l2norm, reverse_cumsum=summed)

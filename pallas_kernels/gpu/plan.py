@@ -78,6 +78,7 @@ HEAD_DIMS = (64, 128, 256)  # a call's; 256 runs as blocks of 128 where `head_bl
 CHUNK_SIZES = (64,)
 FORWARDS = ("kernel", "xla_prep")
 BACKWARDS = ("kernel", "xla_vjp")
+DG_CUMSUMS = ("xla", "kernel")
 VARIANTS = {   # variant -> (delta family, decay kind)
     "linear_attention": (False, "none"), "retention": (False, "scalar"), "simple_gla": (False, "scalar"),
     "gla": (False, "channel"), "delta_rule": (True, "none"), "gated_delta_rule": (True, "scalar"),
@@ -131,6 +132,12 @@ class GpuConfig:
     lie among the row's 64 strongest (every trained chunk of the CPU census, NOTES.md v57) takes one
     reference in its other half. The call's values are the same up to the order of the float32 sums
     over channels. Off by default until it is timed on a device.
+  dg_cumsum: where the per-channel gradient kernels' dG becomes dg (its reverse cumsum within each
+    chunk): "xla" (one batched float32 product with the triangle of ones after the kernels) or
+    "kernel" (at the end of each gradient program, dG split into three bfloat16 tiles on the tensor
+    cores: `tiles.reverse_cumsum_rows`; bfloat16 operands, and C = 64 for gla). "xla" by default: in
+    the trained KDA LM on the H200 the key-side kernel took 1.35 ms a step longer with it, where XLA's
+    product costs 0.48 (NOTES.md v59).
   gram_method: XLA's per-channel decayed grams (`prep.GRAM_METHODS`) where XLA prepares: "auto" (one
     product about a per-channel reference within the bound, else the merge form) or "merge" (NOTES.md
     v25: a third form, whole-tile levels, was slower on the H200 and is gone).
@@ -151,10 +158,12 @@ class GpuConfig:
   unit_ref_bound: bool = True
   call_test: bool = True
   order_channels: bool = False
+  dg_cumsum: str = "xla"
 
   def __post_init__(self):
     for name, allowed in (("forward", FORWARDS), ("backward", BACKWARDS), ("forward_warpgroups", (1, 3)),
-                          ("delta_warpgroups", (1, 2)), ("gram_method", prep.GRAM_METHODS)):
+                          ("delta_warpgroups", (1, 2)), ("gram_method", prep.GRAM_METHODS),
+                          ("dg_cumsum", DG_CUMSUMS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"GpuConfig.{name} must be one of {allowed}; got {getattr(self, name)!r}")
     for name in ("unit_ref_bound", "call_test", "order_channels"):
@@ -191,6 +200,7 @@ class Plan:
   call_test: bool = True       # GpuConfig.call_test: a call-wide lax.cond before per-chunk kernels
   order_channels: bool = False  # GpuConfig.order_channels where kda's key-side kernel runs
   gate_floor: str = "xla"      # "xla": g floored before the stages | "stages": by the per-channel ones
+  dg_cumsum: str = "xla"       # GpuConfig.dg_cumsum where a per-channel gradient kernel can take it
 
   def row(self) -> tuple[str, ...]:
     """The module table's columns from plan.forward on."""
@@ -265,7 +275,10 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
               unit_bound=unit and jnp.dtype(dtype) != jnp.float16,
               call_test=config.call_test or not groups.always_fits(dtype),
               order_channels=config.order_channels and backward == "channel_delta_grads",
-              gate_floor="stages" if channel_kernels else "xla")
+              gate_floor="stages" if channel_kernels else "xla",
+              dg_cumsum=config.dg_cumsum if jnp.dtype(dtype) == jnp.bfloat16 and (
+                  backward == "channel_delta_grads" or (backward == "channel_grads" and chunk_size == 64))
+              else "xla")
 
 
 def hopper_reason(backend: str | None = None) -> str | None:

@@ -48,18 +48,24 @@ def test_kda_gradient_kernels_match_the_float64_loop(monkeypatch, K, V, Hv, pack
   assert sorted(set(calls)) == ["key_side", "value_side"], "the gradient kernels did not run"
 
 
-def test_kda_gradient_kernels_at_strong_decay_within_the_bound(monkeypatch):
+@pytest.mark.parametrize("dg_cumsum", ["xla", "kernel"])
+def test_kda_gradient_kernels_at_strong_decay_within_the_bound(monkeypatch, dg_cumsum):
   # bfloat16 operands, g = -1.8 a token on half the channels: each chunk spans 115 nats there, so the
-  # kernels' factors reach e^(+-58) (the one-reference bound is 60)
+  # kernels' factors reach e^(+-58) (the one-reference bound is 60); dG's reverse cumsum in XLA or in
+  # the key-side kernel (GpuConfig.dg_cumsum)
   calls = _spy(monkeypatch)
+  summed = []
+  key_side = channel_delta_grads.key_side
+  monkeypatch.setattr(channel_delta_grads, "key_side",
+                      lambda *a, **kw: summed.append(kw.get("reverse_cumsum")) or key_side(*a, **kw))
   inp = make_inputs("kda", B=1, T=129, H=1, Hv=1, K=64, V=64, gates="normal", seed=42)
   g = np.asarray(inp["g"]).copy()
   g[..., ::2] = -1.8
   inp["g"] = g
   G, _ = channel.chunk_cumsum(jnp.asarray(g), 192, 64)
   assert bool(channel.fits(G, 64, jnp.bfloat16))
-  check("kda", inp, dtype=jnp.bfloat16, tol=1e-2, config=KERNELS)
-  assert calls
+  check("kda", inp, dtype=jnp.bfloat16, tol=1e-2, config=dataclasses.replace(KERNELS, dg_cumsum=dg_cumsum))
+  assert calls and set(summed) == {dg_cumsum == "kernel"}, summed
 
 
 def test_kda_beyond_the_bound_takes_the_merge_form():

@@ -4,6 +4,8 @@ with grouped heads, packed rows, sequence pieces and an initial state; decay str
 one-reference bound takes the XLA merge form's vjp, and the kernel's call is checked to happen; the
 kernel's own reverse cumsum of dG against float64."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -34,9 +36,15 @@ def test_gla_gradient_kernel_matches_the_float64_loop(monkeypatch, K, V, Hv, pac
   assert calls, "the gradient kernel did not run"
 
 
-def test_gla_gradient_kernel_at_strong_decay_within_the_bound():
+@pytest.mark.parametrize("dg_cumsum", ["xla", "kernel"])
+def test_gla_gradient_kernel_at_strong_decay_within_the_bound(monkeypatch, dg_cumsum):
   # bfloat16 operands, g = -1.8 a token on half the channels: each chunk spans 115 nats there, so the
-  # kernel's factors reach e^(+-58) (the one-reference bound is 60): still the float64 loop's gradients
+  # kernel's factors reach e^(+-58) (the one-reference bound is 60): still the float64 loop's gradients,
+  # dG's reverse cumsum in XLA or in the kernel (GpuConfig.dg_cumsum)
+  summed = []
+  original = channel_grads.chunk_grads
+  monkeypatch.setattr(channel_grads, "chunk_grads",
+                      lambda *a, **kw: summed.append(kw.get("reverse_cumsum")) or original(*a, **kw))
   inp = make_inputs("gla", B=1, T=128, H=1, Hv=1, K=64, V=64, gates="normal", seed=32)
   g = np.asarray(inp["g"]).copy()
   g[..., ::2] = -1.8
@@ -44,7 +52,9 @@ def test_gla_gradient_kernel_at_strong_decay_within_the_bound():
   G, _ = channel.chunk_cumsum(jnp.asarray(g), 128, 64)
   assert bool(channel.fits(G, 64, jnp.bfloat16))
   assert not bool(channel.fits(G, 64, jnp.float16))   # float16 would overflow: merge form
-  check("gla", inp, config=KERNEL_BACKWARD, dtype=jnp.bfloat16, tol=1e-2)
+  check("gla", inp, config=dataclasses.replace(KERNEL_BACKWARD, dg_cumsum=dg_cumsum), dtype=jnp.bfloat16,
+        tol=1e-2)
+  assert set(summed) == {dg_cumsum == "kernel"}, summed
 
 
 def test_gla_beyond_the_bound_takes_the_merge_form():

@@ -87,6 +87,16 @@ def test_the_plan_says_where_the_warpgroups_and_the_l2_norm_go():
   gla = plan.select(delta=False, decay="channel", config=kernels, qk_l2norm=False)
   assert (gla.l2, gla.gate_floor) == ("none", "stages")
   assert plan.select(delta=True, decay="scalar", config=kernels).gate_floor == "xla"
+  # dG's reverse cumsum: XLA's unless asked, and in the kernels only where they can take it
+  assert kda().dg_cumsum == "xla" and kda(dg_cumsum="kernel").dg_cumsum == "kernel"
+  assert kda(jnp.float16, dg_cumsum="kernel").dg_cumsum == "xla"
+  assert kda(backward="xla_vjp", dg_cumsum="kernel").dg_cumsum == "xla"
+  gla_r = lambda **kw: plan.select(delta=False, decay="channel", config=GpuConfig(dg_cumsum="kernel"),
+                                   qk_l2norm=False, **kw).dg_cumsum
+  assert gla_r() == "kernel" and gla_r(dtype=jnp.float16) == "xla"
+  assert plan.select(delta=True, decay="scalar", config=GpuConfig(dg_cumsum="kernel")).dg_cumsum == "xla"
+  with pytest.raises(ValueError, match="dg_cumsum"):
+    GpuConfig(dg_cumsum="triton")
   assert plan.select(delta=False, decay="scalar", config=kernels).interpreter_threads() == {
       "forward_warpgroups=3": 4}
   assert plan.select(delta=True, decay="channel", config=kernels).interpreter_threads() == {}
