@@ -202,7 +202,7 @@ def _numeric(text: str) -> bool:
 
 def kernel_config(grads_programs: int = 0, unit_ref_bound: bool | None = None,
                   sequence_pieces: int | None = None, call_test: bool | None = None,
-                  order_channels: bool | None = None, dg_cumsum: str | None = None):
+                  order_channels: str | None = None, dg_cumsum: str | None = None):
   """The GPU kernels' configuration for a benchmark's whole run (`pallas_kernels.gpu.default_config`):
   `grads_programs` > 0 runs the delta family's pair gradients in that many persistent programs (0: the
   library's default, one program a chunk); `unit_ref_bound` True or False sets the per-channel
@@ -210,7 +210,7 @@ def kernel_config(grads_programs: int = 0, unit_ref_bound: bool | None = None,
   default); `sequence_pieces` splits each sequence's walks into that many pieces
   (`GpuConfig.sequence_pieces`; None: as many as fill one wave of programs); `call_test` False runs
   the per-chunk kernels without the call-wide test (`GpuConfig.call_test`; None: the default);
-  `order_channels` True takes kda's channels strongest first (`GpuConfig.order_channels`);
+  `order_channels` "op" or "layer" takes kda's channels strongest first (`GpuConfig.order_channels`);
   `dg_cumsum` "kernel" or "xla" says where dG's reverse cumsum runs (`GpuConfig.dg_cumsum`)."""
   if grads_programs < 0:
     raise ValueError(f"grads_programs must be >= 0; got {grads_programs}")

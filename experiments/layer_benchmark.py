@@ -21,7 +21,8 @@ l2-normalised q, k the narrower one-reference bound of other operands (`GpuConfi
 ":u" the default's wider one, explicitly); ":c" (e.g. `K:c`) runs the per-channel kernels that choose
 each chunk's form without the call-wide `lax.cond` before them (`GpuConfig(call_test=False)`); ":o"
 (e.g. `K:o`) takes kda's channels strongest first, so that each half of the key-side gradients' channels
-takes its own form (`GpuConfig(order_channels=True)`); ":r" (e.g. `K:r`, `F:r`) takes dG's reverse cumsum in
+takes its own form (`GpuConfig(order_channels="op")`: the op gathers q, k, g; ":l", e.g. `K:l`, orders the
+KDA layer's projections instead, `"layer"`); ":r" (e.g. `K:r`, `F:r`) takes dG's reverse cumsum in
 the per-channel gradient kernels instead of XLA (`GpuConfig(dg_cumsum="kernel")`). Writes
 `{workdir}/layers.json` and `layers.md`; with several `--T`, also `layers.png`: each mixer's time per
 token against T next to softmax attention's, and the T from which each mixer is faster.
@@ -67,16 +68,17 @@ def kernel_options(mixer: str) -> dict | None:
   ':xlaconv', which is the layer's own), `grads_programs=N` for ':pN' (persistent pair-gradient
   programs), `sequence_pieces=N` for ':sN' (each sequence's walks in N pieces), `unit_ref_bound=True`
   for ':u' (the default) and False for ':n' (the narrower one-reference bound), `call_test=False` for
-  ':c' (per-chunk kernels without the call-wide lax.cond), `order_channels=True` for ':o' (kda's
-  channels strongest first), `dg_cumsum="kernel"` for ':r' (dG's reverse cumsum in the per-channel
+  ':c' (per-chunk kernels without the call-wide lax.cond), `order_channels="op"` for ':o' (kda's
+  channels strongest first, gathered in the op) and "layer" for ':l' (ordered in the KDA layers'
+  projections), `dg_cumsum="kernel"` for ':r' (dG's reverse cumsum in the per-channel
   gradient kernels); None for any other suffix."""
   _, _, suffix = mixer.partition(":")
   if suffix in ("", "xlaconv"):
     return {}
   if suffix == "c":
     return dict(call_test=False)
-  if suffix == "o":
-    return dict(order_channels=True)
+  if suffix in ("o", "l"):
+    return dict(order_channels="op" if suffix == "o" else "layer")
   if suffix == "r":
     return dict(dg_cumsum="kernel")
   if suffix in ("u", "n"):

@@ -62,9 +62,10 @@ flags.DEFINE_list("patterns", ["A", "G", "GGGA", "K"], "LM patterns; A (the anch
                   "l2-normalised q, k with the narrower one-reference bound (GpuConfig(unit_ref_bound="
                   "False); ':u' the default's wider one), ':c' (e.g. K:c) the per-chunk kernels without "
                   "the call-wide lax.cond (GpuConfig(call_test=False)), ':o' (e.g. K:o) kda's channels "
-                  "strongest first (GpuConfig(order_channels=True)), ':r' (e.g. K:r) dG's reverse cumsum "
-                  "in the per-channel gradient kernels (GpuConfig(dg_cumsum='kernel')), beside the "
-                  "default in the same process.")
+                  "strongest first (GpuConfig(order_channels='op')), ':l' (e.g. K:l) the same order "
+                  "taken in the KDA layers' projections (order_channels='layer'), ':r' (e.g. K:r) "
+                  "dG's reverse cumsum in the per-channel gradient kernels (GpuConfig(dg_cumsum="
+                  "'kernel')), beside the default in the same process.")
 flags.DEFINE_list("seq_lens", ["4096", "16384"], "Sequence lengths T.")
 flags.DEFINE_integer("tokens", 32768, "Tokens per step: batch = tokens / T (at least 1).")
 flags.DEFINE_list("breakdown", [], "Patterns whose steps are also timed part by part.")
@@ -161,8 +162,8 @@ def run(pattern: str, T: int, batch: int) -> dict:
   base, _, suffix = pattern.partition(":")
   options = kernel_options(pattern)
   if suffix and not options:
-    raise ValueError(f"patterns: the suffix must be ':pN' or ':sN' (N > 0), ':u', ':n', ':c', ':o', ':r' "
-                     f"or none; got {pattern!r}")
+    raise ValueError(f"patterns: the suffix must be ':pN' or ':sN' (N > 0), ':u', ':n', ':c', ':o', ':l', "
+                     f"':r' or none; got {pattern!r}")
   with common.kernel_config(**options):
     return _run(pattern, base, T, batch)
 

@@ -61,7 +61,7 @@ def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=Non
   in both the test and the kernels. `call_test=False` (`Plan.call_test`) calls the `beyond` kernels
   without the test where they choose per chunk ("chunk") and the operands always fit the groups.
   `half_forms`: the "chunk" kernel chooses for each half of a chunk's key channels apart (the plan's
-  `order_channels`). `qk_l2norm`: q, k are l2-normalised here (on load in the kernels, in XLA for the
+  `half_forms`). `qk_l2norm`: q, k are l2-normalised here (on load in the kernels, in XLA for the
   merge form)."""
   C = chunk_size
   if cumsum is None:
@@ -132,7 +132,7 @@ def _forward(static: Static, q, k, v, g, beta, h0, segment_ids, *, keep: bool):
                             interpret=interpret, chunk_multiple=_pieces(static), cumsum=cumsum,
                             with_inverse=inverse, beyond=plan.forward_beyond,
                             bound=plan.forward_ref_bound, call_test=plan.call_test,
-                            half_forms=plan.order_channels, qk_l2norm=plan.l2 == "on_load")
+                            half_forms=plan.half_forms, qk_l2norm=plan.l2 == "on_load")
       t, X, M = out if inverse else (out, None, None)
       o, states, final = _walk(static, t, h0, with_states=saves)
       if not saves:

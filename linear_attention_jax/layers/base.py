@@ -53,6 +53,18 @@ def linear(width_in, width_out, *, use_bias=False, axes=None, dtype, param_dtype
                     rngs=rngs, **meta)
 
 
+def dense_columns(layer: nnx.Linear, x, columns):
+  """`layer(x)[..., columns]`, computed as the projection onto those columns of its kernel (and bias):
+  the same products, in the layer's dtypes and precision, with gradients to the whole kernel."""
+  kernel = jnp.take(layer.kernel[...], columns, axis=1)
+  bias = None if layer.bias is None else jnp.take(layer.bias[...], columns)
+  x, kernel, bias = layer.promote_dtype((x, kernel, bias), dtype=layer.dtype)
+  kw = ({} if layer.preferred_element_type is None
+        else dict(preferred_element_type=layer.preferred_element_type))
+  y = layer.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=layer.precision, **kw)
+  return y if bias is None else y + bias
+
+
 _NO_CONV_ACTIVATIONS = {"identity": lambda x: x, "silu": jax.nn.silu}
 
 
@@ -133,18 +145,26 @@ class LinearMixer(nnx.Module):
       raise ValueError(f"cache holds B={cache.state.shape[0]} sequences; x has B={x.shape[0]}")
     return x.shape[0], x.shape[1]
 
-  def _project(self, x, cache):
+  def _project(self, x, cache, key_columns=None):
     """Projections and short convolutions.
 
     Returns `(q [B, T, H, K], k [B, T, H, K], v [B, T, H_v, V], windows)`, where `windows` is the tuple
-    of new conv windows (empty without convs; Nones when `cache` is None).
+    of new conv windows (empty without convs; Nones when `cache` is None). `key_columns`: None, or
+    `[H * K]` int32, a permutation of q's and k's columns (their projections' and convolutions'
+    channels taken in that order; only without a cache).
     """
     B, T, _ = x.shape
-    q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    if key_columns is None:
+      q, k = self.q_proj(x), self.k_proj(x)
+    else:
+      q, k = dense_columns(self.q_proj, x, key_columns), dense_columns(self.k_proj, x, key_columns)
+    v = self.v_proj(x)
     windows = ()
     if self.q_conv is not None:
       old = (None, None, None) if cache is None else cache.conv
-      (q, wq), (k, wk), (v, wv) = (conv(z, w) for conv, z, w in zip(self.convs, (q, k, v), old))
+      order = (key_columns, key_columns, None)
+      (q, wq), (k, wk), (v, wv) = (conv(z, w) if c is None else conv(z, w, channels=c)
+                                   for conv, z, w, c in zip(self.convs, (q, k, v), old, order))
       windows = (wq, wk, wv)
     else:
       act = _NO_CONV_ACTIVATIONS[self.no_conv_activation]

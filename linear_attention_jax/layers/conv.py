@@ -68,12 +68,15 @@ class ShortConvolution(nnx.Module):
     """Elements of the window per sequence: `(W - 1) * D`."""
     return (self.kernel_size - 1) * self.features
 
-  def __call__(self, x: jax.Array, cache: jax.Array | None = None):
+  def __call__(self, x: jax.Array, cache: jax.Array | None = None, *, channels: jax.Array | None = None):
     """Convolves `x` along T.
 
     Args:
       x: `[B, T, D]`.
       cache: `[B, W - 1, D]` (the inputs before x, float32) or None (zeros before x).
+      channels: None, or `[D]` int32, a permutation: x's channel i is the module's channel
+        `channels[i]` (its kernel and bias taken in that order; a caller that ordered its projection's
+        columns so). Only without a cache (the windows would be in the module's order).
 
     Returns:
       `(y, new_cache)`: `y: [B, T, D]` in the layer dtype; `new_cache: [B, W - 1, D]` float32 holding
@@ -85,21 +88,24 @@ class ShortConvolution(nnx.Module):
     W = self.kernel_size
     if cache is not None and cache.shape != (B, W - 1, D):
       raise ValueError(f"cache must have shape [B, W - 1, D] = {(B, W - 1, D)}; got {cache.shape}")
+    if channels is not None and (cache is not None or jnp.shape(channels) != (D,)):
+      raise ValueError(f"channels must be None or a permutation of shape [D] = [{D}], and only without a "
+                       f"cache; got shape {jnp.shape(channels)} with cache={cache is not None}")
+    take = (lambda p: p) if channels is None else (lambda p: jnp.take(p, channels, axis=-1))
     history = jnp.zeros((B, W - 1, D), jnp.float32) if cache is None else cache.astype(jnp.float32)
+    kernel = take(self.kernel[...].astype(jnp.float32))
+    bias = None if self.bias is None else take(self.bias[...].astype(jnp.float32))
     kernel_call = self._kernel_call(x)
     if kernel_call is not None:
-      bias = (jnp.zeros((D,), jnp.float32) if self.bias is None
-              else self.bias[...].astype(jnp.float32))
-      y = kernel_call(x, self.kernel[...].astype(jnp.float32), bias, history)
+      y = kernel_call(x, kernel, jnp.zeros((D,), jnp.float32) if bias is None else bias, history)
       if cache is None:
         return y, None
       return y, jnp.concatenate([history, x.astype(jnp.float32)], axis=1)[:, T:]
     x32 = x.astype(jnp.float32)
     padded = jnp.concatenate([history, x32], axis=1)  # [B, W - 1 + T, D]
-    kernel = self.kernel[...].astype(jnp.float32)
     y = sum(padded[:, w:w + T] * kernel[w] for w in range(W))
-    if self.bias is not None:
-      y = y + self.bias[...].astype(jnp.float32)
+    if bias is not None:
+      y = y + bias
     y = ACTIVATIONS[self.activation](y).astype(self.dtype)
     return y, (None if cache is None else padded[:, T:])
 

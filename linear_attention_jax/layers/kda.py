@@ -21,9 +21,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linear_attention_jax import ops
-from linear_attention_jax.layers.base import LinearMixer, a_log_init, dt_bias_init, linear
+from linear_attention_jax.layers.base import LinearMixer, a_log_init, dense_columns, dt_bias_init, linear
 from linear_attention_jax.layers.cache import LinearCache
 from linear_attention_jax.layers.norm import GatedRMSNorm
+from linear_attention_jax.pallas_kernels import gpu
 from linear_attention_jax.sharding.rules import axes
 
 
@@ -70,11 +71,18 @@ class KimiDeltaAttention(LinearMixer):
     self.o_norm = GatedRMSNorm(V, eps=norm_eps, activation="sigmoid", **kw)
     self.o_proj = linear(Hv * V, width, axes=("heads", "embed"), **kw)
 
-  def gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`(g [B, T, H_v, K], beta [B, T, H_v])` float32 for `x: [B, T, width]`."""
+  def gates(self, x: jax.Array, columns: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """`(g [B, T, H_v, K], beta [B, T, H_v])` float32 for `x: [B, T, width]`; `columns` (None or
+    `[H_v * K]` int32, a permutation of g's channels within each value head) takes g's channels in
+    that order."""
     B, T, _ = x.shape
     Hv, K = self.num_v_heads, self.head_dim
-    f = self.f_up(self.f_down(x)).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+    down = self.f_down(x)
+    if columns is None:
+      f = self.f_up(down).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+    else:
+      f = (dense_columns(self.f_up, down, columns).astype(jnp.float32)
+           + jnp.take(self.dt_bias[...].astype(jnp.float32), columns))
     A = jnp.exp(self.A_log[...].astype(jnp.float32))
     f = f.reshape(B, T, Hv, K)
     if self.gate_lower_bound is not None:
@@ -92,9 +100,32 @@ class KimiDeltaAttention(LinearMixer):
     """
     B, T = self._check_input(x, cache)
     Hv, V = self.num_v_heads, self.head_v_dim
-    q, k, v, windows = self._project(x, cache)
-    g, beta = self.gates(x)
+    key_columns, gate_columns = self.channel_columns(x) if self._orders_channels(cache) else (None, None)
+    q, k, v, windows = self._project(x, cache, key_columns)
+    g, beta = self.gates(x, gate_columns)
     o, state = self._recur(ops.kda, ops.kda_step, q, k, v, (g, beta), cache, use_qk_l2norm=True)
     o = self.o_norm(o, self.g_up(self.g_down(x)).reshape(B, T, Hv, V))
     y = self.o_proj(o.reshape(B, T, -1))
     return y, self._advance(cache, state, windows, T)
+
+  def _orders_channels(self, cache) -> bool:
+    """Whether this call orders its key channels (`channel_columns`): without a cache, with the GPU's
+    kernels possible (impl "pallas" or "auto") and `GpuConfig.order_channels == "layer"`."""
+    return cache is None and self.impl in ("pallas", "auto") and gpu.layers_order_channels()
+
+  def channel_columns(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`(key_columns [H * K], gate_columns [H_v * K])` int32: each key head's channels by how much
+    they decay over the whole batch `x` (`-sum g` over rows and tokens, summed over the head's value
+    heads), strongest first, as columns of q, k's projections and of g's (a value head takes its key
+    head's order). Not differentiated. A key channel permutation within a head leaves the layer's
+    output unchanged (every per-channel part of it, the convolutions and the gate included, moves with
+    its channel; q . k and the l2 norms sum over them); the GPU's kda kernels give each half of a
+    chunk's key channels its own form, and with the strongest first a trained chunk's strong channels
+    share one half (NOTES.md v57, v59)."""
+    H, Hv, K = self.num_heads, self.num_v_heads, self.head_dim
+    g = jax.lax.stop_gradient(self.gates(x)[0])
+    decay = -jnp.sum(g, axis=(0, 1)).reshape(H, Hv // H, K).sum(axis=1)
+    order = jnp.argsort(-decay, axis=-1, stable=True).astype(jnp.int32)   # [H, K]
+    key = (jnp.arange(H, dtype=jnp.int32)[:, None] * K + order).reshape(-1)
+    gate = (jnp.arange(Hv, dtype=jnp.int32)[:, None] * K + jnp.repeat(order, Hv // H, axis=0)).reshape(-1)
+    return key, gate

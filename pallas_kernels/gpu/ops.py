@@ -55,6 +55,12 @@ def _config(config: GpuConfig | None) -> GpuConfig:
   default = _DEFAULT_CONFIG.get()
   return GpuConfig() if default is None else default
 
+def layers_order_channels() -> bool:
+  """Whether the current default configuration (`default_config`) asks the layers to order kda's key
+  channels in their projections (`GpuConfig.order_channels == "layer"`)."""
+  return _config(None).order_channels == "layer"
+
+
 def _walk_forward(t, h0, *, options, with_o, with_states, out_dtype):
   o, states, final, transitions = walk.forward(
       t, h0, with_o=with_o, with_states=with_states, out_dtype=out_dtype, interpret=options.interpret,

@@ -79,6 +79,7 @@ CHUNK_SIZES = (64,)
 FORWARDS = ("kernel", "xla_prep")
 BACKWARDS = ("kernel", "xla_vjp")
 DG_CUMSUMS = ("xla", "kernel")
+CHANNEL_ORDERS = ("none", "op", "layer")
 VARIANTS = {   # variant -> (delta family, decay kind)
     "linear_attention": (False, "none"), "retention": (False, "scalar"), "simple_gla": (False, "scalar"),
     "gla": (False, "channel"), "delta_rule": (True, "none"), "gated_delta_rule": (True, "scalar"),
@@ -131,7 +132,13 @@ class GpuConfig:
     (`channel_prep.prepare(..., half_forms=True)`). A chunk whose channels beyond one reference all
     lie among the row's 64 strongest (every trained chunk of the CPU census, NOTES.md v57) takes one
     reference in its other half. The call's values are the same up to the order of the float32 sums
-    over channels. Off by default until it is timed on a device.
+    over channels. Values: "none" (the default), "op" (the op gathers q, k, g and the initial state
+    by each row's order, dq, dk, dg and the final state back: on the H200 its kernels took 4.6 ms
+    less a trained KDA LM step and its gathers 2.9 ms more, NOTES.md v59) or "layer" (the
+    KimiDeltaAttention layers, where they take no cache, order their projections' columns by one
+    order a key head for the whole batch, `layers.kda`, so that q, k and g come out ordered and no
+    activation is gathered; the op then only gives each half of the preparation its own form, which
+    is right for channels in any order and pays only where the strong ones share a half).
   dg_cumsum: where the per-channel gradient kernels' dG becomes dg (its reverse cumsum within each
     chunk): "xla" (one batched float32 product with the triangle of ones after the kernels) or
     "kernel" (at the end of each gradient program, dG split into three bfloat16 tiles on the tensor
@@ -157,16 +164,16 @@ class GpuConfig:
   grads_programs: int | None = None
   unit_ref_bound: bool = True
   call_test: bool = True
-  order_channels: bool = False
+  order_channels: str = "none"
   dg_cumsum: str = "xla"
 
   def __post_init__(self):
     for name, allowed in (("forward", FORWARDS), ("backward", BACKWARDS), ("forward_warpgroups", (1, 3)),
                           ("delta_warpgroups", (1, 2)), ("gram_method", prep.GRAM_METHODS),
-                          ("dg_cumsum", DG_CUMSUMS)):
+                          ("dg_cumsum", DG_CUMSUMS), ("order_channels", CHANNEL_ORDERS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"GpuConfig.{name} must be one of {allowed}; got {getattr(self, name)!r}")
-    for name in ("unit_ref_bound", "call_test", "order_channels"):
+    for name in ("unit_ref_bound", "call_test"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"GpuConfig.{name} must be a bool; got {getattr(self, name)!r}")
     for name in ("sequence_pieces", "grads_programs"):
@@ -198,7 +205,8 @@ class Plan:
   forward_ref_bound: float = prep.REF_BOUND   # the per-channel forward's one-reference bound
   unit_bound: bool = False     # GpuConfig.unit_ref_bound where it holds (q, k l2-normalised, bfloat16)
   call_test: bool = True       # GpuConfig.call_test: a call-wide lax.cond before per-chunk kernels
-  order_channels: bool = False  # GpuConfig.order_channels where kda's key-side kernel runs
+  order_channels: bool = False  # GpuConfig.order_channels "op" where kda's key-side kernel runs
+  half_forms: bool = False     # its preparation's halves their own forms ("op" or "layer" there)
   gate_floor: str = "xla"      # "xla": g floored before the stages | "stages": by the per-channel ones
   dg_cumsum: str = "xla"       # GpuConfig.dg_cumsum where a per-channel gradient kernel can take it
 
@@ -274,7 +282,9 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
               forward_ref_bound=prep.ref_bound(dtype, unit=unit and forward == "channel_prep"),
               unit_bound=unit and jnp.dtype(dtype) != jnp.float16,
               call_test=config.call_test or not groups.always_fits(dtype),
-              order_channels=config.order_channels and backward == "channel_delta_grads",
+              order_channels=config.order_channels == "op" and backward == "channel_delta_grads",
+              half_forms=(config.order_channels != "none" and forward == "channel_prep"
+                          and backward == "channel_delta_grads"),
               gate_floor="stages" if channel_kernels else "xla",
               dg_cumsum=config.dg_cumsum if jnp.dtype(dtype) == jnp.bfloat16 and (
                   backward == "channel_delta_grads" or (backward == "channel_grads" and chunk_size == 64))

@@ -6,6 +6,9 @@ chunk whose strong channels scatter over the head's K lands them in one half of 
 - kda end to end in the Mosaic GPU interpreter with the option, against the float64 loop: o, the final
   state and every gradient (h0 among them), grouped heads, 40 strong channels of 128 scattered
   differently in each row; the order puts every chunk's strong channels in its first half.
+- With "layer" (the KDA layers order their projections: tests/layers/test_channel_order.py) the op
+  gathers nothing and its preparation still gives each half its own form: right for channels in any
+  order, here both halves of every chunk beyond one reference.
 """
 
 import dataclasses
@@ -14,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linear_attention_jax.pallas_kernels.gpu import channel, plan
+from linear_attention_jax.pallas_kernels.gpu import channel, channel_prep, plan
 from tests.ops.conftest import make_inputs
 from tests.pallas_kernels.gpu.util import KERNELS, check
 
@@ -57,7 +60,32 @@ def test_kda_with_its_channels_ordered_matches_the_float64_loop():
   ordered = channel.permute_channels(jnp.asarray(g), order, inverse, 2, 3)
   forms = np.asarray(channel.chunk_forms(channel.chunk_cumsum(ordered, T, 64)[1], 64, jnp.bfloat16, width=64))
   assert (forms[..., 0] == channel.GROUPS).all() and (forms[..., 1] == channel.ONE).all(), forms
-  config = dataclasses.replace(KERNELS, order_channels=True)
+  config = dataclasses.replace(KERNELS, order_channels="op")
   p = plan.select(delta=True, decay="channel", config=config)
-  assert p.order_channels and not plan.select(delta=False, decay="channel", config=config).order_channels
+  assert p.order_channels and p.half_forms
+  assert not plan.select(delta=False, decay="channel", config=config).half_forms
   check("kda", inp, dtype=jnp.bfloat16, tol=1e-2, config=config)
+
+
+def test_kda_with_the_layers_order_takes_half_forms_without_gathers(monkeypatch):
+  B, T, H, Hv, K, V = 1, 130, 1, 1, 128, 64
+  inp = make_inputs("kda", B=B, T=T, H=H, Hv=Hv, K=K, V=V, seed=23)
+  r = np.random.default_rng(24)
+  g = -r.uniform(0.0, 0.3, (B, T, Hv, K)).astype(np.float32)
+  strong = r.choice(K, 30, replace=False)   # in both halves: the unordered worst case
+  g[..., strong] = r.uniform(-20.0, -2.0, (B, T, Hv, len(strong)))
+  inp["g"] = g
+  forms = np.asarray(channel.chunk_forms(channel.chunk_cumsum(jnp.asarray(g), 192, 64)[1], 64, jnp.bfloat16,
+                                         width=64))
+  assert (forms != channel.ONE).all(axis=-1).any()   # a chunk with both halves beyond one reference
+  config = dataclasses.replace(KERNELS, order_channels="layer")
+  p = plan.select(delta=True, decay="channel", config=config)
+  assert p.half_forms and not p.order_channels
+  seen = []
+  for name in ("permute_channels", "channel_order"):
+    monkeypatch.setattr(channel, name, lambda *a, _n=name, **kw: seen.append(_n))
+  prepare = channel_prep.prepare
+  monkeypatch.setattr(channel_prep, "prepare",
+                      lambda *a, **kw: seen.append(("prepare", kw.get("half_forms"))) or prepare(*a, **kw))
+  check("kda", inp, dtype=jnp.bfloat16, tol=1e-2, config=config)
+  assert ("prepare", True) in seen and "permute_channels" not in seen and "channel_order" not in seen, seen

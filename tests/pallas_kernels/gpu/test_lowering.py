@@ -189,7 +189,8 @@ def test_per_channel_gradient_kernels_export_for_hopper(kind, D, group, packed, 
 
   def loss(q, k, v, g, beta, h0):   # kda's q, k l2-normalised on load in its kernels
     o, final = gpu.chunked_attention(q, k, v, g, beta, initial_state=h0, segment_ids=seg, qk_l2norm=delta,
-                                     config=gpu.GpuConfig(sequence_pieces=pieces, order_channels=order))
+                                     config=gpu.GpuConfig(sequence_pieces=pieces,
+                                                          order_channels="op" if order else "none"))
     return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
 
   argnums = tuple(i for i, a in enumerate(args) if a is not None)
