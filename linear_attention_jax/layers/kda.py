@@ -45,6 +45,10 @@ class KimiDeltaAttention(LinearMixer):
 
   Parameters beyond the projections: `A_log: [H_v]` (log A, A ~ U(1, 16)) and `dt_bias: [H_v * K]`
   (inverse softplus of dt ~ logU(1e-3, 0.1)), one per channel.
+
+  Under `pallas_kernels.gpu.default_config(GpuConfig(order_channels="layer"))` a call without a cache
+  (impl "pallas" or "auto") takes each key head's channels strongest first (`channel_columns`): the
+  same output to float32 rounding, for the GPU kernels' per-half forms.
   """
   no_conv_activation = "silu"
 
