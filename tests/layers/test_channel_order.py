@@ -54,7 +54,8 @@ def test_kda_layer_ordering_its_channels_changes_only_the_rounding(conv, bound, 
   key, gate = np.asarray(key), np.asarray(gate)
   # a permutation within each head, the strongest decaying channels first, the value heads their key head's
   assert sorted(key) == list(range(H * K)) and (key.reshape(H, K) // K == np.arange(H)[:, None]).all()
-  np.testing.assert_array_equal(gate.reshape(H, groups, K) % K, np.repeat(key.reshape(H, 1, K) % K, groups, 1))
+  np.testing.assert_array_equal(gate.reshape(H, groups, K) % K,
+                                np.repeat(key.reshape(H, 1, K) % K, groups, 1))
   g = np.asarray(layer.gates(x)[0])
   decay = -g.sum(axis=(0, 1)).reshape(H, groups, K).sum(axis=1)
   np.testing.assert_array_equal(key.reshape(H, K) % K, np.argsort(-decay, axis=-1, kind="stable"))

@@ -270,3 +270,35 @@ def test_persistent_pair_gradients_export_for_hopper():
     bwd = jax.export.export(jax.jit(jax.grad(loss, argnums=range(5))), platforms=["cuda"])(*args)
   bwd = bwd.mlir_module()
   assert bwd.count("custom_call @mosaic_gpu") == 4 and "chunk_grads_delta_pair" in bwd
+
+
+def test_the_kda_layer_with_the_layer_order_gathers_only_weights_for_hopper(monkeypatch):
+  # GpuConfig(order_channels="layer"): the KDA layer's fwd+bwd (impl "pallas", bfloat16) exported for
+  # Hopper holds the per-half preparation kernel and gathers only its weights' columns (q, k, f_up
+  # kernels, dt_bias, the convolutions' taps), no [B, T, ...] activation, where "op" gathers q, k, g
+  import re
+
+  from flax import nnx
+
+  from linear_attention_jax import layers
+  from linear_attention_jax.ops import dispatch
+  from linear_attention_jax.pallas_kernels.gpu import conv, plan
+  hopper = plan.hopper_reason
+  monkeypatch.setattr(dispatch, "kernel_backend", lambda: "gpu")   # this CPU exports for a Hopper GPU
+  monkeypatch.setattr(plan, "hopper_reason", lambda backend=None: hopper("hopper"))
+  monkeypatch.setattr(conv, "hopper_reason", lambda backend=None: None)
+  width, T_ = 256, 256
+  layer = layers.KimiDeltaAttention(width, 2, head_dim=128, impl="pallas", dtype=jnp.bfloat16,
+                                    rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(layer)
+
+  def loss(params, x):
+    y, _ = nnx.merge(graphdef, params)(x)
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+
+  with gpu.default_config(gpu.GpuConfig(order_channels="layer")), jax.sharding.use_abstract_mesh(H200):
+    text = jax.export.export(jax.jit(jax.grad(loss)), platforms=["cuda"])(
+        params, _spec(B, T_, width)).mlir_module()
+  assert "chunk_prep_channel_chunk_parts" in text and "short_conv" in text
+  gathered = re.findall(r'stablehlo\.gather"?\(.*?\).*?:\s*\(tensor<([0-9x]+)x[a-z0-9]+>', text)
+  assert gathered and all(f"{B}x{T_}x" not in s and not s.startswith(f"{B}x") for s in gathered), gathered
