@@ -39,9 +39,9 @@ CASES = {  # rules: (mesh, pattern, tied embeddings, {parameter path: shard shap
 }
 
 
-def make_state(pattern, tie):
+def make_state(pattern, tie, impl="chunk"):
   config = LMConfig(vocab_size=VOCAB, width=32, depth=2, num_heads=2, num_v_heads=4, num_kv_heads=2,
-                    pattern=pattern, chunk_size=8, impl="chunk", tie_embeddings=tie)
+                    pattern=pattern, chunk_size=8, impl=impl, tie_embeddings=tie)
   graphdef, params = nnx.split(LM(config, rngs=nnx.Rngs(0)), nnx.Param)
   tx = optax.adamw(1e-3, eps=1e-3)  # a large eps keeps the first update a smooth function of the
   #                                    gradient (with eps -> 0 it is lr * sign(g), which flips on noise)
@@ -111,3 +111,32 @@ def test_sharded_step_equals_single_device(rules):
     for moment in ("0.mu", "0.nu"):
       m = moments[f"{moment}.{path}"].get_value()
       assert m.sharding.is_equivalent_to(x.sharding, x.ndim), (path, moment)
+
+
+@multidevice
+def test_the_kda_layers_channel_order_under_sharding_equals_the_single_device_step(monkeypatch):
+  # GpuConfig(order_channels="layer"), impl "auto": each KDA layer orders its projections' columns by
+  # the decay of the whole batch, which is split over the data axis (and its heads over tensor); the
+  # step equals the unsharded step without the order
+  from linear_attention_jax.layers import KimiDeltaAttention
+  from linear_attention_jax.pallas_kernels import gpu
+  calls = []
+  columns = KimiDeltaAttention.channel_columns
+  monkeypatch.setattr(KimiDeltaAttention, "channel_columns",
+                      lambda self, x: calls.append(x.shape) or columns(self, x))
+  config, state, step = make_state("KA", True, impl="auto")
+  mesh = make_mesh(MeshConfig(data=4, tensor=2))
+  data = batch()
+  ref_state, ref = util.fast_jit(step)(state, data)
+  assert not calls
+  with gpu.default_config(gpu.GpuConfig(order_channels="layer")):
+    sharded_state = sharding.shard_train_state(state, mesh, "tp")
+    new_state, out = sharding.make_sharded_train_step(step, mesh, "tp", sharded_state,
+                                                      compiler_options=util.FAST_OPTIONS)(sharded_state, data)
+  assert calls, "the KDA layer did not order its channels"
+  errors = {"loss": util.rel_rms(out["loss"], ref["loss"])}
+  errors["grads"] = max(jax.tree.leaves(jax.tree.map(util.rel_rms, out["grads"], ref["grads"])))
+  errors["params"] = max(jax.tree.leaves(jax.tree.map(util.rel_rms, new_state["params"],
+                                                      ref_state["params"])))
+  print(util.table("LM KA, the layer order, under tp", errors))
+  assert max(errors.values()) <= util.TOL, errors
