@@ -25,6 +25,7 @@ from linear_attention_jax.layers.base import LinearMixer, a_log_init, dense_colu
 from linear_attention_jax.layers.cache import LinearCache
 from linear_attention_jax.layers.norm import GatedRMSNorm
 from linear_attention_jax.pallas_kernels import gpu
+from linear_attention_jax.pallas_kernels.gpu import channel
 from linear_attention_jax.sharding.rules import axes
 
 
@@ -127,9 +128,8 @@ class KimiDeltaAttention(LinearMixer):
     chunk's key channels its own form, and with the strongest first a trained chunk's strong channels
     share one half (NOTES.md v57, v59)."""
     H, Hv, K = self.num_heads, self.num_v_heads, self.head_dim
-    g = jax.lax.stop_gradient(self.gates(x)[0])
-    decay = -jnp.sum(g, axis=(0, 1)).reshape(H, Hv // H, K).sum(axis=1)
-    order = jnp.argsort(-decay, axis=-1, stable=True).astype(jnp.int32)   # [H, K]
+    g = self.gates(x)[0]   # the op's per-row order of the batch's summed gates: one row's [1, H, K]
+    order = channel.channel_order(jnp.sum(g, axis=0, keepdims=True), H)[0][0]
     key = (jnp.arange(H, dtype=jnp.int32)[:, None] * K + order).reshape(-1)
     gate = (jnp.arange(Hv, dtype=jnp.int32)[:, None] * K + jnp.repeat(order, Hv // H, axis=0)).reshape(-1)
     return key, gate

@@ -30,5 +30,5 @@ from . import plan
 from .plan import GpuConfig, Plan, hopper_reason, supports, walked_columns
 
 __all__ = ["GpuConfig", "Plan", "call_plan", "chunked_attention", "default_config", "hopper_reason",
-           "interpret_kernels",
-           "interpreter_threads", "layers_order_channels", "interpreting", "plan", "shared_compiles", "supports", "walked_columns"]
+           "interpret_kernels", "interpreter_threads", "interpreting", "layers_order_channels", "plan",
+           "shared_compiles", "supports", "walked_columns"]

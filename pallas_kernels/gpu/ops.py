@@ -55,6 +55,7 @@ def _config(config: GpuConfig | None) -> GpuConfig:
   default = _DEFAULT_CONFIG.get()
   return GpuConfig() if default is None else default
 
+
 def layers_order_channels() -> bool:
   """Whether the current default configuration (`default_config`) asks the layers to order kda's key
   channels in their projections (`GpuConfig.order_channels == "layer"`)."""
