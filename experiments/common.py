@@ -210,7 +210,8 @@ def kernel_config(grads_programs: int = 0, unit_ref_bound: bool | None = None,
   default); `sequence_pieces` splits each sequence's walks into that many pieces
   (`GpuConfig.sequence_pieces`; None: as many as fill one wave of programs); `call_test` False runs
   the per-chunk kernels without the call-wide test (`GpuConfig.call_test`; None: the default);
-  `order_channels` "op" or "layer" takes kda's channels strongest first (`GpuConfig.order_channels`);
+  `order_channels` "op", "layer" (the default), "ordered" or "none" says where kda's channels are
+  taken strongest first (`GpuConfig.order_channels`);
   `dg_cumsum` "kernel" or "xla" says where dG's reverse cumsum runs (`GpuConfig.dg_cumsum`)."""
   if grads_programs < 0:
     raise ValueError(f"grads_programs must be >= 0; got {grads_programs}")

@@ -22,7 +22,7 @@ l2-normalised q, k the narrower one-reference bound of other operands (`GpuConfi
 each chunk's form without the call-wide `lax.cond` before them (`GpuConfig(call_test=False)`); ":o"
 (e.g. `K:o`) takes kda's channels strongest first, so that each half of the key-side gradients' channels
 takes its own form (`GpuConfig(order_channels="op")`: the op gathers q, k, g; ":l", e.g. `K:l`, orders the
-KDA layer's projections instead, `"layer"`); ":r" (e.g. `K:r`, `F:r`) takes dG's reverse cumsum in
+KDA layer's projections instead, `"layer"`, the default; ":w", e.g. `K:w`, neither, `"none"`); ":r" (e.g. `K:r`, `F:r`) takes dG's reverse cumsum in
 the per-channel gradient kernels instead of XLA (`GpuConfig(dg_cumsum="kernel")`). Writes
 `{workdir}/layers.json` and `layers.md`; with several `--T`, also `layers.png`: each mixer's time per
 token against T next to softmax attention's, and the T from which each mixer is faster.
@@ -55,8 +55,8 @@ def build(mixer: str, *, width: int, heads: int, impl: str, dtype):
   """The layer of `mixer` (module docstring), bfloat16 compute over float32 parameters."""
   name, _, variant = mixer.partition(":")
   if variant != "xlaconv" and kernel_options(mixer) is None:
-    raise ValueError(f"mixer suffix must be ':xlaconv', ':pN' or ':sN' (N > 0), ':u', ':n', ':c', ':o' or "
-                     f"none; got {mixer!r}")
+    raise ValueError(f"mixer suffix must be ':xlaconv', ':pN' or ':sN' (N > 0), ':u', ':n', ':c', ':o', "
+                     f"':l', ':w', ':r' or none; got {mixer!r}")
   layer = _build(name, width=width, heads=heads, impl=impl, dtype=dtype)
   for conv in getattr(layer, "convs", ()) if variant == "xlaconv" else ():
     conv.impl = "xla"
@@ -69,16 +69,16 @@ def kernel_options(mixer: str) -> dict | None:
   programs), `sequence_pieces=N` for ':sN' (each sequence's walks in N pieces), `unit_ref_bound=True`
   for ':u' (the default) and False for ':n' (the narrower one-reference bound), `call_test=False` for
   ':c' (per-chunk kernels without the call-wide lax.cond), `order_channels="op"` for ':o' (kda's
-  channels strongest first, gathered in the op) and "layer" for ':l' (ordered in the KDA layers'
-  projections), `dg_cumsum="kernel"` for ':r' (dG's reverse cumsum in the per-channel
+  channels strongest first, gathered in the op), "layer" for ':l' (ordered in the KDA layers'
+  projections, the default) and "none" for ':w' (neither), `dg_cumsum="kernel"` for ':r' (dG's reverse cumsum in the per-channel
   gradient kernels); None for any other suffix."""
   _, _, suffix = mixer.partition(":")
   if suffix in ("", "xlaconv"):
     return {}
   if suffix == "c":
     return dict(call_test=False)
-  if suffix in ("o", "l"):
-    return dict(order_channels="op" if suffix == "o" else "layer")
+  if suffix in ("o", "l", "w"):
+    return dict(order_channels={"o": "op", "l": "layer", "w": "none"}[suffix])
   if suffix == "r":
     return dict(dg_cumsum="kernel")
   if suffix in ("u", "n"):

@@ -63,7 +63,8 @@ flags.DEFINE_list("patterns", ["A", "G", "GGGA", "K"], "LM patterns; A (the anch
                   "False); ':u' the default's wider one), ':c' (e.g. K:c) the per-chunk kernels without "
                   "the call-wide lax.cond (GpuConfig(call_test=False)), ':o' (e.g. K:o) kda's channels "
                   "strongest first (GpuConfig(order_channels='op')), ':l' (e.g. K:l) the same order "
-                  "taken in the KDA layers' projections (order_channels='layer'), ':r' (e.g. K:r) "
+                  "taken in the KDA layers' projections (order_channels='layer', the default), ':w' (e.g. "
+                  "K:w) neither (order_channels='none'), ':r' (e.g. K:r) "
                   "dG's reverse cumsum in the per-channel gradient kernels (GpuConfig(dg_cumsum="
                   "'kernel')), beside the default in the same process.")
 flags.DEFINE_list("seq_lens", ["4096", "16384"], "Sequence lengths T.")

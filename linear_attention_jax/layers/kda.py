@@ -16,6 +16,8 @@ Gated DeltaNet with a decay per key channel instead of per head:
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -25,7 +27,7 @@ from linear_attention_jax.layers.base import LinearMixer, a_log_init, dense_colu
 from linear_attention_jax.layers.cache import LinearCache
 from linear_attention_jax.layers.norm import GatedRMSNorm
 from linear_attention_jax.pallas_kernels import gpu
-from linear_attention_jax.pallas_kernels.gpu import channel
+from linear_attention_jax.pallas_kernels.gpu import channel, plan
 from linear_attention_jax.sharding.rules import axes
 
 
@@ -47,9 +49,9 @@ class KimiDeltaAttention(LinearMixer):
   Parameters beyond the projections: `A_log: [H_v]` (log A, A ~ U(1, 16)) and `dt_bias: [H_v * K]`
   (inverse softplus of dt ~ logU(1e-3, 0.1)), one per channel.
 
-  Under `pallas_kernels.gpu.default_config(GpuConfig(order_channels="layer"))` a call without a cache
-  (impl "pallas" or "auto") takes each key head's channels strongest first (`channel_columns`): the
-  same output to float32 rounding, for the GPU kernels' per-half forms.
+  On the GPU's kernels (impl "pallas" or "auto"), a call without a cache takes each key head's channels
+  strongest first (`channel_columns`; `GpuConfig.order_channels`, "layer" by default): the same output
+  to float32 rounding, for the kernels' per-half forms.
   """
   no_conv_activation = "silu"
 
@@ -105,18 +107,23 @@ class KimiDeltaAttention(LinearMixer):
     """
     B, T = self._check_input(x, cache)
     Hv, V = self.num_v_heads, self.head_v_dim
-    key_columns, gate_columns = self.channel_columns(x) if self._orders_channels(cache) else (None, None)
+    ordered = self._orders_channels(cache)
+    key_columns, gate_columns = self.channel_columns(x) if ordered else (None, None)
     q, k, v, windows = self._project(x, cache, key_columns)
     g, beta = self.gates(x, gate_columns)
-    o, state = self._recur(ops.kda, ops.kda_step, q, k, v, (g, beta), cache, use_qk_l2norm=True)
+    with gpu.ordered_channels() if ordered else contextlib.nullcontext():
+      o, state = self._recur(ops.kda, ops.kda_step, q, k, v, (g, beta), cache, use_qk_l2norm=True)
     o = self.o_norm(o, self.g_up(self.g_down(x)).reshape(B, T, Hv, V))
     y = self.o_proj(o.reshape(B, T, -1))
     return y, self._advance(cache, state, windows, T)
 
   def _orders_channels(self, cache) -> bool:
-    """Whether this call orders its key channels (`channel_columns`): without a cache, with the GPU's
-    kernels possible (impl "pallas" or "auto") and `GpuConfig.order_channels == "layer"`."""
-    return cache is None and self.impl in ("pallas", "auto") and gpu.layers_order_channels()
+    """Whether this call orders its key channels (`channel_columns`) and calls its op with
+    `gpu.ordered_channels()`: without a cache, with the GPU's kernels possible (impl "pallas" or
+    "auto", on a Hopper GPU or inside the Mosaic GPU interpreter) and
+    `GpuConfig.order_channels == "layer"` (the default)."""
+    return (cache is None and self.impl in ("pallas", "auto") and _gpu_kernels()
+            and gpu.layers_order_channels())
 
   def channel_columns(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`(key_columns [H * K], gate_columns [H_v * K])` int32: each key head's channels by how much
@@ -133,3 +140,9 @@ class KimiDeltaAttention(LinearMixer):
     key = (jnp.arange(H, dtype=jnp.int32)[:, None] * K + order).reshape(-1)
     gate = (jnp.arange(Hv, dtype=jnp.int32)[:, None] * K + jnp.repeat(order, Hv // H, axis=0)).reshape(-1)
     return key, gate
+
+
+def _gpu_kernels() -> bool:
+  """Whether the GPU's kernels can run here (a Hopper GPU, or the Mosaic GPU interpreter:
+  `gpu.plan.hopper_reason`)."""
+  return plan.hopper_reason() is None

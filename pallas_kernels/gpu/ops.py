@@ -58,8 +58,17 @@ def _config(config: GpuConfig | None) -> GpuConfig:
 
 def layers_order_channels() -> bool:
   """Whether the current default configuration (`default_config`) asks the layers to order kda's key
-  channels in their projections (`GpuConfig.order_channels == "layer"`)."""
+  channels in their projections (`GpuConfig.order_channels == "layer"`, the default)."""
   return _config(None).order_channels == "layer"
+
+
+@contextlib.contextmanager
+def ordered_channels():
+  """Inside: the calls that pass no `config` run with the current default configuration's
+  `order_channels` set to "ordered" (their key channels come strongest first, each half of a chunk's
+  takes its own form). For a caller that has ordered them, as the KDA layers do under "layer"."""
+  with default_config(dataclasses.replace(_config(None), order_channels="ordered")):
+    yield
 
 
 def _walk_forward(t, h0, *, options, with_o, with_states, out_dtype):

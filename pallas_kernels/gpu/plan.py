@@ -79,7 +79,7 @@ CHUNK_SIZES = (64,)
 FORWARDS = ("kernel", "xla_prep")
 BACKWARDS = ("kernel", "xla_vjp")
 DG_CUMSUMS = ("xla", "kernel")
-CHANNEL_ORDERS = ("none", "op", "layer")
+CHANNEL_ORDERS = ("none", "op", "layer", "ordered")
 VARIANTS = {   # variant -> (delta family, decay kind)
     "linear_attention": (False, "none"), "retention": (False, "scalar"), "simple_gla": (False, "scalar"),
     "gla": (False, "channel"), "delta_rule": (True, "none"), "gated_delta_rule": (True, "scalar"),
@@ -125,20 +125,22 @@ class GpuConfig:
     keep the test (beyond the groups' bound they take the merge form per head), as does gla's
     backward (its gradient kernel has no per-chunk form).
   order_channels: kda (the per-channel delta family, whose key-side gradients take the key channels
-    in halves of 64, each half its own form: `channel.chunk_forms(..., width=HALF)`) reorders each
-    batch row's and key head's channels by how much they decay over the row, strongest first
-    (`channel.channel_order`), before the kernels, and restores the order of dq, dk, dg and the final
-    state after them; its per-chunk preparation kernel then also gives each half its own form
-    (`channel_prep.prepare(..., half_forms=True)`). A chunk whose channels beyond one reference all
-    lie among the row's 64 strongest (every trained chunk of the CPU census, NOTES.md v57) takes one
-    reference in its other half. The call's values are the same up to the order of the float32 sums
-    over channels. Values: "none" (the default), "op" (the op gathers q, k, g and the initial state
-    by each row's order, dq, dk, dg and the final state back: on the H200 its kernels took 4.6 ms
-    less a trained KDA LM step and its gathers 2.9 ms more, NOTES.md v59) or "layer" (the
-    KimiDeltaAttention layers, where they take no cache, order their projections' columns by one
-    order a key head for the whole batch, `layers.kda`, so that q, k and g come out ordered and no
-    activation is gathered; the op then only gives each half of the preparation its own form, which
-    is right for channels in any order and pays only where the strong ones share a half).
+    in halves of 64, each half its own form: `channel.chunk_forms(..., width=HALF)`) takes the key
+    channels strongest first, so that a trained chunk's strong channels share one half and the other
+    half takes one reference (every trained chunk of the CPU census, NOTES.md v57, v59); its per-chunk
+    preparation kernel then also gives each half its own form (`channel_prep.prepare(...,
+    half_forms=True)`). The call's values are the same up to the order of the float32 sums over
+    channels. Values: "layer" (the default: the KimiDeltaAttention layers, where they take no cache
+    and the GPU's kernels may run, order their projections' columns by one order a key head for the
+    whole batch, `layers.kda`, so that q, k and g come out ordered and no activation is gathered, and
+    call their op with "ordered"; a direct call of the op is as "none": on the H100 the trained KDA
+    LM's step took 49.4 ms against 52.7, NOTES.md v60), "none" (the whole chunk's form for both
+    halves, the layers' columns as they are), "op" (the op orders each batch row's and key head's
+    channels by how much they decay over the row, `channel.channel_order`, gathering q, k, g and the
+    initial state, and restores the order of dq, dk, dg and the final state after its kernels: on the
+    H200 its kernels took 4.6 ms less a trained KDA LM step and its gathers 2.9 ms more, NOTES.md v59)
+    or "ordered" (the caller's channels come strongest first: each half its own form, no gathers;
+    right for channels in any order, a saving only where the strong ones share a half).
   dg_cumsum: where the per-channel gradient kernels' dG becomes dg (its reverse cumsum within each
     chunk): "xla" (one batched float32 product with the triangle of ones after the kernels) or
     "kernel" (at the end of each gradient program, dG split into three bfloat16 tiles on the tensor
@@ -164,7 +166,7 @@ class GpuConfig:
   grads_programs: int | None = None
   unit_ref_bound: bool = True
   call_test: bool = True
-  order_channels: str = "none"
+  order_channels: str = "layer"
   dg_cumsum: str = "xla"
 
   def __post_init__(self):
@@ -206,7 +208,7 @@ class Plan:
   unit_bound: bool = False     # GpuConfig.unit_ref_bound where it holds (q, k l2-normalised, bfloat16)
   call_test: bool = True       # GpuConfig.call_test: a call-wide lax.cond before per-chunk kernels
   order_channels: bool = False  # GpuConfig.order_channels "op" where kda's key-side kernel runs
-  half_forms: bool = False     # its preparation's halves their own forms ("op" or "layer" there)
+  half_forms: bool = False     # its preparation's halves their own forms ("op" or "ordered" there)
   gate_floor: str = "xla"      # "xla": g floored before the stages | "stages": by the per-channel ones
   dg_cumsum: str = "xla"       # GpuConfig.dg_cumsum where a per-channel gradient kernel can take it
 
@@ -283,7 +285,7 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
               unit_bound=unit and jnp.dtype(dtype) != jnp.float16,
               call_test=config.call_test or not groups.always_fits(dtype),
               order_channels=config.order_channels == "op" and backward == "channel_delta_grads",
-              half_forms=(config.order_channels != "none" and forward == "channel_prep"
+              half_forms=(config.order_channels in ("op", "ordered") and forward == "channel_prep"
                           and backward == "channel_delta_grads"),
               gate_floor="stages" if channel_kernels else "xla",
               dg_cumsum=config.dg_cumsum if jnp.dtype(dtype) == jnp.bfloat16 and (

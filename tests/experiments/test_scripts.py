@@ -405,6 +405,7 @@ def test_layer_benchmark_reads_the_kernel_option_suffixes():
   assert options("K:u") == dict(unit_ref_bound=True) and options("K:n") == dict(unit_ref_bound=False)
   assert options("G:s4") == dict(sequence_pieces=4) and options("K:c") == dict(call_test=False)
   assert options("K:o") == dict(order_channels="op") and options("K:l") == dict(order_channels="layer")
+  assert options("K:w") == dict(order_channels="none")
   assert options("K:r") == dict(dg_cumsum="kernel")
   assert options("G") == {} and options("G:xlaconv") == {}
   for bad in ("G:p0", "G:p", "G:q4", "G:p4x", "K:uu", "K:nu", "G:s0", "G:s", "K:cc", "K:oo", "K:rr"):

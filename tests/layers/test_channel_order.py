@@ -1,6 +1,6 @@
-"""`GpuConfig(order_channels="layer")`: the KDA layer takes its key channels strongest first by ordering
-its projections' columns (`KimiDeltaAttention.channel_columns`), which changes the layer's output and
-its parameters' gradients only by float32 rounding; the short convolution's `channels` and
+"""`GpuConfig(order_channels="layer")` (the default): on the GPU's kernels the KDA layer takes its key
+channels strongest first by ordering its projections' columns (`KimiDeltaAttention.channel_columns`),
+which changes the layer's output and its parameters' gradients only by float32 rounding; the short convolution's `channels` and
 `base.dense_columns` it is built from."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from linear_attention_jax import layers
+from linear_attention_jax import layers, ops
+from linear_attention_jax.layers import kda as kda_module
 from linear_attention_jax.layers.base import dense_columns
 from linear_attention_jax.layers.conv import ShortConvolution
 from linear_attention_jax.pallas_kernels import gpu
@@ -45,7 +46,7 @@ def _loss_and_grads(layer, x):
 
 @pytest.mark.parametrize("conv,bound,groups", [(True, None, 2), (False, -5.0, 1)],
                          ids=["conv-grouped", "noconv-bounded"])
-def test_kda_layer_ordering_its_channels_changes_only_the_rounding(conv, bound, groups):
+def test_kda_layer_ordering_its_channels_changes_only_the_rounding(conv, bound, groups, monkeypatch):
   H, K = 2, 16
   layer = layers.KimiDeltaAttention(64, H, num_v_heads=H * groups, head_dim=K, use_short_conv=conv,
                                     gate_lower_bound=bound, impl="auto", rngs=nnx.Rngs(3))
@@ -60,16 +61,25 @@ def test_kda_layer_ordering_its_channels_changes_only_the_rounding(conv, bound, 
   decay = -g.sum(axis=(0, 1)).reshape(H, groups, K).sum(axis=1)
   np.testing.assert_array_equal(key.reshape(H, K) % K, np.argsort(-decay, axis=-1, kind="stable"))
   assert (key != np.arange(H * K)).any()   # the layer's initialisation decays its channels unequally
-  assert not gpu.layers_order_channels()
+  # "layer" is the default, and the order is taken only where the GPU's kernels can run (not on this CPU)
+  assert gpu.layers_order_channels() and not layer._orders_channels(None)
+  orders = []
+  op = ops.kda
+  monkeypatch.setattr(ops, "kda", lambda *a, **kw: orders.append(gpu.ops._config(None).order_channels)
+                      or op(*a, **kw))
   loss, grads = _loss_and_grads(layer, x)
-  with gpu.default_config(gpu.GpuConfig(order_channels="layer")):
-    assert gpu.layers_order_channels() and layer._orders_channels(None)
-    seen = []
-    columns = layer.channel_columns
-    layer.channel_columns = lambda x: seen.append(1) or columns(x)
-    loss2, grads2 = _loss_and_grads(layer, x)
-    del layer.channel_columns
+  assert orders == ["layer"]
+  monkeypatch.setattr(kda_module, "_gpu_kernels", lambda: True)   # as on a Hopper GPU
+  assert layer._orders_channels(None) and not layer._orders_channels(layer.init_cache(2, 8))
+  with gpu.default_config(gpu.GpuConfig(order_channels="none")):
+    assert not layer._orders_channels(None)
+  seen = []
+  columns = layer.channel_columns
+  layer.channel_columns = lambda x: seen.append(1) or columns(x)
+  loss2, grads2 = _loss_and_grads(layer, x)
+  del layer.channel_columns
   assert seen, "the layer did not order its channels"
+  assert orders == ["layer", "ordered"]   # its op told the channels come ordered
   np.testing.assert_allclose(loss2, loss, rtol=1e-5)
   for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(grads),
                                jax.tree_util.tree_leaves_with_path(grads2)):

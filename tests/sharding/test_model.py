@@ -115,11 +115,12 @@ def test_sharded_step_equals_single_device(rules):
 
 @multidevice
 def test_the_kda_layers_channel_order_under_sharding_equals_the_single_device_step(monkeypatch):
-  # GpuConfig(order_channels="layer"), impl "auto": each KDA layer orders its projections' columns by
-  # the decay of the whole batch, which is split over the data axis (and its heads over tensor); the
-  # step equals the unsharded step without the order
+  # GpuConfig(order_channels="layer"), the default, impl "auto": each KDA layer orders its projections'
+  # columns by the decay of the whole batch, which is split over the data axis (and its heads over
+  # tensor); the step equals the unsharded step without the order (this CPU's: the order is taken
+  # where the GPU's kernels can run, here as if they could, the op taking XLA's form all the same)
   from linear_attention_jax.layers import KimiDeltaAttention
-  from linear_attention_jax.pallas_kernels import gpu
+  from linear_attention_jax.layers import kda as kda_module
   calls = []
   columns = KimiDeltaAttention.channel_columns
   monkeypatch.setattr(KimiDeltaAttention, "channel_columns",
@@ -129,10 +130,10 @@ def test_the_kda_layers_channel_order_under_sharding_equals_the_single_device_st
   data = batch()
   ref_state, ref = util.fast_jit(step)(state, data)
   assert not calls
-  with gpu.default_config(gpu.GpuConfig(order_channels="layer")):
-    sharded_state = sharding.shard_train_state(state, mesh, "tp")
-    new_state, out = sharding.make_sharded_train_step(step, mesh, "tp", sharded_state,
-                                                      compiler_options=util.FAST_OPTIONS)(sharded_state, data)
+  monkeypatch.setattr(kda_module, "_gpu_kernels", lambda: True)
+  sharded_state = sharding.shard_train_state(state, mesh, "tp")
+  new_state, out = sharding.make_sharded_train_step(step, mesh, "tp", sharded_state,
+                                                    compiler_options=util.FAST_OPTIONS)(sharded_state, data)
   assert calls, "the KDA layer did not order its channels"
   errors = {"loss": util.rel_rms(out["loss"], ref["loss"])}
   errors["grads"] = max(jax.tree.leaves(jax.tree.map(util.rel_rms, out["grads"], ref["grads"])))

@@ -6,9 +6,10 @@ chunk whose strong channels scatter over the head's K lands them in one half of 
 - kda end to end in the Mosaic GPU interpreter with the option, against the float64 loop: o, the final
   state and every gradient (h0 among them), grouped heads, 40 strong channels of 128 scattered
   differently in each row; the order puts every chunk's strong channels in its first half.
-- With "layer" (the KDA layers order their projections: tests/layers/test_channel_order.py) the op
-  gathers nothing and its preparation still gives each half its own form: right for channels in any
-  order, here both halves of every chunk beyond one reference.
+- With "ordered" (how the KDA layers call it under "layer", the default, having ordered their
+  projections: tests/layers/test_channel_order.py) the op gathers nothing and its preparation still
+  gives each half its own form: right for channels in any order, here both halves of every chunk beyond
+  one reference. "layer" itself leaves a direct call of the op as "none".
 """
 
 import dataclasses
@@ -67,7 +68,7 @@ def test_kda_with_its_channels_ordered_matches_the_float64_loop():
   check("kda", inp, dtype=jnp.bfloat16, tol=1e-2, config=config)
 
 
-def test_kda_with_the_layers_order_takes_half_forms_without_gathers(monkeypatch):
+def test_kda_with_channels_ordered_by_its_caller_takes_half_forms_without_gathers(monkeypatch):
   B, T, H, Hv, K, V = 1, 130, 1, 1, 128, 64
   inp = make_inputs("kda", B=B, T=T, H=H, Hv=Hv, K=K, V=V, seed=23)
   r = np.random.default_rng(24)
@@ -78,7 +79,11 @@ def test_kda_with_the_layers_order_takes_half_forms_without_gathers(monkeypatch)
   forms = np.asarray(channel.chunk_forms(channel.chunk_cumsum(jnp.asarray(g), 192, 64)[1], 64, jnp.bfloat16,
                                          width=64))
   assert (forms != channel.ONE).all(axis=-1).any()   # a chunk with both halves beyond one reference
-  config = dataclasses.replace(KERNELS, order_channels="layer")
+  # "layer" (the default) leaves a direct call of the op as "none"; the layer calls it "ordered"
+  for order in ("layer", "none"):
+    p = plan.select(delta=True, decay="channel", config=dataclasses.replace(KERNELS, order_channels=order))
+    assert not p.half_forms and not p.order_channels
+  config = dataclasses.replace(KERNELS, order_channels="ordered")
   p = plan.select(delta=True, decay="channel", config=config)
   assert p.half_forms and not p.order_channels
   seen = []
