@@ -51,6 +51,7 @@ from .. import common, prep
 from . import channel, groups, walk
 from .channel import HALF, fits, key_grads
 from .masks import SEG_ROWS, segment_masks, segment_vectors
+from .once import lowered_once
 from .tiles import (COLS, F32, ROWS, WGMMA, compiler_params, flat, l2_normalize_halves, matmul, matmuls,
                     phase, reverse_cumsum_rows, smem, upper_ones, vary_like)
 
@@ -80,6 +81,7 @@ def _masks_of(m_s, C):
   return segment_masks(m_s, None, C)
 
 
+@lowered_once(arrays=("masks",))
 def value_side(t: prep.ChunkTensors, X, M, states, dstates, do, v, b, *, dtype, masks=None, interpret=None):
   """The value side of every chunk (module docstring), one program per chunk of one value head.
 
@@ -170,6 +172,7 @@ def value_side(t: prep.ChunkTensors, X, M, states, dstates, do, v, b, *, dtype, 
   return vary_like(outs, args)
 
 
+@lowered_once(arrays=("masks",))
 def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, masks=None, interpret=None,
              grams: str = "one", unit_bound: bool = False, qk_l2norm: bool = False,
              reverse_cumsum: bool = False):

@@ -42,6 +42,7 @@ from . import groups, walk
 from .channel import HALF, fits, key_grads
 from .channel import chunk_cumsum  # noqa: F401  (the dispatch calls it from here)
 from .masks import SEG_ROWS, segment_masks, segment_vectors
+from .once import lowered_once
 from .tiles import COLS, F32, WGMMA, matmul, matmuls, reverse_cumsum_rows, smem, upper_ones, vary_like
 
 
@@ -51,6 +52,7 @@ def serves(g, beta, segment_ids) -> bool:
   return beta is None and g is not None and g.ndim == 4
 
 
+@lowered_once(arrays=("masks",))
 def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, interpret=None,
                 grams: str = "one", reverse_cumsum: bool = False):
   """Every chunk's `(dq, dk, dv, dG)` (module docstring), one program per chunk of one value head.

@@ -41,6 +41,7 @@ from . import groups
 from . import channel
 from .channel import HALF, chunk_cumsum
 from .masks import SEG_ROWS, segment_masks, segment_vectors
+from .once import lowered_once
 from .tiles import (COLS, F32, ROWS, WGMMA, compiler_params, l2_normalize_rows, matmul, matmuls, phase,
                     smem, unit_lower_inverse, vary_like)
 
@@ -98,6 +99,7 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
                          half_forms=half_forms, qk_l2norm=qk_l2norm)
 
 
+@lowered_once(arrays=("segment_ids",))
 def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_ids, interpret,
                     with_inverse: bool = False, grams: str = "one", bound: float,
                     half_forms: bool = False, qk_l2norm: bool = False):

@@ -38,6 +38,7 @@ from .decay import decay_tile, last_state_term, local_cumsum, row_scales
 from .delta_grads_pair import chunk_grads_pair
 from .delta_terms import dbk_term, dl_and_m, dm_k
 from .masks import SEG_ROWS, segment_vectors
+from .once import lowered_once
 from .tiles import (BLOCK_V, F32, ROWS, SMEM_BYTES, WGMMA, l2_normalize_grad,
                                       l2_normalize_rows, matmul, matmuls, scratch_bytes, smem, vary_like)
 
@@ -63,6 +64,7 @@ def _scratch(C, K, bv, dtype, partial_dtype, dv_dtype, slots, has_seg):
   return scratch
 
 
+@lowered_once(arrays=("masks",))
 def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, interpret=None,
                 block_v: int = BLOCK_V, dv_dtype=F32, partial_dtype=F32, blocks_per_program: int = 1,
                 qk_l2norm: bool = False):

@@ -14,6 +14,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from .decay import decay_tile, last_state_term, row_scales
 from .delta_terms import dl_and_m
 from .masks import SEG_ROWS
+from .once import lowered_once
 from .tiles import (BLOCK_V, COLS, F32, ROWS, SMEM_BYTES, WGMMA, compiler_params, l2_normalize_grad,
                     l2_normalize_rows, matmul, matmuls, phase, phase_bytes, scratch_bytes, smem,
                     vary_like)
@@ -43,6 +44,7 @@ def _pair_scratch(C, K, bv, dtype, has_seg):
   return scratch
 
 
+@lowered_once(arrays=("masks",))
 def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, interpret=None,
                      qk_l2norm: bool = False, programs: int | None = None):
   """`delta_grads.chunk_grads` for two value blocks (V = 2 x 64) in one program of two warpgroups, one

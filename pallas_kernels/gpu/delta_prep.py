@@ -36,6 +36,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from .. import prep
 from .decay import decay_tile, local_cumsum, row_scales
 from .masks import SEG_ROWS, segment_vectors
+from .once import lowered_once
 from .tiles import (F32, ROWS, WGMMA, compiler_params, l2_normalize_rows, matmul, phase, scratch_bytes,
                     smem, unit_lower_inverse, vary_like)
 
@@ -80,6 +81,7 @@ def smem_bytes(K: int, V: int, C: int = 64, dtype=jnp.bfloat16, has_seg: bool = 
   return scratch_bytes(scratch)
 
 
+@lowered_once(arrays=("segment_ids",))
 def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
             with_inverse: bool = False, chunk_multiple: int = 1, qk_l2norm: bool = False):
   """`prep.prepare(q, k, v, g, beta, segment_ids, ...)` with every matmul operand in `dtype` (16-bit),

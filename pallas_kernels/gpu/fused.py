@@ -32,6 +32,7 @@ from .decay import local_cumsum
 from .fused_grads import chunk_grads
 from .fused_streamed import streamed_walk
 from .masks import SEG_ROWS, segment_masks, segment_vectors
+from .once import lowered_once
 from .pipeline import chain_pieces, initial, pieces, program, store_last, walk_chunks
 from .tiles import BLOCK_V, COLS, F32, ROWS, WGMMA, matmul, smem, vary_like
 
@@ -106,6 +107,7 @@ def forward(q, k, v, g, h0, *, chunk_size: int, dtype, out_dtype, segment_ids=No
   return o, states, jnp.swapaxes(finals[:, :, -1], -1, -2)
 
 
+@lowered_once()
 def _forward_kernel(q, k, v, G, masks, h0, *, chunk_size, dtype, out_dtype, interpret, bv, S, scale,
                   with_o, with_states, warpgroups: int = 1):
   """The forward kernel over `S` pieces of every sequence in parallel; `h0`: None or the transposed
@@ -256,6 +258,7 @@ def backward_states(q, g, do, dfinal, *, chunk_size: int, dtype, segment_ids=Non
   return dstates, jnp.swapaxes(starts[:, :, 0], -1, -2)
 
 
+@lowered_once()
 def _reverse_kernel(q, do, G, masks, dfinal, *, chunk_size, dtype, interpret, bv, S, scale, with_dstates):
   """The reverse kernel over `S` pieces in parallel; `dfinal`: None or the transposed gradient leaving
   each piece `[B, H_v, S, V, K]`. Returns `(dstates | None, the gradient at each piece's start)`."""

@@ -13,9 +13,11 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from .decay import last_state_term
 from .masks import SEG_ROWS, segment_masks
+from .once import lowered_once
 from .tiles import COLS, F32, ROWS, WGMMA, matmul, smem, vary_like
 
 
+@lowered_once(arrays=("masks",))
 def chunk_grads(q, k, v, G, states, dstates, do, *, dtype, masks=None, interpret=None,
                     grad_dtypes=(F32, F32, F32), scale: float = 1.0):
   """The additive family's per-chunk gradients, every chunk in parallel (one program per chunk of one

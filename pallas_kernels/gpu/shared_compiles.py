@@ -8,6 +8,10 @@ layers' identical kernels differ in that attribute alone, hash differently, and 
 depth L spends L times one layer's kernel compile (an H200 measurement: a 4-layer KDA LM 331 s against
 72-88 s for one layer; NOTES.md v43).
 
+Since `once.lowered_once` a process traces and lowers each kernel once while jit's caches hold its
+trace (every layer of a model, and later programs too), so identical calls carry one module already;
+this still serves kernels lowered again after `jax.clear_caches()`.
+
 `enable()` drops that attribute from each module before it is serialized and hashed, so identical
 kernels hash (and compile) once; the dump's file names are then set where the custom call compiles.
 It wraps one private function of jax (`jax.experimental.mosaic.gpu.core._mosaic_gpu_lowering_rule`)

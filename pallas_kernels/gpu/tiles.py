@@ -46,6 +46,12 @@ def phase_trace(directory: str, ranges: int = 64):
     _PHASES["on"] = previous
 
 
+def phases_key():
+  """What `phase_trace` has in force (None when off): part of the key of a kernel's trace
+  (`once.lowered_once`)."""
+  return _PHASES["on"]
+
+
 def phase(name: str):
   """A named phase of a kernel body (`with phase("grams"): ...`): what `phase_trace` times; nothing
   otherwise."""

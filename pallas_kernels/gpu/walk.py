@@ -36,6 +36,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from .once import lowered_once
 from .pipeline import (chain_pieces, fetch_chunk, initial, new_values, pieces, program,
                                          store_last, u_block, walk_chunks)
 from .tiles import BLOCK_V, COLS, F32, flat, matmul, smem, vary_like
@@ -115,6 +116,7 @@ def piece_maps(t: ChunkTensors, S: int, *, interpret=None, block_v: int = BLOCK_
   return (A, F) if t.w is None else (ends[..., cols - K:], F)
 
 
+@lowered_once()
 def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, interpret, bv,
                     token_o: bool = False, scale: float = 1.0,
                     state_cols: int | None = None, u_blocks: int | None = None):
@@ -255,6 +257,7 @@ def backward_states(t: ChunkTensors, do, dfinal, *, interpret=None, block_v: int
   return dstates, jnp.swapaxes(starts[:, :, 0], -1, -2)
 
 
+@lowered_once()
 def _reverse_kernel(t: ChunkTensors, do, df, *, S, with_dstates, interpret, bv, token_do=False):
   """The reverse walk of `S` pieces in parallel; `do` flat `[B, H, NC * C, V]` (token_do: `[B, NC * C,
   H, V]`) in the operand dtype,
