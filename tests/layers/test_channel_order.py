@@ -1,7 +1,7 @@
 """`GpuConfig(order_channels="layer")` (the default): on the GPU's kernels the KDA layer takes its key
 channels strongest first by ordering its projections' columns (`KimiDeltaAttention.channel_columns`),
-which changes the layer's output and its parameters' gradients only by float32 rounding; the short convolution's `channels` and
-`base.dense_columns` it is built from."""
+which changes the layer's output and its parameters' gradients only by float32 rounding; the short
+convolution's `channels` and `base.dense_columns` it is built from."""
 
 from __future__ import annotations
 
