@@ -34,9 +34,10 @@ def phase_trace(directory: str, ranges: int = 64):
   start and end of each `jax.named_scope` in their bodies (Mosaic GPU's on-device profiler), and every
   call writes one Chrome trace `{time}-trace.json` into `directory` (`experiments/kernel_phases.py`
   reads them). `ranges`: the scopes a warpgroup may record in one program (later ones are dropped);
-  the record takes `16 ranges` bytes of shared memory a warpgroup. Off the device, and for kernels
-  whose jit caches already hold a trace, it has no effect. For measurement only: the records cost a
-  few cycles each."""
+  the record takes `16 ranges` bytes of shared memory a warpgroup. Off the device it has no effect;
+  the kernels' traces are keyed by it (`once.lowered_once`), so a kernel traced before is traced again
+  with the records (a program jitted around the call must itself be traced inside). For measurement
+  only: the records cost a few cycles each."""
   previous = _PHASES["on"]
   os.makedirs(directory, exist_ok=True)
   _PHASES["on"] = (directory, ranges)

@@ -50,4 +50,5 @@ def test_identical_kernels_of_two_programs_hash_once_when_enabled():
   # two programs of (preparation, walk): four custom calls, two distinct kernels
   assert len(shared) == len(apart) == 4
   assert len(set(shared)) == 2, shared
-  assert len(set(apart)) == 4, apart   # Pallas stamps a counter in each module it lowers
+  # 4 where Pallas stamps a counter in each module it lowers (jax 0.11.2), 2 where it does not (0.12)
+  assert len(set(apart)) >= len(set(shared)), apart
