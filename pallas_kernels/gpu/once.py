@@ -3,13 +3,14 @@ functions that call `plgpu.kernel`.
 
 A model of depth L calls the same kernels at the same shapes in each of its L layers, and without this
 every layer traced each kernel's body and lowered it to Mosaic GPU again: for a KDA layer at
-x `[8, 4096, 1024]` that is ~37 s a layer of a 2-core CPU's export (NOTES.md v60), on top of what the device compiles.
-The decorated function runs inside a `jax.jit` whose static arguments are its keyword-only parameters
-(less the named array ones): within one trace, the second layer's call of a kernel with the same operand
-types and options finds the first one's jaxpr in jit's cache, and the lowering of the enclosing program
-lowers it once and calls it from every layer (XLA inlines those calls when it compiles; the Mosaic GPU
-custom call then compiles the one module once, as `shared_compiles` does for modules lowered apart). The
-short convolutions' kernels have been jitted this way since NOTES.md v47.
+x `[8, 4096, 1024]` that is ~37 s a layer of a 2-core CPU's export (NOTES.md v60), on top of what the
+device compiles. The decorated function runs inside a `jax.jit` whose static arguments are its
+keyword-only parameters (less the named array ones): within one trace, the second layer's call of a
+kernel with the same operand types and options finds the first one's jaxpr in jit's cache, and the
+lowering of the enclosing program lowers it once and calls it from every layer (XLA inlines those calls
+when it compiles; the Mosaic GPU custom call then compiles the one module once, as `shared_compiles`
+does for modules lowered apart). The short convolutions' kernels have been jitted this way since
+NOTES.md v47.
 
 A jit cache does not see context: what a kernel reads at trace time must be among its arguments. The
 kernel modules read one switch of their own, `tiles.phase_trace`'s records, which the wrapper passes as
