@@ -26,7 +26,10 @@ jitted alone took 3.35 ms for the G LM at 4K on an H200, 0.24 ms inside the step
 time goes, `experiments/profile_step.py` traces the step itself.
 
 Each row also holds every round's host time until its last step was dispatched (`dispatch_ms_rounds`:
-a round whose dispatch takes its whole time waited on the host). `--placed_batches` puts each round's
+a round whose dispatch takes its whole time waited on the host; 62-70% of the step for G and K on an
+H100 is a host waiting on the work in flight, NOTES.md v60), `compile_s` (the first step from the
+call: trace, lowering, XLA's compile and the step) and `lower_s` (the trace and lowering alone, the
+Pallas kernels' lowering among them). `--placed_batches` puts each round's
 batches on the device before its clock starts. `--forms_census` counts, at each round's end, the
 share of the K layers' chunks in each per-channel form (`forms_rounds`; forms_census.py): a KDA LM's
 step grows as training moves its gates into the costlier forms.
@@ -164,7 +167,7 @@ def run(pattern: str, T: int, batch: int) -> dict:
   options = kernel_options(pattern)
   if suffix and not options:
     raise ValueError(f"patterns: the suffix must be ':pN' or ':sN' (N > 0), ':u', ':n', ':c', ':o', ':l', "
-                     f"':r' or none; got {pattern!r}")
+                     f"':w', ':r' or none; got {pattern!r}")
   with common.kernel_config(**options):
     return _run(pattern, base, T, batch)
 
@@ -193,7 +196,7 @@ def _run(pattern: str, base: str, T: int, batch: int) -> dict:
   flops = model_flops_per_token(model_config, setup_params, T)
   row.update(tokens_per_s=r["tokens_per_s"], step_ms=r["step_ms"], step_ms_rounds=r["step_ms_rounds"],
              dispatch_ms_rounds=r["dispatch_ms_rounds"],
-             compile_s=r["compile_and_first_step_s"], first_loss=r["first_loss"],
+             compile_s=r["compile_and_first_step_s"], lower_s=r["lower_s"], first_loss=r["first_loss"],
              final_loss=r["final_loss"], step_mib=(r["step_bytes_per_device"] or 0) / 2**20,
              flops_per_token=flops, mfu=flops * r["tokens_per_s"] / (FLAGS.peak_tflops * 1e12))
   if after_round is not None:
@@ -207,7 +210,8 @@ def _run(pattern: str, base: str, T: int, batch: int) -> dict:
 
 
 def table(rows) -> list[str]:
-  lines = ["| pattern | T | batch | tokens/s | step ms (rounds' range) | / A tokens/s | MFU | compile s | step MiB |",
+  lines = ["| pattern | T | batch | tokens/s | step ms (rounds' range) | / A tokens/s | MFU | "
+           "compile s (of it tracing and lowering) | step MiB |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for r in rows:
     if "error" in r:
@@ -217,8 +221,9 @@ def table(rows) -> list[str]:
     ratio = f"{r['tokens_per_s'] / a['tokens_per_s']:.2f}" if a else "-"
     spread = r.get("step_ms_rounds") or [r["step_ms"]]
     step = f"{r['step_ms']:.1f}" + (f" ({min(spread):.1f}-{max(spread):.1f})" if len(spread) > 1 else "")
+    lowering = f" ({r['lower_s']:.1f})" if "lower_s" in r else ""
     lines.append(f"| {r['pattern']} | {r['T']} | {r['batch']} | {r['tokens_per_s']:,.0f} | "
-                 f"{step} | {ratio} | {100 * r['mfu']:.1f}% | {r['compile_s']:.1f} | "
+                 f"{step} | {ratio} | {100 * r['mfu']:.1f}% | {r['compile_s']:.1f}{lowering} | "
                  f"{r['step_mib']:,.0f} |")
   for r in rows:
     if "parts" not in r:

@@ -188,6 +188,8 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
     assert all(len(r["step_ms_rounds"]) == 2 and r["step_ms"] == min(r["step_ms_rounds"]) for r in rows)
     # each round's host time until its last step was dispatched: within the round's time
     assert all(all(0 < d <= s for d, s in zip(r["dispatch_ms_rounds"], r["step_ms_rounds"])) for r in rows)
+    # the trace and lowering, a part of the first step's time
+    assert all(0 < r["lower_s"] < r["compile_s"] for r in rows)
     assert all(len(r["parts"]) == 4 and r["parts_sum_ms"] > 0 for r in rows if r["T"] == 32)
     assert not any("parts" in r for r in rows if r["T"] == 64)   # --breakdown_seq_lens
   if script == "forms_census.py":  # the K layer (not the A) at both steps; every share a fraction
