@@ -22,8 +22,8 @@ l2-normalised q, k the narrower one-reference bound of other operands (`GpuConfi
 each chunk's form without the call-wide `lax.cond` before them (`GpuConfig(call_test=False)`); ":o"
 (e.g. `K:o`) takes kda's channels strongest first, so that each half of the key-side gradients' channels
 takes its own form (`GpuConfig(order_channels="op")`: the op gathers q, k, g; ":l", e.g. `K:l`, orders the
-KDA layer's projections instead, `"layer"`, the default; ":w", e.g. `K:w`, neither, `"none"`); ":r" (e.g. `K:r`, `F:r`) takes dG's reverse cumsum in
-the per-channel gradient kernels instead of XLA (`GpuConfig(dg_cumsum="kernel")`). Writes
+KDA layer's projections instead, `"layer"`, the default; ":w", e.g. `K:w`, neither, `"none"`); ":r"
+(e.g. `K:r`, `F:r`) takes dG's reverse cumsum in the per-channel gradient kernels instead of XLA (`GpuConfig(dg_cumsum="kernel")`). Writes
 `{workdir}/layers.json` and `layers.md`; with several `--T`, also `layers.png`: each mixer's time per
 token against T next to softmax attention's, and the T from which each mixer is faster.
 """
@@ -70,8 +70,8 @@ def kernel_options(mixer: str) -> dict | None:
   for ':u' (the default) and False for ':n' (the narrower one-reference bound), `call_test=False` for
   ':c' (per-chunk kernels without the call-wide lax.cond), `order_channels="op"` for ':o' (kda's
   channels strongest first, gathered in the op), "layer" for ':l' (ordered in the KDA layers'
-  projections, the default) and "none" for ':w' (neither), `dg_cumsum="kernel"` for ':r' (dG's reverse cumsum in the per-channel
-  gradient kernels); None for any other suffix."""
+  projections, the default) and "none" for ':w' (neither), `dg_cumsum="kernel"` for ':r' (dG's
+  reverse cumsum in the per-channel gradient kernels); None for any other suffix."""
   _, _, suffix = mixer.partition(":")
   if suffix in ("", "xlaconv"):
     return {}
