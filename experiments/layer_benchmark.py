@@ -23,9 +23,10 @@ each chunk's form without the call-wide `lax.cond` before them (`GpuConfig(call_
 (e.g. `K:o`) takes kda's channels strongest first, so that each half of the key-side gradients' channels
 takes its own form (`GpuConfig(order_channels="op")`: the op gathers q, k, g; ":l", e.g. `K:l`, orders the
 KDA layer's projections instead, `"layer"`, the default; ":w", e.g. `K:w`, neither, `"none"`); ":r"
-(e.g. `K:r`, `F:r`) takes dG's reverse cumsum in the per-channel gradient kernels instead of XLA (`GpuConfig(dg_cumsum="kernel")`). Writes
-`{workdir}/layers.json` and `layers.md`; with several `--T`, also `layers.png`: each mixer's time per
-token against T next to softmax attention's, and the T from which each mixer is faster.
+(e.g. `K:r`, `F:r`) takes dG's reverse cumsum in the per-channel gradient kernels instead of XLA
+(`GpuConfig(dg_cumsum="kernel")`). Writes `{workdir}/layers.json` and `layers.md`; with several `--T`,
+also `layers.png`: each mixer's time per token against T next to softmax attention's, and the T from
+which each mixer is faster.
 """
 
 from __future__ import annotations
