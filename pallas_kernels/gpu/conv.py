@@ -34,6 +34,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from .. import common
 from .interpret import interpreting
+from .once import lowered_once
 from .plan import hopper_reason
 from .tiles import F32, vary_like
 
@@ -134,10 +135,9 @@ def _pre(taps, rows):
   return pre
 
 
-# jitted, so that every call at the same shapes (a model's q, k, v convolutions in every layer) shares
-# one traced jaxpr, which XLA's lowering emits once: each kernel's lowering costs seconds (NOTES v47)
-@functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "block_t", "block_d",
-                                             "interpret"))
+# traced and lowered once for every call at the same shapes (a model's q, k, v convolutions in every
+# layer): each kernel's lowering costs seconds (NOTES v47, once.py)
+@lowered_once()
 def _forward(x, kernel, bias, head, *, activation: str, out_dtype, block_t=None, block_d=None,
              interpret=None):
   """y `[B, T, D]` in `out_dtype`; `kernel [W, D]`, `bias [D]`, `head [B, W - 1, D]` float32."""
@@ -189,7 +189,7 @@ def _forward(x, kernel, bias, head, *, activation: str, out_dtype, block_t=None,
   return y
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "block_t", "block_d", "interpret"))
+@lowered_once()
 def _backward(x, kernel, bias, head, dy, *, activation: str, block_t=None, block_d=None,
               interpret=None):
   """`(dx [B, T, D] in x's dtype, dkernel [W, D], dbias [D], dhead [B, W - 1, D])`, float32 but dx."""

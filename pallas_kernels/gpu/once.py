@@ -9,8 +9,8 @@ keyword-only parameters (less the named array ones): within one trace, the secon
 kernel with the same operand types and options finds the first one's jaxpr in jit's cache, and the
 lowering of the enclosing program lowers it once and calls it from every layer (XLA inlines those calls
 when it compiles; the Mosaic GPU custom call then compiles the one module once, as `shared_compiles`
-does for modules lowered apart). The short convolutions' kernels have been jitted this way since
-NOTES.md v47.
+does for modules lowered apart). The short convolutions' kernels (`conv.py`) were the first to be
+jitted so (NOTES.md v47) and take this decorator too.
 
 A jit cache does not see context: what a kernel reads at trace time must be among its arguments. The
 kernel modules read one switch of their own, `tiles.phase_trace`'s records, which the wrapper passes as
