@@ -163,7 +163,6 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
     with phase("prep.inverse"):
       unit_lower_inverse(l_s, x_s, e_s, y_s)
       if with_inverse:
-        plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(x_s, x_r.at[bi, h, rows_t])
     # beta k e^G and beta v replace k and v in shared memory (k's other uses are done)
     with phase("prep.w_u"):

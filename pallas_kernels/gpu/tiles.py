@@ -209,3 +209,4 @@ def unit_lower_inverse(l_s, x_s, e_s, y_s):
     X = X - matmul(y_s, x_s, sq)
     s *= 2
   x_s[...] = X.astype(x_s.dtype)
+  plgpu.commit_smem()   # before any copy or product reads it (the async proxy)
