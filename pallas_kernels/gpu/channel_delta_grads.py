@@ -48,7 +48,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from .. import common, prep
-from . import channel, groups, walk
+from . import channel, channel_delta_keys, groups, walk
 from .channel import HALF, fits, key_grads
 from .masks import SEG_ROWS, segment_masks, segment_vectors
 from .once import lowered_once
@@ -82,7 +82,8 @@ def _masks_of(m_s, C):
 
 
 @lowered_once(arrays=("masks",))
-def value_side(t: prep.ChunkTensors, X, M, states, dstates, do, v, b, *, dtype, masks=None, interpret=None):
+def value_side(t: prep.ChunkTensors, X, M, states, dstates, do, v, b, *, dtype, masks=None, interpret=None,
+               key_products: bool = False):
   """The value side of every chunk (module docstring), one program per chunk of one value head.
 
   Args: t the forward's prepared tensors, X and M `[B, H_v, NC, C, C]` (`Saved`), states, dstates `[B, H_v, NC, V, K]`
@@ -91,6 +92,9 @@ def value_side(t: prep.ChunkTensors, X, M, states, dstates, do, v, b, *, dtype, 
     `[B, H_v, T_pad]` float32 (beta), all 16-bit but b; masks None or `segment_vectors(...)`.
   Returns: u, dr `[B, H_v, T_pad, V]`, dP, dM `[B, H_v, T_pad, C]` (masked) in `dtype`; dv
     `[B, T_pad, H_v, V]` in `dtype`; `rowsum(dr v) + rowsum(dL M)` `[B, H_v, T_pad]` float32.
+  key_products: instead of u and dr, the key side's three products without a decayed gram, formed here
+    where their operands are (`channel_delta_keys`): `do S^T`, `u dS^T`, `dr S^T` `[B, H_v, T_pad, K]`
+    in `dtype`, and `colsum(S dS)` `[B, H_v, NC, K / 64, 64]` float32, then dP, dM, dv and the vector.
   """
   B, Hv, NC, C, K = t.qg.shape
   V = v.shape[-1]
@@ -105,12 +109,20 @@ def value_side(t: prep.ChunkTensors, X, M, states, dstates, do, v, b, *, dtype, 
       bar=plgpu.Barrier(num_arrivals=11 + SEG_ROWS * has_seg))
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
+  if key_products:
+    if K % HALF:
+      raise ValueError(f"key_products takes K a multiple of {HALF}; got {K}")
+    scratch["sds_s"] = plgpu.SMEM((K // HALF, HALF), F32)
 
   def body(*refs_, w_s, u_s, st_s, p_s, do_s, kd_s, dst_s, x_s, v_s, du_s, dp_s, dm_s, m_gram, b_s, vec_s,
-           bar, m_s=None):
+           bar, m_s=None, sds_s=None):
     w_r, U_r, st_r, p_r, do_r, kd_r, dst_r, x_r, v_r, b_r, gram_r = refs_[:11]
     m_r = refs_[11] if has_seg else None
-    u_r, dr_r, dp_r, dm_r, dv_r, db_r = refs_[11 + has_seg:]
+    if key_products:
+      dqg_r, dkd_r, dbk_r, sds_r, dp_r, dm_r, dv_r, db_r = refs_[11 + has_seg:]
+      u_r = dr_r = None
+    else:
+      u_r, dr_r, dp_r, dm_r, dv_r, db_r = refs_[11 + has_seg:]
     bi, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
     rows_t = pl.ds(n * C, C)
     copies = [(w_r.at[bi, h, rows_t], w_s), (U_r.at[bi, h, rows_t], u_s), (st_r.at[bi, h, n], st_s),
@@ -135,7 +147,8 @@ def value_side(t: prep.ChunkTensors, X, M, states, dstates, do, v, b, *, dtype, 
     # u = U - W S (as the forward walk formed it), in u's tile
     u_s[...] = (load(u_s) - matmul(w_s, st_s.T, cv)).astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(u_s, u_r.at[bi, h, rows_t])
+    if not key_products:
+      plgpu.copy_smem_to_gmem(u_s, u_r.at[bi, h, rows_t])
     # dP = tril(do u^T); du = P^T do + kd dS (issued together)
     dP, du = matmuls((sq, [(do_s, u_s.T)]), (cv, [(p_s.T, do_s), (kd_s, dst_s.T)]))
     dp_s[...] = jnp.where(lower, dP, 0.0).astype(dtype)
@@ -149,7 +162,8 @@ def value_side(t: prep.ChunkTensors, X, M, states, dstates, do, v, b, *, dtype, 
     du_s[...] = dr.astype(dtype)                 # du's tile now holds dr
     v_s[...] = (dr * rows(beta, cv)).astype(dtype)   # and v's, dv
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(du_s, dr_r.at[bi, h, rows_t])
+    if not key_products:
+      plgpu.copy_smem_to_gmem(du_s, dr_r.at[bi, h, rows_t])
     plgpu.copy_smem_to_gmem(v_s, dv_r.at[bi, rows_t, h])
     # dL = -strict(dr u^T); dbeta's rowsum(dL M) (M strict and one run, as saved); dM = Diag(beta) dL
     dL = jnp.where(strict, -matmul(du_s, u_s.T, sq), 0.0)
@@ -158,13 +172,33 @@ def value_side(t: prep.ChunkTensors, X, M, states, dstates, do, v, b, *, dtype, 
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(vec_s, db_r.at[bi, h, rows_t])
     plgpu.copy_smem_to_gmem(dm_s, dm_r.at[bi, h, rows_t])
+    if key_products:
+      # do S^T, u dS^T (W's and kd's tiles are free), then dr S^T in W's once its copy has read it;
+      # colsum(S dS) a half of the key channels at a time
+      dqg, dkd = matmuls(((C, K), [(do_s, st_s)]), ((C, K), [(u_s, dst_s)]))
+      w_s[...] = dqg.astype(dtype)
+      kd_s[...] = dkd.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(w_s, dqg_r.at[bi, h, rows_t])
+      plgpu.copy_smem_to_gmem(kd_s, dkd_r.at[bi, h, rows_t])
+      dbk = matmul(du_s, st_s, (C, K))
+      for i in range(K // HALF):
+        half = pl.ds(i * HALF, HALF)
+        sds_s.at[i][...] = jnp.sum(load(st_s.at[:, half]) * load(dst_s.at[:, half]), axis=0)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      w_s[...] = dbk.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(w_s, dbk_r.at[bi, h, rows_t])
+      plgpu.copy_smem_to_gmem(sds_s, sds_r.at[bi, h, n])
     plgpu.wait_smem_to_gmem(0)
 
   args = [flat(t.w), flat(t.u), states, flat(t.p), do, flat(t.kd), dstates, flat(X), v, b, flat(M)]
   args = [x.astype(dtype) if i != 9 else x for i, x in enumerate(args)] + ([masks] if has_seg else [])
   by_head = lambda d: jax.ShapeDtypeStruct((B, Hv, T_pad, d), dtype)
-  out_type = (by_head(V), by_head(V), by_head(C), by_head(C), jax.ShapeDtypeStruct((B, T_pad, Hv, V), dtype),
-              jax.ShapeDtypeStruct((B, Hv, T_pad), F32))
+  first = ((by_head(K),) * 3 + (jax.ShapeDtypeStruct((B, Hv, NC, K // HALF, HALF), F32),) if key_products
+           else (by_head(V), by_head(V)))
+  out_type = first + (by_head(C), by_head(C), jax.ShapeDtypeStruct((B, T_pad, Hv, V), dtype),
+                      jax.ShapeDtypeStruct((B, Hv, T_pad), F32))
   outs = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
       compiler_params=compiler_params(approx_math=True), interpret=interpret,
@@ -400,7 +434,8 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
 
 def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None,
              interpret=None, sequence_pieces=None, scale: float = 1.0, saved: Saved, grams: str = "one",
-             unit_bound: bool = False, qk_l2norm: bool = False, dg_cumsum: str = "xla"):
+             unit_bound: bool = False, qk_l2norm: bool = False, dg_cumsum: str = "xla",
+             key_warpgroups: int = 1):
   """`(dq, dk, dv, dg, dbeta, dh0)` of kda's prepared forward (`o` scaled by `scale`; in q, k, v, g,
   beta's dtypes, dh0 float32) for `do: [B, T, H_v, V]` and `dfinal` None or `[B, H_v, K, V]`, from what
   the forward `saved`: the reverse walk over the saved tensors, then `value_side` and `key_side`; dG's
@@ -410,7 +445,15 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
   `grams`: `key_side`'s; the caller's `lax.cond` (`vjp.py`) takes "one" where every chunk's decay fits the
   one-reference bound, else "groups" (or XLA's vjp, for float16 beyond the groups' bound). `unit_bound`:
   `key_side`'s (q, k l2-normalised). `qk_l2norm`: the forward normalised q, k on load; the key side
-  does too, and XLA takes the norm's backward from its dq, dk and the raw q, k."""
+  does too, and XLA takes the norm's backward from its dq, dk and the raw q, k. `key_warpgroups=2`
+  (K = 128, `dg_cumsum="xla"`): the value side also forms the key side's products without a decayed
+  gram, and `channel_delta_keys.key_side` takes the two halves of the key channels on two warpgroups."""
+  if key_warpgroups not in (1, 2):
+    raise ValueError(f"key_warpgroups must be 1 or 2; got {key_warpgroups!r}")
+  split = key_warpgroups == 2
+  if split and (dg_cumsum != "xla" or not channel_delta_keys.serves(q.shape[-1])):
+    raise ValueError(f"key_warpgroups=2 takes K = 128 and dg_cumsum='xla'; got K={q.shape[-1]}, "
+                     f"dg_cumsum={dg_cumsum!r}")
   del h0   # the state entering each chunk is saved
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
@@ -429,12 +472,19 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
                                         token_do=True)
     masks = None if segment_ids is None else segment_vectors(segment_ids, C, T_pad)
     b = jnp.swapaxes(jnp.pad(beta.astype(F32), [(0, 0), (0, T_pad - T), (0, 0)]), 1, 2)
-    u, dr, dP, dM, dv, dbeta_v = value_side(saved.t, saved.X, saved.M, saved.states, dstates, do_t, pad(v),
-                                            b, dtype=dtype, masks=masks, interpret=interpret)
+    sides = value_side(saved.t, saved.X, saved.M, saved.states, dstates, do_t, pad(v), b, dtype=dtype,
+                       masks=masks, interpret=interpret, key_products=split)
     summed = dg_cumsum == "kernel"   # the key side takes dG's reverse cumsum itself
-    dq, dk, dG, dbeta_k = key_side(pad(q), pad(k), G, refs, b, do_t, u, dr, dP, dM, saved.states,
-                                   dstates, dtype=dtype, masks=masks, interpret=interpret, grams=grams,
-                                   unit_bound=unit_bound, qk_l2norm=qk_l2norm, reverse_cumsum=summed)
+    keys = dict(dtype=dtype, masks=masks, interpret=interpret, grams=grams, unit_bound=unit_bound,
+                qk_l2norm=qk_l2norm)
+    if split:
+      dqg, dkd, dbk, s_ds, dP, dM, dv, dbeta_v = sides
+      dq, dk, dG, dbeta_k = channel_delta_keys.key_side(pad(q), pad(k), G, refs, b, dP, dM, dqg, dkd, dbk,
+                                                        s_ds, **keys)
+    else:
+      u, dr, dP, dM, dv, dbeta_v = sides
+      dq, dk, dG, dbeta_k = key_side(pad(q), pad(k), G, refs, b, do_t, u, dr, dP, dM, saved.states, dstates,
+                                     **keys, reverse_cumsum=summed)
     dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C, summed=summed)
     if qk_l2norm:
       dq, dk = (jax.vjp(common.l2_normalize, x)[1](dx)[0] for x, dx in ((q, dq), (k, dk)))

@@ -102,7 +102,7 @@ def call_plan(q, k, v, g=None, beta=None, *, segment_ids=None, chunk_size: int =
   dtype = jnp.dtype(jnp.result_type(q.dtype, k.dtype, v.dtype) if compute_dtype is None else compute_dtype)
   return plans.select(delta=beta is not None, decay=decay_kind(g), config=_config(config),
                     packing="none" if segment_ids is None else "segments", qk_l2norm=qk_l2norm,
-                    V=v.shape[-1], chunk_size=chunk_size, v_dtype=dtype, dtype=dtype)
+                    V=v.shape[-1], chunk_size=chunk_size, v_dtype=dtype, dtype=dtype, K=q.shape[-1])
 
 
 def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None, segment_ids=None,

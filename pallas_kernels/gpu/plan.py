@@ -147,6 +147,10 @@ class GpuConfig:
     cores: `tiles.reverse_cumsum_rows`; bfloat16 operands, and C = 64 for gla). "xla" by default: in
     the trained KDA LM on the H200 the key-side kernel took 1.35 ms a step longer with it, where XLA's
     product costs 0.48 (NOTES.md v59).
+  key_warpgroups: kda's key-side gradients at K = 128 on 1 warpgroup (both halves of the key channels
+    in turn, `channel_delta_grads.key_side`) or 2 (a half each, side by side, the value side forming
+    their products without a decayed gram: `channel_delta_keys`; needs `dg_cumsum="xla"`; K = 64 runs
+    one). Not the default until timed on the device (NOTES.md v61).
   gram_method: XLA's per-channel decayed grams (`prep.GRAM_METHODS`) where XLA prepares: "auto" (one
     product about a per-channel reference within the bound, else the merge form) or "merge" (NOTES.md
     v25: a third form, whole-tile levels, was slower on the H200 and is gone).
@@ -168,10 +172,12 @@ class GpuConfig:
   call_test: bool = True
   order_channels: str = "layer"
   dg_cumsum: str = "xla"
+  key_warpgroups: int = 1
 
   def __post_init__(self):
     for name, allowed in (("forward", FORWARDS), ("backward", BACKWARDS), ("forward_warpgroups", (1, 3)),
-                          ("delta_warpgroups", (1, 2)), ("gram_method", prep.GRAM_METHODS),
+                          ("delta_warpgroups", (1, 2)), ("key_warpgroups", (1, 2)),
+                          ("gram_method", prep.GRAM_METHODS),
                           ("dg_cumsum", DG_CUMSUMS), ("order_channels", CHANNEL_ORDERS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"GpuConfig.{name} must be one of {allowed}; got {getattr(self, name)!r}")
@@ -182,6 +188,9 @@ class GpuConfig:
       value = getattr(self, name)
       if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ValueError(f"GpuConfig.{name} must be None or a positive int; got {value!r}")
+    if self.key_warpgroups == 2 and self.dg_cumsum != "xla":
+      raise ValueError("GpuConfig.key_warpgroups=2 takes dG's reverse cumsum in XLA: dg_cumsum must be "
+                       f"'xla'; got {self.dg_cumsum!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +220,7 @@ class Plan:
   half_forms: bool = False     # its preparation's halves their own forms ("op" or "ordered" there)
   gate_floor: str = "xla"      # "xla": g floored before the stages | "stages": by the per-channel ones
   dg_cumsum: str = "xla"       # GpuConfig.dg_cumsum where a per-channel gradient kernel can take it
+  key_warpgroups: int = 1      # of kda's key-side programs (GpuConfig.key_warpgroups where K = 128)
 
   def row(self) -> tuple[str, ...]:
     """The module table's columns from plan.forward on."""
@@ -224,6 +234,8 @@ class Plan:
       need["forward_warpgroups=3"] = 4
     if self.grads_warpgroups == 2:
       need["delta_warpgroups=2"] = 3
+    if self.key_warpgroups == 2:
+      need["key_warpgroups=2"] = 3
     return need
 
 
@@ -245,9 +257,9 @@ _KEEPS = {("fused", "fused"): "states", ("channel_prep", "channel_grads"): "stat
 
 
 def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none", qk_l2norm: bool = True,
-         V: int = 64, chunk_size: int = 64, v_dtype=jnp.bfloat16, dtype=jnp.bfloat16) -> Plan:
+         V: int = 64, chunk_size: int = 64, v_dtype=jnp.bfloat16, dtype=jnp.bfloat16, K: int = 64) -> Plan:
   """The plan of a call: family (`delta`: beta given), decay kind ("none", "scalar", "channel"),
-  `packing` ("none" or "segments"), whether q, k are l2-normalised, V, C, v's and the operands' dtypes,
+  `packing` ("none" or "segments"), whether q, k are l2-normalised, V, C, v's and the operands' dtypes, K,
   and the configuration. The same
   plan serves the call differentiated or not (`keeps` is what the forward of a differentiated call keeps).
   Raises ValueError for a configuration no kernel pair serves (kda's gradient kernels after XLA's
@@ -290,7 +302,8 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
               gate_floor="stages" if channel_kernels else "xla",
               dg_cumsum=config.dg_cumsum if jnp.dtype(dtype) == jnp.bfloat16 and (
                   backward == "channel_delta_grads" or (backward == "channel_grads" and chunk_size == 64))
-              else "xla")
+              else "xla",
+              key_warpgroups=config.key_warpgroups if backward == "channel_delta_grads" and K == 128 else 1)
 
 
 def hopper_reason(backend: str | None = None) -> str | None:

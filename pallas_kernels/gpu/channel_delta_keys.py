@@ -1,0 +1,239 @@
+"""kda's key side (channel_delta_grads.py's module docstring) on two warpgroups, one a half of the key
+channels (K = 128): `GpuConfig.key_warpgroups=2`.
+
+The one-warpgroup key side (`channel_delta_grads.key_side`) holds both halves' tiles in ~218 KB, one
+program an SM, and runs the halves one after the other on its 128 threads: a chain of tensor-core
+products and their elementwise tails that leaves the SM waiting on itself (NOTES.md v50, v60). Here the
+two halves run side by side, each on a warpgroup of its own with its own registers and staging tiles,
+so that one computes while the other waits on its products or fences.
+
+They fit one program because the products without a decayed gram (`do S^T`, `u dS^T`, `dr S^T`) and
+`colsum(S dS)` come from the value side (`value_side(..., key_products=True)`, where do, u, dr, S and
+dS already are, in 16-bit tiles): this program reads neither the states nor the value-width tiles,
+~181 KB at K = 128. The grams' products, each half's form (one reference, the halves' or the groups'
+products), dq, dk and dG are the one-warpgroup kernel's, half by half; warpgroup 1 hands its part of
+dbeta to warpgroup 0, which writes the sum. With `qk_l2norm` each warpgroup reads both halves of q and k
+for the rows' norms and, after both have read them, scales its own half in place.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from .. import prep
+from . import channel, groups
+from .channel import HALF
+from .masks import SEG_ROWS, segment_masks
+from .once import lowered_once
+from .tiles import (COLS, F32, L2_EPS, ROWS, SMEM_BYTES, WGMMA, compiler_params, matmuls, phase, phase_bytes,
+                    scratch_bytes, smem, vary_like)
+
+WARPGROUPS = 2
+
+
+def serves(K: int) -> bool:
+  """True for the key dims this kernel takes: two halves of `HALF` channels."""
+  return K == WARPGROUPS * HALF
+
+
+@lowered_once(arrays=("masks",))
+def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None, interpret=None,
+             grams: str = "one", unit_bound: bool = False, qk_l2norm: bool = False):
+  """`channel_delta_grads.key_side` (without `reverse_cumsum`) on two warpgroups, from the value side's
+  products.
+
+  Args: q, k `[B, T_pad, H, K]`; G, refs as `channel.chunk_cumsum` returns them; b `[B, H_v, T_pad]`
+    float32; dP, dM `[B, H_v, T_pad, C]`; dqg, dkd, dbk `[B, H_v, T_pad, K]` (`do S^T`, `u dS^T`,
+    `dr S^T`) and s_ds `[B, H_v, NC, 2, 64]` (`value_side(..., key_products=True)`'s); masks None or
+    `segment_vectors(...)`. grams, unit_bound, qk_l2norm: `channel_delta_grads.key_side`'s.
+  Returns: dq, dk `[B, T_pad, H_v, K]` in `dtype`; dG `[B, T_pad, H_v, K]` float32 with the last token's
+    terms added; `rowsum(dB_k k E)` `[B, H_v, T_pad]` float32.
+  """
+  if grams not in ("one", "halves", "groups", "chunk"):
+    raise ValueError(f"grams must be 'one', 'halves', 'groups' or 'chunk'; got {grams!r}")
+  B, T_pad, H, K = q.shape
+  Hv, NC = dqg.shape[1], s_ds.shape[2]
+  C = T_pad // NC
+  group = Hv // H
+  if not serves(K):
+    raise ValueError(f"the two-warpgroup key side takes K = {WARPGROUPS * HALF} (a half each); got K={K}")
+  if grams != "one" and C != HALF:
+    raise ValueError(f"the group form stages dP and dM in a [C, {HALF}] tile: C must be {HALF}; got {C}")
+  chunkwise = grams == "chunk"
+  bound = prep.ref_bound(dtype, unit=unit_bound and chunkwise)
+  has_seg = masks is not None
+  halves = lambda dt=dtype: smem((WARPGROUPS, C, HALF), dt)
+  rows_of_refs = refs.shape[2]
+  scratch = dict(
+      q_s=halves(), k_s=halves(), g_s=halves(F32), dqg_s=halves(), dkd_s=halves(), dbk_s=halves(),
+      qr_s=halves(), kr_s=halves(), ar_s=halves(), dp_s=smem((C, C), dtype), dm_s=smem((C, C), dtype),
+      r_s=plgpu.SMEM((WARPGROUPS, rows_of_refs, HALF), F32), sds_s=plgpu.SMEM((WARPGROUPS, HALF), F32),
+      b_s=plgpu.SMEM((C,), F32), form_s=plgpu.SMEM((C,), F32), vec_s=plgpu.SMEM((WARPGROUPS, C), F32),
+      bar=plgpu.Barrier(num_arrivals=3 + 8 * WARPGROUPS + SEG_ROWS * has_seg + chunkwise),
+      normed=plgpu.Barrier(num_arrivals=WARPGROUPS), handed=plgpu.Barrier())
+  if has_seg:
+    scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
+  need = scratch_bytes(scratch) + phase_bytes(WARPGROUPS)
+  if need > SMEM_BYTES:
+    raise ValueError(f"the two-warpgroup key side needs {need} bytes of shared memory (at most {SMEM_BYTES})")
+
+  def body(*refs_, q_s, k_s, g_s, dqg_s, dkd_s, dbk_s, qr_s, kr_s, ar_s, dp_s, dm_s, r_s, sds_s, b_s, form_s,
+           vec_s, bar, normed, handed, m_s=None):
+    q_r, k_r, g_r, ref_r, b_r, dp_r, dm_r, dqg_r, dkd_r, dbk_r, sds_r = refs_[:11]
+    m_r = refs_[11] if has_seg else None
+    fit_r = refs_[11 + has_seg] if chunkwise else None
+    dq_r, dk_r, dg_r, db_r = refs_[11 + has_seg + chunkwise:]
+    bi, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
+    w = lax.axis_index("wg")
+    hk = lax.div(h, group)
+    rows_t = pl.ds(n * C, C)
+    cols = lambda i: pl.ds(i * HALF, HALF)
+
+    @pl.when(w == 0)
+    def _copies():   # every tile of the program, from warpgroup 0 (one arrival each)
+      copies = [(dp_r.at[bi, h, rows_t], dp_s), (dm_r.at[bi, h, rows_t], dm_s), (b_r.at[bi, h, rows_t], b_s)]
+      for i in range(WARPGROUPS):
+        copies += [(q_r.at[bi, rows_t, hk, cols(i)], q_s.at[i]), (k_r.at[bi, rows_t, hk, cols(i)], k_s.at[i]),
+                   (g_r.at[bi, rows_t, h, cols(i)], g_s.at[i]), (ref_r.at[bi, n, :, h, cols(i)], r_s.at[i]),
+                   (dqg_r.at[bi, h, rows_t, cols(i)], dqg_s.at[i]),
+                   (dkd_r.at[bi, h, rows_t, cols(i)], dkd_s.at[i]),
+                   (dbk_r.at[bi, h, rows_t, cols(i)], dbk_s.at[i]), (sds_r.at[bi, h, n, i], sds_s.at[i])]
+      copies += [(m_r.at[bi, j, rows_t], m_s.at[j]) for j in range(SEG_ROWS if has_seg else 0)]
+      if chunkwise:   # each half's form (`channel.form_tokens`: token i holds half i's)
+        copies.append((fit_r.at[bi, h, rows_t], form_s))
+      for src, dst in copies:
+        plgpu.copy_gmem_to_smem(src, dst, bar)
+
+    with phase("keys2.loads"):
+      plgpu.barrier_wait(bar)
+    q_w, k_w, g_w = q_s.at[w], k_s.at[w], g_s.at[w]
+    qr, kr, ar = qr_s.at[w], kr_s.at[w], ar_s.at[w]
+    load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
+    ck = (C, HALF)
+    rows = lambda x, shape=ck: lax.broadcast_in_dim(x, shape, [0])
+    if qk_l2norm:   # `tiles.l2_normalize_halves`'s sums in its order; each warpgroup scales its own half
+      with phase("keys2.l2"):
+        norms = []
+        for tile in (q_s, k_s):
+          sums = jnp.sum(load(tile.at[0]) ** 2, axis=1) + jnp.sum(load(tile.at[1]) ** 2, axis=1)
+          norms.append(lax.rsqrt(sums + L2_EPS))
+        plgpu.barrier_arrive(normed)   # both warpgroups have read both halves
+        plgpu.barrier_wait(normed)
+        for tile, r in zip((q_w, k_w), norms):
+          tile[...] = (load(tile) * rows(r)).astype(dtype)
+        plgpu.commit_smem()
+
+    colv = lambda row: lax.broadcast_in_dim(plgpu.load(r_s.at[w, row], layout=COLS), ck, [1])
+    fresh = lax.optimization_barrier
+    clamp = lambda x: jnp.exp(jnp.minimum(x, bound))
+    _, carry, to_last, carry_last = (None, None, None, 1.0) if m_s is None else segment_masks(m_s, None, C)
+    last_row = plgpu.broadcasted_iota(jnp.int32, ck, 0, layout=WGMMA) == C - 1
+    gb = groups.group_bound(dtype)
+    vec_end = lambda t: colv(groups.FIRST_ROW + t)
+    blocks = {"halves": groups.HALVES, "groups": groups.GROUP}
+
+    def one_terms():   # the grams' terms about the one reference R
+      Gt, R = fresh(load(g_w)), colv(0)
+      qt, kt = load(q_w), load(k_w)
+      up = clamp(Gt - R)
+      qr[...] = (qt * up).astype(dtype)
+      ar[...] = (kt * up).astype(dtype)
+      kr[...] = (kt * clamp(R - Gt)).astype(dtype)
+      plgpu.commit_smem()
+      dPK, minus, plus = matmuls((ck, [(dp_s, kr)]), (ck, [(dp_s.T, qr), (dm_s.T, ar)]), (ck, [(dm_s, kr)]))
+      return clamp(Gt - R) * dPK, clamp(R - Gt) * minus, clamp(Gt - R) * plus
+
+    def group_terms(block):   # groups.py's products: dP, then dM, on each product's entries
+      d = rows(groups.diagonal_of(load(dp_s)))
+      dq_p, minus, plus = d * load(k_w), d * load(q_w), 0.0
+      for s in groups.products(C, block):
+        if s is None:
+          up, down = groups.factors(fresh(load(g_w)), vec_end, s, gb, block)
+        else:
+          up = down = groups.level_factor(fresh(load(g_w)), vec_end, s)
+        kr[...] = (load(k_w) * down).astype(dtype)
+        qr[...] = (load(q_w) * up).astype(dtype)
+        ar[...] = jnp.where(groups.keep_mask(C, s, block), load(dp_s), 0.0).astype(dtype)
+        plgpu.commit_smem()
+        dPK, dPQ = matmuls((ck, [(ar, kr)]), (ck, [(ar.T, qr)]))
+        dq_p, minus = dq_p + up * dPK, minus + down * dPQ
+        if s is None:
+          qr[...] = (load(k_w) * up).astype(dtype)   # Ar
+        ar[...] = jnp.where(groups.keep_mask(C, s, block), load(dm_s), 0.0).astype(dtype)
+        plgpu.commit_smem()
+        dMK, dMA = matmuls((ck, [(ar, kr)]), (ck, [(ar.T, qr if s is None else kr)]))
+        minus, plus = minus + down * dMA, plus + up * dMK
+      return dq_p, minus, plus
+
+    def terms():
+      if grams == "one":
+        return one_terms()
+      if grams in blocks:
+        return group_terms(blocks[grams])
+      form = form_s[w]
+      return lax.cond(form < 0.5, one_terms, lambda: lax.cond(form < 1.5, lambda: group_terms(groups.HALVES),
+                                                              lambda: group_terms(groups.GROUP)))
+
+    with phase("keys2.terms"):
+      dq_p, minus, plus = terms()
+    with phase("keys2.dq"):
+      Gt = fresh(load(g_w))
+      e_q = jnp.exp(Gt) if carry is None else jnp.exp(Gt) * rows(carry)
+      dq = e_q * load(dqg_s.at[w]) + dq_p
+      dG = load(q_w) * dq
+      q_w[...] = dq.astype(dtype)
+    with phase("keys2.dk"):
+      Gt, Gc = fresh(load(g_w)), colv(1)
+      kt, dkd, dBk = load(k_w), load(dkd_s.at[w]), load(dbk_s.at[w])
+      e_k = jnp.exp(Gc - Gt) if to_last is None else jnp.exp(Gc - Gt) * rows(to_last)
+      kd_dkd = jnp.sum(kt * e_k * dkd, axis=0)   # the last token's colsum(kd (u dS^T))
+      minus = e_k * dkd + minus
+      e_q = jnp.exp(Gt) if carry is None else jnp.exp(Gt) * rows(carry)
+      dbeta = -jnp.sum(dBk * (kt * e_q), axis=1)
+      plus = plus - rows(fresh(plgpu.load(b_s, layout=ROWS))) * e_q * dBk
+      dG = dG + kt * (plus - minus)
+    with phase("keys2.last"):   # the last token: colsum(kd (u dS^T)) + e^(G_C) colsum(S dS)
+      s_ds = plgpu.load(sds_s.at[w], layout=COLS)
+      s_decay = plgpu.load(r_s.at[w, 1], layout=COLS)
+      term = kd_dkd + jnp.exp(s_decay) * carry_last * s_ds
+      dG = dG + jnp.where(last_row, lax.broadcast_in_dim(term, ck, [1]), 0.0)
+    with phase("keys2.out"):
+      k_w[...] = (plus + minus).astype(dtype)
+      g_w[...] = dG
+      vec_s.at[w][...] = dbeta
+      plgpu.commit_smem()
+      for i in range(WARPGROUPS):   # static column slices of the outputs: each warpgroup its own half
+        @pl.when(w == i)
+        def _():
+          plgpu.copy_smem_to_gmem(q_s.at[i], dq_r.at[bi, rows_t, h, cols(i)])
+          plgpu.copy_smem_to_gmem(k_s.at[i], dk_r.at[bi, rows_t, h, cols(i)])
+          plgpu.copy_smem_to_gmem(g_s.at[i], dg_r.at[bi, rows_t, h, cols(i)])
+
+      @pl.when(w == 1)
+      def _():
+        plgpu.barrier_arrive(handed)   # its dbeta staged
+
+      @pl.when(w == 0)
+      def _():
+        plgpu.barrier_wait(handed)
+        vec_s.at[0][...] = plgpu.load(vec_s.at[0], layout=ROWS) + plgpu.load(vec_s.at[1], layout=ROWS)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(vec_s.at[0], db_r.at[bi, h, rows_t])
+    with phase("keys2.exit"):
+      plgpu.wait_smem_to_gmem(0)
+
+  args = [q.astype(dtype), k.astype(dtype), G, refs, b, dP, dM, dqg, dkd, dbk, s_ds] + ([masks] if has_seg else [])
+  if chunkwise:
+    args.append(channel.form_tokens(refs, C, dtype, channel.cotangent_bound(dP, dM, C) if unit_bound else None,
+                                    width=HALF))
+  out_type = (jax.ShapeDtypeStruct((B, T_pad, Hv, K), dtype), jax.ShapeDtypeStruct((B, T_pad, Hv, K), dtype),
+              jax.ShapeDtypeStruct((B, T_pad, Hv, K), F32), jax.ShapeDtypeStruct((B, Hv, T_pad), F32))
+  outs = plgpu.kernel(
+      body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
+      num_threads=WARPGROUPS, thread_name="wg", compiler_params=compiler_params(approx_math=True),
+      interpret=interpret, kernel_name="chunk_grads_channel_delta_k2" + ("" if grams == "one" else "_" + grams))(*args)
+  return vary_like(outs, args)
