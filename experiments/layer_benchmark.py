@@ -24,7 +24,8 @@ each chunk's form without the call-wide `lax.cond` before them (`GpuConfig(call_
 takes its own form (`GpuConfig(order_channels="op")`: the op gathers q, k, g; ":l", e.g. `K:l`, orders the
 KDA layer's projections instead, `"layer"`, the default; ":w", e.g. `K:w`, neither, `"none"`); ":r"
 (e.g. `K:r`, `F:r`) takes dG's reverse cumsum in the per-channel gradient kernels instead of XLA
-(`GpuConfig(dg_cumsum="kernel")`). Writes `{workdir}/layers.json` and `layers.md`; with several `--T`,
+(`GpuConfig(dg_cumsum="kernel")`); ":k" (e.g. `K:k`) runs kda's key-side gradients on two warpgroups, a
+half of the key channels each (`GpuConfig(key_warpgroups=2)`). Writes `{workdir}/layers.json` and `layers.md`; with several `--T`,
 also `layers.png`: each mixer's time per token against T next to softmax attention's, and the T from
 which each mixer is faster.
 """
@@ -57,7 +58,7 @@ def build(mixer: str, *, width: int, heads: int, impl: str, dtype):
   name, _, variant = mixer.partition(":")
   if variant != "xlaconv" and kernel_options(mixer) is None:
     raise ValueError(f"mixer suffix must be ':xlaconv', ':pN' or ':sN' (N > 0), ':u', ':n', ':c', ':o', "
-                     f"':l', ':w', ':r' or none; got {mixer!r}")
+                     f"':l', ':w', ':r', ':k' or none; got {mixer!r}")
   layer = _build(name, width=width, heads=heads, impl=impl, dtype=dtype)
   for conv in getattr(layer, "convs", ()) if variant == "xlaconv" else ():
     conv.impl = "xla"
@@ -72,7 +73,8 @@ def kernel_options(mixer: str) -> dict | None:
   ':c' (per-chunk kernels without the call-wide lax.cond), `order_channels="op"` for ':o' (kda's
   channels strongest first, gathered in the op), "layer" for ':l' (ordered in the KDA layers'
   projections, the default) and "none" for ':w' (neither), `dg_cumsum="kernel"` for ':r' (dG's
-  reverse cumsum in the per-channel gradient kernels); None for any other suffix."""
+  reverse cumsum in the per-channel gradient kernels), `key_warpgroups=2` for ':k' (kda's key side on
+  two warpgroups); None for any other suffix."""
   _, _, suffix = mixer.partition(":")
   if suffix in ("", "xlaconv"):
     return {}
@@ -82,6 +84,8 @@ def kernel_options(mixer: str) -> dict | None:
     return dict(order_channels={"o": "op", "l": "layer", "w": "none"}[suffix])
   if suffix == "r":
     return dict(dg_cumsum="kernel")
+  if suffix == "k":
+    return dict(key_warpgroups=2)
   if suffix in ("u", "n"):
     return dict(unit_ref_bound=suffix == "u")
   match = re.fullmatch(r"([ps])([1-9][0-9]*)", suffix)

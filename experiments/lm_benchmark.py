@@ -69,7 +69,8 @@ flags.DEFINE_list("patterns", ["A", "G", "GGGA", "K"], "LM patterns; A (the anch
                   "taken in the KDA layers' projections (order_channels='layer', the default), ':w' (e.g. "
                   "K:w) neither (order_channels='none'), ':r' (e.g. K:r) "
                   "dG's reverse cumsum in the per-channel gradient kernels (GpuConfig(dg_cumsum="
-                  "'kernel')), beside the default in the same process.")
+                  "'kernel')), ':k' (e.g. K:k) kda's key side on two warpgroups (GpuConfig("
+                  "key_warpgroups=2)), beside the default in the same process.")
 flags.DEFINE_list("seq_lens", ["4096", "16384"], "Sequence lengths T.")
 flags.DEFINE_integer("tokens", 32768, "Tokens per step: batch = tokens / T (at least 1).")
 flags.DEFINE_list("breakdown", [], "Patterns whose steps are also timed part by part.")
@@ -167,7 +168,7 @@ def run(pattern: str, T: int, batch: int) -> dict:
   options = kernel_options(pattern)
   if suffix and not options:
     raise ValueError(f"patterns: the suffix must be ':pN' or ':sN' (N > 0), ':u', ':n', ':c', ':o', ':l', "
-                     f"':w', ':r' or none; got {pattern!r}")
+                     f"':w', ':r', ':k' or none; got {pattern!r}")
   with common.kernel_config(**options):
     return _run(pattern, base, T, batch)
 

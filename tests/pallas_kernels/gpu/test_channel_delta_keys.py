@@ -2,14 +2,14 @@
 GPU interpreter: the whole op against the float64 loop (o, the final state, every gradient) at K = 128
 with each form of the grams (one reference, the groups' products, each half its own form with the
 strong channels in one half), packed rows, grouped value heads, an initial state and q, k normalised on
-load; against the one-warpgroup key side on the same call; and the plan and the argument checks."""
+load; against the one-warpgroup key side on the same call; and the plan and the argument checks. The
+race detector's run over both key sides is in test_races.py."""
 
 import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-import jax.experimental.pallas.mosaic_gpu as plgpu
 import numpy as np
 import pytest
 
@@ -120,20 +120,3 @@ def test_the_plan_and_the_checks():
                                 None, jnp.zeros((1, 1, 64, 64)), None, None, jnp.zeros((1, 1, 1, 2, 64)),
                                 dtype=jnp.bfloat16)
 
-
-def test_kdas_kernels_have_no_races_in_the_interpreter(monkeypatch, capfd):
-  # the interpreter's race detector over a whole differentiated call (preparation, walks, value side and
-  # both key sides, q, k normalised on load, packed rows): the two warpgroups' hand-overs, and every tile a
-  # copy or a product reads after the generic writes that fill it (the preparation's inverse once lacked
-  # that fence). The detector keeps one kernel call's state and prints each race it finds.
-  monkeypatch.setattr(f"{__name__}.PARAMS", plgpu.InterpretGPUParams(detect_races=True))
-  T = 70
-  inp = make_inputs("kda", B=1, T=T, H=1, Hv=1, K=128, V=64, gates="normal", seed=69)
-  args = [jnp.asarray(x, jnp.float32) for x in (inp["q"] * 3.0, inp["k"] * 5.0, inp["v"],
-                                                  _strong_half(inp["g"], 70), inp["beta"], inp["h0"])]
-  ones = jnp.ones(inp["v"].shape, jnp.float32), jnp.ones(inp["h0"].shape, jnp.float32)
-  for config in (KERNELS, dataclasses.replace(SPLIT, order_channels="ordered")):
-    jax.block_until_ready(_normalised_on_load.__wrapped__(*args, jnp.asarray(packed_runs(T)), *ones,
-                                                          config=config))
-  out = capfd.readouterr()
-  assert "RACE DETECTED" not in out.out + out.err, (out.out + out.err)[:3000]

@@ -1,0 +1,77 @@
+"""The Mosaic GPU interpreter's race detector over whole differentiated calls, one a kind of program:
+every tile that a copy or a tensor-core product reads after the generic writes that fill it (the
+`commit_smem` fence between them; kda's preparation once copied its inverse without one), and the
+hand-overs between the warpgroups of the multi-warpgroup programs (the fused forward's three, the delta
+family's pair gradients, kda's two-warpgroup key side). The detector keeps one kernel call's state and
+prints each race it finds: the tests read what the calls print."""
+
+import dataclasses
+
+import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from linear_attention_jax.pallas_kernels import gpu
+from linear_attention_jax.pallas_kernels.gpu import conv
+from linear_attention_jax.pallas_kernels.gpu.interpret import interpret_kernels
+from tests.ops.conftest import make_inputs
+from tests.pallas_kernels.gpu.util import KERNELS, packed_runs
+
+RACES = plgpu.InterpretGPUParams(detect_races=True)
+T = 70   # two chunks, the second partial
+
+
+def _no_races(capfd):
+  out = capfd.readouterr()
+  printed = out.out + out.err
+  assert "RACE DETECTED" not in printed, printed[:3000]
+
+
+def _differentiate(variant, D, config, g=None):
+  inp = make_inputs(variant, B=1, T=T, H=1, Hv=1, K=D, V=D, gates="normal", seed=71)
+  if g is not None:
+    inp["g"] = g(inp["g"])
+  names = [n for n in ("q", "k", "v", "g", "beta", "h0") if inp.get(n) is not None]
+  l2 = variant in ("delta_rule", "gated_delta_rule", "kda")
+  seg = jnp.asarray(packed_runs(T))
+
+  def loss(*xs):
+    x = dict(zip(names, xs))
+    o, final = gpu.chunked_attention(*(x[n].astype(jnp.bfloat16) for n in "qkv"), x.get("g"), x.get("beta"),
+                                     initial_state=x["h0"], segment_ids=seg, qk_l2norm=l2, config=config,
+                                     interpret=RACES)
+    return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
+
+  args = [jnp.asarray(inp[n], jnp.float32) * (3.0 if n in "qk" else 1.0) for n in names]
+  jax.block_until_ready(jax.grad(loss, argnums=tuple(range(len(names))))(*args))
+
+
+def _strong_half(g):
+  g = np.asarray(g, np.float32).copy()
+  g[..., :32] = -np.random.default_rng(72).uniform(3.0, 20.0, g[..., :32].shape)
+  return g
+
+
+@pytest.mark.parametrize("variant,D,config,g", [
+    ("kda", 128, KERNELS, _strong_half),
+    ("kda", 128, dataclasses.replace(KERNELS, key_warpgroups=2, order_channels="ordered"), _strong_half),
+    ("gla", 128, KERNELS, None),
+    ("gated_delta_rule", 128, gpu.GpuConfig(forward_warpgroups=1), None),   # the pair gradients
+    ("simple_gla", 64, gpu.GpuConfig(sequence_pieces=2), None),   # the fused forward's three warpgroups
+], ids=["kda", "kda-two-warpgroup-keys", "gla", "gated-delta-pair", "fused-streamed-pieces"])
+def test_the_kernels_of_a_differentiated_call_have_no_races(capfd, variant, D, config, g):
+  _differentiate(variant, D, config, g)
+  _no_races(capfd)
+
+
+def test_the_short_convolutions_kernels_have_no_races(capfd):
+  r = np.random.default_rng(73)
+  x = jnp.asarray(r.normal(size=(2, 256, 256)), jnp.bfloat16)
+  w, b = jnp.asarray(r.normal(size=(4, 256)), jnp.float32), jnp.asarray(r.normal(size=(256,)), jnp.float32)
+  head = jnp.asarray(r.normal(size=(2, 3, 256)), jnp.bfloat16)
+  loss = lambda x, w, b: jnp.sum(conv.short_conv(x, w, b, head, activation="silu").astype(jnp.float32) ** 2)
+  with interpret_kernels(RACES):
+    jax.block_until_ready(jax.grad(loss, argnums=(0, 1, 2))(x, w, b))
+  _no_races(capfd)
