@@ -56,6 +56,9 @@ class Config:
   # gate values (common.GATES): "benchmark", "edge" (-1.8 a token on every other channel: strong decay
   # within the per-channel kernels' bound) or "strong" (uniform in [-20, 0]: beyond it)
   gates: str = "benchmark"
+  # the GPU kernels' configuration while the impls trace: a suffix of layer_benchmark's mixers without
+  # its colon (e.g. "k": kda's key side on two warpgroups, "o": the channel order); "": the defaults
+  kernels: str = ""
 
   def __post_init__(self):
     common.check_variants(self.variants)
@@ -67,8 +70,16 @@ class Config:
       raise ValueError(f"matmul_precision must be default, high or highest; got {self.matmul_precision!r}")
     if self.gates not in common.GATES:
       raise ValueError(f"gates must be one of {common.GATES}; got {self.gates!r}")
+    if _kernel_options(self.kernels) is None:
+      raise ValueError(f"kernels must be one of layer_benchmark's mixer suffixes (without ':'); got "
+                       f"{self.kernels!r}")
     if not self.T or any(t < 1 for t in self.T):
       raise ValueError(f"T must be a non-empty list of positive lengths; got {list(self.T)}")
+
+
+def _kernel_options(suffix: str) -> dict | None:
+  from experiments.layer_benchmark import kernel_options
+  return kernel_options(f"_:{suffix}")
 
 
 def relative_rms(a, b) -> float:
@@ -115,8 +126,10 @@ def compare(config: Config, variant: str, T: int) -> list[dict]:
     segment_ids = jnp.asarray(np.cumsum(starts, axis=1, dtype=np.int32))
   fb = _jitted_forward_backward()
   with jax.default_matmul_precision(config.matmul_precision):  # thread-local: set in this worker
-    outs = {impl: jax.device_get(fb(inputs, cotangents, segment_ids, variant=variant, impl=impl,
-                                    chunk_size=config.chunk_size)) for impl in config.impls}
+    # (in this thread: the configuration is a context variable, and compare runs in a pool's threads)
+    with common.kernel_config(**_kernel_options(config.kernels)):
+      outs = {impl: jax.device_get(fb(inputs, cotangents, segment_ids, variant=variant, impl=impl,
+                                      chunk_size=config.chunk_size)) for impl in config.impls}
   ref = outs[config.impls[0]]
   return [{"variant": variant, "T": T, "impl": impl, "reference": config.impls[0],
            "errors": {q: relative_rms(outs[impl][q], ref[q]) for q in QUANTITIES if q in ref}}
@@ -170,6 +183,8 @@ def _define_flags():
                     "Matmul precision while tracing (GPUs and TPUs run float32 matmuls as TF32 by default).")
   flags.DEFINE_integer("packed", d.packed, "Random sequence boundaries per row (segment_ids); 0: none.")
   flags.DEFINE_enum("gates", d.gates, list(common.GATES), "Gate values (experiments/common.py).")
+  flags.DEFINE_string("kernels", d.kernels, "The GPU kernels' configuration: a suffix of layer_benchmark's "
+                      "mixers without its colon (e.g. k: kda's key side on two warpgroups); empty: defaults.")
   flags.DEFINE_string("workdir", "runs/equivalence", "Where equivalence.json is written.")
 
 
@@ -180,7 +195,7 @@ def main(argv):
   config = Config(variants=tuple(f.variants), T=tuple(int(t) for t in f.T), B=f.B, H=f.H, H_v=f.H_v,
                   K=f.K, V=f.V, dtype=f.dtype, seed=f.seed, impls=tuple(f.impls),
                   chunk_size=f.chunk_size, matmul_precision=f.matmul_precision, packed=f.packed,
-                  gates=f.gates)
+                  gates=f.gates, kernels=f.kernels)
   run_equivalence(config, f.workdir)
 
 

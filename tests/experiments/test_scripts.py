@@ -104,6 +104,9 @@ def test_benchmark_parses_shapes_and_rejects_bad_configs():
     equivalence.Config(impls=("recurrent",))
   with pytest.raises(ValueError, match="gates"):
     equivalence.Config(gates="weak")
+  with pytest.raises(ValueError, match="kernels"):
+    equivalence.Config(kernels="kk")
+  assert equivalence.Config(kernels="k").kernels == "k"
 
 
 def test_gate_recipes_give_the_documented_values():
