@@ -218,7 +218,8 @@ def kernel_config(grads_programs: int = 0, unit_ref_bound: bool | None = None,
   if grads_programs < 0:
     raise ValueError(f"grads_programs must be >= 0; got {grads_programs}")
   switches = (("unit_ref_bound", unit_ref_bound), ("call_test", call_test),
-              ("order_channels", order_channels), ("dg_cumsum", dg_cumsum), ("key_warpgroups", key_warpgroups))
+              ("order_channels", order_channels), ("dg_cumsum", dg_cumsum),
+              ("key_warpgroups", key_warpgroups))
   if not grads_programs and sequence_pieces is None and all(value is None for _, value in switches):
     return contextlib.nullcontext()
   from linear_attention_jax.pallas_kernels import gpu

@@ -92,8 +92,13 @@ def render(results: dict) -> str:
 
 def compile_once(variant: str) -> None:
   """The child: `variant`'s forward and backward at the flags' shape, compiled and run once."""
+  from experiments.layer_benchmark import kernel_options
+  options = kernel_options(f"_:{FLAGS.kernels}")
+  if options is None:
+    raise app.UsageError(f"--kernels must be one of layer_benchmark's mixer suffixes; got {FLAGS.kernels!r}")
   grads, args = common.op_gradient(variant, FLAGS)
-  jax.block_until_ready(jax.jit(grads)(*args))
+  with common.kernel_config(**options):   # the kernels are chosen as the call traces
+    jax.block_until_ready(jax.jit(grads)(*args))
 
 
 def main(argv):
@@ -107,10 +112,12 @@ def main(argv):
     raise app.UsageError(f"ptxas_report.py needs a CUDA GPU (Mosaic GPU compiles there); the backend "
                          f"here is {jax.default_backend()!r}")
   results = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                 shape=dict(B=f.B, T=f.T, H=f.H, K=f.K, V=f.V), gates=f.gates, dtype=f.dtype, variants={})
+                 shape=dict(B=f.B, T=f.T, H=f.H, K=f.K, V=f.V), gates=f.gates, dtype=f.dtype,
+                 kernels=f.kernels, variants={})
   os.makedirs(f.workdir, exist_ok=True)
   for variant in variants:
-    flag_args = [f"--{name}={getattr(f, name)}" for name in ("B", "T", "H", "K", "V", "gates", "dtype")]
+    flag_args = [f"--{name}={getattr(f, name)}"
+                 for name in ("B", "T", "H", "K", "V", "gates", "dtype", "kernels")]
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", f"--variants={variant}",
                            *flag_args], capture_output=True, text=True, timeout=f.timeout,
                           env=dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1"))
@@ -133,6 +140,8 @@ def _define_flags():
   common.define_op_flags(["kda", "gated_delta_rule"], B=1, T=256, H=1, gates="strong",
                          T_help="Sequence length (the kernels' code does not depend on it).")
   flags.DEFINE_integer("timeout", 600, "Seconds a variant's compile may take.")
+  flags.DEFINE_string("kernels", "", "The GPU kernels' configuration: a suffix of layer_benchmark's mixers "
+                      "without its colon (e.g. k: kda's key side on two warpgroups); empty: the defaults.")
   flags.DEFINE_bool("child", False, "Internal: compile the one variant of --variants and exit.")
   flags.DEFINE_string("workdir", "runs/ptxas_report", "Where ptxas.json and ptxas.md go.")
 

@@ -226,14 +226,16 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
     with phase("keys2.exit"):
       plgpu.wait_smem_to_gmem(0)
 
-  args = [q.astype(dtype), k.astype(dtype), G, refs, b, dP, dM, dqg, dkd, dbk, s_ds] + ([masks] if has_seg else [])
+  args = [q.astype(dtype), k.astype(dtype), G, refs, b, dP, dM, dqg, dkd, dbk, s_ds]
+  args += [masks] if has_seg else []
   if chunkwise:
-    args.append(channel.form_tokens(refs, C, dtype, channel.cotangent_bound(dP, dM, C) if unit_bound else None,
-                                    width=HALF))
+    cotangents = channel.cotangent_bound(dP, dM, C) if unit_bound else None
+    args.append(channel.form_tokens(refs, C, dtype, cotangents, width=HALF))
   out_type = (jax.ShapeDtypeStruct((B, T_pad, Hv, K), dtype), jax.ShapeDtypeStruct((B, T_pad, Hv, K), dtype),
               jax.ShapeDtypeStruct((B, T_pad, Hv, K), F32), jax.ShapeDtypeStruct((B, Hv, T_pad), F32))
   outs = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
       num_threads=WARPGROUPS, thread_name="wg", compiler_params=compiler_params(approx_math=True),
-      interpret=interpret, kernel_name="chunk_grads_channel_delta_k2" + ("" if grams == "one" else "_" + grams))(*args)
+      interpret=interpret,
+      kernel_name="chunk_grads_channel_delta_k2" + ("" if grams == "one" else "_" + grams))(*args)
   return vary_like(outs, args)

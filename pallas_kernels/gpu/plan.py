@@ -303,7 +303,8 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
               dg_cumsum=config.dg_cumsum if jnp.dtype(dtype) == jnp.bfloat16 and (
                   backward == "channel_delta_grads" or (backward == "channel_grads" and chunk_size == 64))
               else "xla",
-              key_warpgroups=config.key_warpgroups if backward == "channel_delta_grads" and K == 128 else 1)
+              key_warpgroups=(config.key_warpgroups if backward == "channel_delta_grads" and K == 128
+                              else 1))
 
 
 def hopper_reason(backend: str | None = None) -> str | None:
