@@ -25,7 +25,8 @@ takes its own form (`GpuConfig(order_channels="op")`: the op gathers q, k, g; ":
 KDA layer's projections instead, `"layer"`, the default; ":w", e.g. `K:w`, neither, `"none"`); ":r"
 (e.g. `K:r`, `F:r`) takes dG's reverse cumsum in the per-channel gradient kernels instead of XLA
 (`GpuConfig(dg_cumsum="kernel")`); ":k" (e.g. `K:k`) runs kda's key-side gradients on two warpgroups, a
-half of the key channels each (`GpuConfig(key_warpgroups=2)`). Writes `{workdir}/layers.json` and `layers.md`; with several `--T`,
+half of the key channels each (`GpuConfig(key_warpgroups=2)`), ":f" its preparation kernel on two
+(`GpuConfig(prep_warpgroups=2)`), and letters together set each (e.g. `K:kf`). Writes `{workdir}/layers.json` and `layers.md`; with several `--T`,
 also `layers.png`: each mixer's time per token against T next to softmax attention's, and the T from
 which each mixer is faster.
 """
@@ -58,7 +59,7 @@ def build(mixer: str, *, width: int, heads: int, impl: str, dtype):
   name, _, variant = mixer.partition(":")
   if variant != "xlaconv" and kernel_options(mixer) is None:
     raise ValueError(f"mixer suffix must be ':xlaconv', ':pN' or ':sN' (N > 0), ':u', ':n', ':c', ':o', "
-                     f"':l', ':w', ':r', ':k' or none; got {mixer!r}")
+                     f"':l', ':w', ':r', ':k', ':f' (letters together: each) or none; got {mixer!r}")
   layer = _build(name, width=width, heads=heads, impl=impl, dtype=dtype)
   for conv in getattr(layer, "convs", ()) if variant == "xlaconv" else ():
     conv.impl = "xla"
@@ -74,10 +75,16 @@ def kernel_options(mixer: str) -> dict | None:
   channels strongest first, gathered in the op), "layer" for ':l' (ordered in the KDA layers'
   projections, the default) and "none" for ':w' (neither), `dg_cumsum="kernel"` for ':r' (dG's
   reverse cumsum in the per-channel gradient kernels), `key_warpgroups=2` for ':k' (kda's key side on
-  two warpgroups); None for any other suffix."""
+  two warpgroups), `prep_warpgroups=2` for ':f' (kda's preparation, the forward's kernel, on two); letters
+  together set each (':kf' both), each field once; None for any other suffix."""
   _, _, suffix = mixer.partition(":")
   if suffix in ("", "xlaconv"):
     return {}
+  if len(suffix) > 1 and suffix.isalpha():   # letters together (e.g. 'kf'): each its own field, once
+    parts = [kernel_options(f"_:{letter}") for letter in suffix]
+    if any(p is None for p in parts) or len({f for p in parts for f in p}) != sum(map(len, parts)):
+      return None
+    return {f: value for p in parts for f, value in p.items()}
   if suffix == "c":
     return dict(call_test=False)
   if suffix in ("o", "l", "w"):
@@ -86,6 +93,8 @@ def kernel_options(mixer: str) -> dict | None:
     return dict(dg_cumsum="kernel")
   if suffix == "k":
     return dict(key_warpgroups=2)
+  if suffix == "f":
+    return dict(prep_warpgroups=2)
   if suffix in ("u", "n"):
     return dict(unit_ref_bound=suffix == "u")
   match = re.fullmatch(r"([ps])([1-9][0-9]*)", suffix)

@@ -70,7 +70,8 @@ flags.DEFINE_list("patterns", ["A", "G", "GGGA", "K"], "LM patterns; A (the anch
                   "K:w) neither (order_channels='none'), ':r' (e.g. K:r) "
                   "dG's reverse cumsum in the per-channel gradient kernels (GpuConfig(dg_cumsum="
                   "'kernel')), ':k' (e.g. K:k) kda's key side on two warpgroups (GpuConfig("
-                  "key_warpgroups=2)), beside the default in the same process.")
+                  "key_warpgroups=2)), ':f' its preparation on two (GpuConfig(prep_warpgroups=2)); letters "
+                  "together set each (e.g. K:kf); beside the default in the same process.")
 flags.DEFINE_list("seq_lens", ["4096", "16384"], "Sequence lengths T.")
 flags.DEFINE_integer("tokens", 32768, "Tokens per step: batch = tokens / T (at least 1).")
 flags.DEFINE_list("breakdown", [], "Patterns whose steps are also timed part by part.")
@@ -168,7 +169,7 @@ def run(pattern: str, T: int, batch: int) -> dict:
   options = kernel_options(pattern)
   if suffix and not options:
     raise ValueError(f"patterns: the suffix must be ':pN' or ':sN' (N > 0), ':u', ':n', ':c', ':o', ':l', "
-                     f"':w', ':r', ':k' or none; got {pattern!r}")
+                     f"':w', ':r', ':k', ':f' (letters together: each) or none; got {pattern!r}")
   with common.kernel_config(**options):
     return _run(pattern, base, T, batch)
 

@@ -49,7 +49,7 @@ def _pieces(static: Static) -> int:
 def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
                     chunk_multiple: int = 1, cumsum=None, with_inverse: bool = False, beyond: str = "chunk",
                     bound: float | None = None, call_test: bool = True, half_forms: bool = False,
-                    qk_l2norm: bool = False):
+                    qk_l2norm: bool = False, warpgroups: int = 1):
   """The per-channel forward's chunk tensors (the plan's "channel_prep" stage and its `forward_beyond`),
   arguments as `channel_prep.prepare`'s: the preparation kernel with one reference per chunk and channel
   where every chunk's decay fits that bound, else with the 8-token groups' products (groups.py; one
@@ -62,14 +62,14 @@ def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=Non
   without the test where they choose per chunk ("chunk") and the operands always fit the groups.
   `half_forms`: the "chunk" kernel chooses for each half of a chunk's key channels apart (the plan's
   `half_forms`). `qk_l2norm`: q, k are l2-normalised here (on load in the kernels, in XLA for the
-  merge form)."""
+  merge form). `warpgroups`: the kernel's (`channel_prep.prepare`'s; the plan's `prep_warpgroups`)."""
   C = chunk_size
   if cumsum is None:
     cumsum = channel.chunk_cumsum(g, prep.padded_length(q.shape[1], C, chunk_multiple), C)
   kernel = lambda grams: lambda: channel_prep.prepare(
       q, k, v, g, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids, interpret=interpret,
       chunk_multiple=chunk_multiple, cumsum=cumsum, with_inverse=with_inverse, grams=grams, bound=bound,
-      half_forms=half_forms and grams == "chunk", qk_l2norm=qk_l2norm)
+      half_forms=half_forms and grams == "chunk", qk_l2norm=qk_l2norm, warpgroups=warpgroups)
 
   def per_head():
     qn, kn = (common.l2_normalize(q), common.l2_normalize(k)) if qk_l2norm else (q, k)
@@ -132,7 +132,8 @@ def _forward(static: Static, q, k, v, g, beta, h0, segment_ids, *, keep: bool):
                             interpret=interpret, chunk_multiple=_pieces(static), cumsum=cumsum,
                             with_inverse=inverse, beyond=plan.forward_beyond,
                             bound=plan.forward_ref_bound, call_test=plan.call_test,
-                            half_forms=plan.half_forms, qk_l2norm=plan.l2 == "on_load")
+                            half_forms=plan.half_forms, qk_l2norm=plan.l2 == "on_load",
+                            warpgroups=plan.prep_warpgroups)
       t, X, M = out if inverse else (out, None, None)
       o, states, final = _walk(static, t, h0, with_states=saves)
       if not saves:

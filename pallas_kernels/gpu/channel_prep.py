@@ -37,8 +37,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from .. import common, prep
-from . import groups
-from . import channel
+from . import channel, channel_prep_split, groups
 from .channel import HALF, chunk_cumsum
 from .masks import SEG_ROWS, segment_masks, segment_vectors
 from .once import lowered_once
@@ -57,7 +56,8 @@ def serves(g, beta, segment_ids) -> bool:
 
 def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
             chunk_multiple: int = 1, cumsum=None, with_inverse: bool = False, grams: str = "one",
-            bound: float | None = None, half_forms: bool = False, qk_l2norm: bool = False):
+            bound: float | None = None, half_forms: bool = False, qk_l2norm: bool = False,
+            warpgroups: int = 1):
   """`prep.prepare(q, k, v, g, beta, segment_ids, ...)` for per-channel `g: [B, T, H_v, K]` whose every
   chunk fits the one-reference bound (`channel_grads.fits`; the caller takes XLA's merge form for the
   others), with every matmul operand in `dtype` (16-bit), the tensors in `dtype` and `decay` float32;
@@ -77,7 +77,8 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
   `prep.ref_bound(dtype)`; `prep.UNIT_REF_BOUND` only for l2-normalised q and k, whose entries lie in
   [-1, 1]); the caller's test of which chunks fit takes the same. qk_l2norm: q and k are l2-normalised
   in the kernel as they load (over K, float32 sums, rounded to `dtype`, as `common.l2_normalize`)
-  before anything reads them."""
+  before anything reads them. warpgroups: 2 runs kda at K = 128 on two warpgroups
+  (`channel_prep_split.py`), the same outputs."""
   if grams not in GRAMS:
     raise ValueError(f"grams must be one of {GRAMS}; got {grams!r}")
   T = q.shape[1]
@@ -94,15 +95,19 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
     refs = channel.with_form_row(refs, C, dtype, bound, width=HALF if half_forms else None)
   if with_inverse and beta is None:
     raise ValueError("with_inverse is for the delta family (kda): beta must be given")
+  split_served = channel_prep_split.serves(q.shape[-1], beta is not None)
+  if warpgroups not in (1, 2) or (warpgroups == 2 and not split_served):
+    raise ValueError(f"warpgroups must be 1, or 2 for kda at K = 128; got {warpgroups!r} (K={q.shape[-1]}, "
+                     f"beta {'given' if beta is not None else 'None'})")
   return _prepare_kernel(q, k, v, G, refs, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
                          interpret=interpret, with_inverse=with_inverse, grams=grams, bound=bound,
-                         half_forms=half_forms, qk_l2norm=qk_l2norm)
+                         half_forms=half_forms, qk_l2norm=qk_l2norm, warpgroups=warpgroups)
 
 
 @lowered_once(arrays=("segment_ids",))
 def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_ids, interpret,
                     with_inverse: bool = False, grams: str = "one", bound: float,
-                    half_forms: bool = False, qk_l2norm: bool = False):
+                    half_forms: bool = False, qk_l2norm: bool = False, warpgroups: int = 1):
   B, T, H, K = q.shape
   Hv, V = v.shape[2:]
   C = chunk_size
@@ -298,12 +303,17 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
   shape = lambda d: jax.ShapeDtypeStruct((B, Hv, T_pad, d), dtype)
   out_type = ((shape(K), shape(K), shape(C)) + ((shape(K), shape(V)) if delta else ())
               + ((shape(C), shape(C)) if with_inverse else ()))
-  outs = plgpu.kernel(
-      body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
-      compiler_params=compiler_params(approx_math=True), interpret=interpret,
-      kernel_name="chunk_prep_channel" + ("" if grams == "one" else "_" + grams)
-      + ("_parts" if half_forms and grams == "chunk" else ""))(*args)
-  outs = [x.reshape(B, Hv, NC, C, x.shape[-1]) for x in vary_like(outs, args)]
+  if warpgroups == 2:
+    outs = channel_prep_split.kernel(q, k, v, G, refs, b, masks, chunk_size=C, dtype=dtype,
+                                     interpret=interpret, with_inverse=with_inverse, grams=grams,
+                                     bound=bound, half_forms=half_forms, qk_l2norm=qk_l2norm)
+  else:
+    outs = vary_like(plgpu.kernel(
+        body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
+        compiler_params=compiler_params(approx_math=True), interpret=interpret,
+        kernel_name="chunk_prep_channel" + ("" if grams == "one" else "_" + grams)
+        + ("_parts" if half_forms and grams == "chunk" else ""))(*args), args)
+  outs = [x.reshape(B, Hv, NC, C, x.shape[-1]) for x in outs]
   qg, kd, p = outs[:3]
   decay = jnp.swapaxes(jnp.exp(refs[:, :, 1]), 1, 2)     # e^(G_C), [B, H_v, NC, K]
   if has_seg:

@@ -147,6 +147,9 @@ class GpuConfig:
     cores: `tiles.reverse_cumsum_rows`; bfloat16 operands, and C = 64 for gla). "xla" by default: in
     the trained KDA LM on the H200 the key-side kernel took 1.35 ms a step longer with it, where XLA's
     product costs 0.48 (NOTES.md v59).
+  prep_warpgroups: kda's preparation kernel at K = 128 on 1 warpgroup or 2 (the grams' products dealt
+    out between them, qg / kd by halves of the columns, the inverse and w on one while the other
+    forms u: `channel_prep_split`; K = 64 and gla run one). Not the default until timed (NOTES.md v61).
   key_warpgroups: kda's key-side gradients at K = 128 on 1 warpgroup (both halves of the key channels
     in turn, `channel_delta_grads.key_side`) or 2 (a half each, side by side, the value side forming
     their products without a decayed gram: `channel_delta_keys`; needs `dg_cumsum="xla"`; K = 64 runs
@@ -173,10 +176,11 @@ class GpuConfig:
   order_channels: str = "layer"
   dg_cumsum: str = "xla"
   key_warpgroups: int = 1
+  prep_warpgroups: int = 1
 
   def __post_init__(self):
     for name, allowed in (("forward", FORWARDS), ("backward", BACKWARDS), ("forward_warpgroups", (1, 3)),
-                          ("delta_warpgroups", (1, 2)), ("key_warpgroups", (1, 2)),
+                          ("delta_warpgroups", (1, 2)), ("key_warpgroups", (1, 2)), ("prep_warpgroups", (1, 2)),
                           ("gram_method", prep.GRAM_METHODS),
                           ("dg_cumsum", DG_CUMSUMS), ("order_channels", CHANNEL_ORDERS)):
       if getattr(self, name) not in allowed:
@@ -221,6 +225,7 @@ class Plan:
   gate_floor: str = "xla"      # "xla": g floored before the stages | "stages": by the per-channel ones
   dg_cumsum: str = "xla"       # GpuConfig.dg_cumsum where a per-channel gradient kernel can take it
   key_warpgroups: int = 1      # of kda's key-side programs (GpuConfig.key_warpgroups where K = 128)
+  prep_warpgroups: int = 1     # of kda's preparation programs (GpuConfig.prep_warpgroups where K = 128)
 
   def row(self) -> tuple[str, ...]:
     """The module table's columns from plan.forward on."""
@@ -236,6 +241,8 @@ class Plan:
       need["delta_warpgroups=2"] = 3
     if self.key_warpgroups == 2:
       need["key_warpgroups=2"] = 3
+    if self.prep_warpgroups == 2:
+      need["prep_warpgroups=2"] = 3
     return need
 
 
@@ -304,7 +311,9 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
                   backward == "channel_delta_grads" or (backward == "channel_grads" and chunk_size == 64))
               else "xla",
               key_warpgroups=(config.key_warpgroups if backward == "channel_delta_grads" and K == 128
-                              else 1))
+                              else 1),
+              prep_warpgroups=(config.prep_warpgroups if forward == "channel_prep" and delta and K == 128
+                               else 1))
 
 
 def hopper_reason(backend: str | None = None) -> str | None:

@@ -206,15 +206,16 @@ def test_per_channel_gradient_kernels_export_for_hopper(kind, D, group, packed, 
 
 
 @pytest.mark.parametrize("packed,V", [(True, 128), (False, 64)])
-def test_kdas_key_side_in_two_warpgroups_exports_for_hopper(packed, V):
-  # GpuConfig.key_warpgroups=2 at K = 128: the value side with the key side's products, then the
-  # two-warpgroup key side in both branches of the call-wide test (one reference; each chunk its form,
-  # each half its own under "ordered"), q, k normalised on load; no one-warpgroup key side left
+def test_kdas_key_side_and_preparation_in_two_warpgroups_export_for_hopper(packed, V):
+  # GpuConfig.key_warpgroups=2 and prep_warpgroups=2 at K = 128: the value side with the key side's
+  # products, then the two-warpgroup key side in both branches of the call-wide test (one reference;
+  # each chunk its form, each half its own under "ordered"), and the two-warpgroup preparation in both
+  # of the forward's, q, k normalised on load; no one-warpgroup key side or preparation left
   D, Hv = 128, H
   args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, Hv, V), _spec(B, T, Hv, D, dtype=jnp.float32),
           _spec(B, T, Hv, dtype=jnp.float32), _spec(B, Hv, D, V, dtype=jnp.float32))
   seg = jnp.zeros((B, T), jnp.int32).at[:, T // 3:].set(1) if packed else None
-  config = gpu.GpuConfig(key_warpgroups=2, order_channels="ordered")
+  config = gpu.GpuConfig(key_warpgroups=2, prep_warpgroups=2, order_channels="ordered")
 
   def loss(q, k, v, g, beta, h0):
     o, final = gpu.chunked_attention(q, k, v, g, beta, initial_state=h0, segment_ids=seg, qk_l2norm=True,
@@ -226,6 +227,8 @@ def test_kdas_key_side_in_two_warpgroups_exports_for_hopper(packed, V):
   bwd = bwd.mlir_module()
   assert "chunk_grads_channel_delta_k2" in bwd and "chunk_grads_channel_delta_k2_chunk" in bwd
   assert bwd.count("chunk_grads_channel_delta_k") == bwd.count("chunk_grads_channel_delta_k2")
+  assert "chunk_prep_channel2" in bwd and "chunk_prep_channel2_chunk_parts" in bwd
+  assert bwd.count("chunk_prep_channel") == bwd.count("chunk_prep_channel2")
 
 
 @pytest.mark.parametrize("l2,packed,V", [(True, False, 128), (False, True, 128), (True, False, 256)])

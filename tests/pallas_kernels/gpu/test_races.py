@@ -2,7 +2,7 @@
 every tile that a copy or a tensor-core product reads after the generic writes that fill it (the
 `commit_smem` fence between them; kda's preparation once copied its inverse without one), and the
 hand-overs between the warpgroups of the multi-warpgroup programs (the fused forward's three, the delta
-family's pair gradients, kda's two-warpgroup key side). The detector keeps one kernel call's state and
+family's pair gradients, kda's two-warpgroup preparation and key side). The detector keeps one kernel call's state and
 prints each race it finds: the tests read what the calls print."""
 
 import dataclasses
@@ -56,11 +56,12 @@ def _strong_half(g):
 
 @pytest.mark.parametrize("variant,D,config,g", [
     ("kda", 128, KERNELS, _strong_half),
-    ("kda", 128, dataclasses.replace(KERNELS, key_warpgroups=2, order_channels="ordered"), _strong_half),
+    ("kda", 128, dataclasses.replace(KERNELS, key_warpgroups=2, prep_warpgroups=2, order_channels="ordered"),
+     _strong_half),
     ("gla", 128, KERNELS, None),
     ("gated_delta_rule", 128, gpu.GpuConfig(forward_warpgroups=1), None),   # the pair gradients
     ("simple_gla", 64, gpu.GpuConfig(sequence_pieces=2), None),   # the fused forward's three warpgroups
-], ids=["kda", "kda-two-warpgroup-keys", "gla", "gated-delta-pair", "fused-streamed-pieces"])
+], ids=["kda", "kda-two-warpgroup-prep-and-keys", "gla", "gated-delta-pair", "fused-streamed-pieces"])
 def test_the_kernels_of_a_differentiated_call_have_no_races(capfd, variant, D, config, g):
   _differentiate(variant, D, config, g)
   _no_races(capfd)

@@ -1,0 +1,80 @@
+"""kda's preparation on two warpgroups (`channel_prep_split.py`, `GpuConfig.prep_warpgroups=2`) in the
+Mosaic GPU interpreter: its outputs against the one-warpgroup kernel's on the same call for every grams
+form (one reference, the halves', the groups', each chunk its own, each half its own), with packed rows,
+grouped value heads and q, k normalised on load; the whole op against the float64 loop with both the
+preparation and the key side on two warpgroups; the plan and the argument checks."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from linear_attention_jax.pallas_kernels.gpu import GpuConfig, call_plan, channel, channel_prep
+from tests.ops.conftest import make_inputs, rel_rms
+from tests.pallas_kernels.gpu.util import KERNELS, PARAMS, check, packed_runs
+
+SPLIT = dataclasses.replace(KERNELS, prep_warpgroups=2)
+NAMES = ("qg", "kd", "w", "u", "p", "X", "M")
+
+
+def _strong_half(g, seed):
+  g = np.asarray(g, np.float32).copy()
+  g[..., :32] = -np.random.default_rng(seed).uniform(3.0, 20.0, g[..., :32].shape)
+  return g
+
+
+@pytest.mark.parametrize("grams,half_forms,l2,packed", [
+    ("one", False, False, True), ("groups", False, True, False), ("halves", False, False, False),
+    ("chunk", True, True, True), ("chunk", False, False, False)])
+def test_two_warpgroup_preparation_equals_the_one_warpgroup_kernel(grams, half_forms, l2, packed):
+  # bfloat16 operands; T = 150 (three chunks, the last partial), two value heads on one key head; the
+  # strong channels in the first half for the per-chunk forms (the second half takes one reference)
+  T = 150
+  inp = make_inputs("kda", B=1, T=T, H=1, Hv=2, K=128, V=64, gates="normal", seed=81)
+  g = _strong_half(inp["g"], 82) if grams in ("groups", "chunk") else np.asarray(inp["g"]) * 0.5
+  q, k, v = (jnp.asarray(inp[n] * (4.0 if n == "q" else 1.0), jnp.bfloat16) for n in ("q", "k", "v"))
+  args = (q, k, v, jnp.asarray(g), jnp.asarray(inp["beta"]))
+  seg = jnp.asarray(packed_runs(T)) if packed else None
+  if grams == "one":
+    G, _ = channel.chunk_cumsum(args[3], 192, 64)
+    assert bool(channel.fits(G, 64, jnp.bfloat16))
+  outs = {}
+  for warpgroups in (1, 2):
+    run = jax.jit(lambda *a, w=warpgroups: channel_prep.prepare(
+        *a, chunk_size=64, dtype=jnp.bfloat16, segment_ids=seg, interpret=PARAMS, with_inverse=True,
+        grams=grams, half_forms=half_forms, qk_l2norm=l2, warpgroups=w))
+    t, X, M = run(*args)
+    outs[warpgroups] = dict(qg=t.qg, kd=t.kd, w=t.w, u=t.u, p=t.p, X=X, M=M)
+  errors = {n: rel_rms(np.asarray(outs[2][n], np.float32), np.asarray(outs[1][n], np.float32)) for n in NAMES}
+  print(errors)
+  for n in ("qg", "kd"):   # each half's columns: the same arithmetic
+    np.testing.assert_array_equal(np.asarray(outs[2][n], np.float32), np.asarray(outs[1][n], np.float32))
+  for n, e in errors.items():   # P and M summed in another order (bfloat16 outputs)
+    assert np.isfinite(np.asarray(outs[2][n], np.float32)).all() and e < 1e-3, (n, errors)
+
+
+@pytest.mark.parametrize("gates", ["normal", "strong"])
+def test_both_two_warpgroup_kernels_match_the_float64_loop(gates):
+  # the op at K = 128 with the preparation and the key side on two warpgroups, bfloat16, packed rows and
+  # an initial state; "strong": gates down to -20 a token on every channel
+  inp = make_inputs("kda", B=1, T=140, H=1, Hv=1, K=128, V=64, gates=gates, seed=83)
+  config = dataclasses.replace(SPLIT, key_warpgroups=2)
+  check("kda", inp, seg=packed_runs(140), dtype=jnp.bfloat16, tol=1e-2, config=config)
+
+
+def test_the_plan_and_the_checks():
+  q = jnp.zeros((1, 64, 1, 128), jnp.bfloat16)
+  v = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+  g = jnp.zeros((1, 64, 1, 128), jnp.float32)
+  beta = jnp.zeros((1, 64, 1), jnp.float32)
+  plan = call_plan(q, q, v, g, beta, config=SPLIT)
+  assert plan.prep_warpgroups == 2 and plan.interpreter_threads() == {"prep_warpgroups=2": 3}
+  assert call_plan(q[..., :64], q[..., :64], v, g[..., :64], beta, config=SPLIT).prep_warpgroups == 1
+  assert call_plan(q, q, v, g, None, config=SPLIT).prep_warpgroups == 1   # gla
+  assert call_plan(q, q, v, g, beta, config=KERNELS).prep_warpgroups == 1
+  with pytest.raises(ValueError, match="prep_warpgroups must be one of"):
+    GpuConfig(prep_warpgroups=3)
+  with pytest.raises(ValueError, match="kda at K = 128"):
+    channel_prep.prepare(q, q, v, g, None, chunk_size=64, dtype=jnp.bfloat16, warpgroups=2)
