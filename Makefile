@@ -16,14 +16,16 @@ DOC_MODULES := linear_attention_jax.ops linear_attention_jax.layers linear_atten
 NEWEST_VENV := .venv-newest-jax
 # The quick subset run on the newest jax the registry serves: the ops (the TPU kernels through them in
 # their interpreter), the layers, the kernels' imports and preparation, and both backends' lowering
-# (jax.export for TPU and Hopper), and the short convolution's GPU kernels (interpreter and export).
+# (jax.export for TPU and Hopper), the short convolution's GPU kernels (interpreter and export), the race
+# detector's runs and kda's two-warpgroup kernels (interpreter).
 # 419 tests, ~4.3 min with -n 2 (jax 0.12.0.1; 6.4 min on a slower day).
 NEWEST_TESTS ?= tests/ops/test_checks.py tests/ops/test_edges_and_traced.py tests/ops/test_forward_mode.py \
   tests/ops/test_variants.py tests/ops/test_pallas_dispatch.py tests/layers \
   tests/pallas_kernels/test_imports.py tests/pallas_kernels/test_prep.py \
   tests/pallas_kernels/tpu/test_lowering.py tests/pallas_kernels/gpu/test_lowering.py \
   tests/pallas_kernels/gpu/test_conv.py tests/pallas_kernels/gpu/test_once.py \
-  tests/pallas_kernels/gpu/test_shared_compiles.py
+  tests/pallas_kernels/gpu/test_shared_compiles.py tests/pallas_kernels/gpu/test_races.py \
+  tests/pallas_kernels/gpu/test_channel_delta_keys.py tests/pallas_kernels/gpu/test_channel_prep_split.py
 
 .PHONY: venv run equivalence test docs test-newest-jax clean
 
