@@ -318,9 +318,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
         return one()
       if grams in blocks:
         return grouped(blocks[grams])
-      form = forms[i]
-      return lax.cond(form < 0.5, one, lambda: lax.cond(form < 1.5, lambda: grouped(groups.HALVES),
-                                                         lambda: grouped(groups.GROUP)))
+      return groups.by_form(forms[i], one, grouped)
 
     dbeta = 0.0   # the value side took rowsum(dL M)
 

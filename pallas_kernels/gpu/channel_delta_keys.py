@@ -29,8 +29,8 @@ from . import channel, groups
 from .channel import HALF
 from .masks import SEG_ROWS, segment_masks
 from .once import lowered_once
-from .tiles import (COLS, F32, L2_EPS, ROWS, SMEM_BYTES, WGMMA, compiler_params, matmuls, phase, phase_bytes,
-                    scratch_bytes, smem, vary_like)
+from .tiles import (COLS, F32, L2_EPS, ROWS, SMEM_BYTES, WGMMA, chunk_program, compiler_params, matmuls,
+                    phase, phase_bytes, scratch_bytes, smem, vary_like)
 
 WARPGROUPS = 2
 
@@ -87,10 +87,8 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
     m_r = refs_[11] if has_seg else None
     fit_r = refs_[11 + has_seg] if chunkwise else None
     dq_r, dk_r, dg_r, db_r = refs_[11 + has_seg + chunkwise:]
-    bi, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
+    bi, h, n, hk, rows_t = chunk_program(C, group)
     w = lax.axis_index("wg")
-    hk = lax.div(h, group)
-    rows_t = pl.ds(n * C, C)
     cols = lambda i: pl.ds(i * HALF, HALF)
 
     @pl.when(w == 0)
@@ -174,9 +172,7 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
         return one_terms()
       if grams in blocks:
         return group_terms(blocks[grams])
-      form = form_s[w]
-      return lax.cond(form < 0.5, one_terms, lambda: lax.cond(form < 1.5, lambda: group_terms(groups.HALVES),
-                                                              lambda: group_terms(groups.GROUP)))
+      return groups.by_form(form_s[w], one_terms, group_terms)
 
     with phase("keys2.terms"):
       dq_p, minus, plus = terms()

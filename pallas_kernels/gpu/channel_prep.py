@@ -227,9 +227,7 @@ def _prepare_kernel(q, k, v, G, refs, beta, *, chunk_size: int, dtype, segment_i
     def chosen(cols=None):   # "chunk": the form in the refs row `channel.form_row` (on each channel the
       # chunk's form, or with half_forms its half's)
       form = r_s[channel.form_row(C), 0 if cols is None else cols.start]
-      return lax.cond(form < 0.5, lambda: forms["one"](cols),
-                      lambda: lax.cond(form < 1.5, lambda: forms["halves"](cols),
-                                       lambda: forms["groups"](cols)))
+      return groups.by_form(form, lambda: forms["one"](cols), lambda block: group_grams(block, cols))
 
     with phase("cprep.grams"):
       if grams in forms:

@@ -28,8 +28,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from . import channel, groups
 from .channel import HALF
 from .masks import SEG_ROWS, segment_masks
-from .tiles import (COLS, F32, L2_EPS, ROWS, SMEM_BYTES, WGMMA, compiler_params, matmul, matmuls, phase,
-                    phase_bytes, scratch_bytes, smem, unit_lower_inverse, vary_like)
+from .tiles import (COLS, F32, L2_EPS, ROWS, SMEM_BYTES, WGMMA, chunk_program, compiler_params, matmul,
+                    matmuls, phase, phase_bytes, scratch_bytes, smem, unit_lower_inverse, vary_like)
 
 WARPGROUPS = 2
 
@@ -79,10 +79,8 @@ def kernel(q, k, v, G, refs, b, masks, *, chunk_size: int, dtype, interpret, wit
     m_r = refs_[6] if has_seg else None
     qg_r, kd_r, p_r, w_r, u_r = refs_[6 + has_seg:11 + has_seg]
     x_r, gram_r = refs_[11 + has_seg:] if with_inverse else (None, None)
-    bi, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
+    bi, h, n, hk, rows_t = chunk_program(C, group)
     w = lax.axis_index("wg")
-    hk = lax.div(h, group)
-    rows_t = pl.ds(n * C, C)
     cols = lambda i: pl.ds(i * HALF, HALF)
 
     @pl.when(w == 0)
@@ -154,14 +152,13 @@ def kernel(q, k, v, G, refs, b, masks, *, chunk_size: int, dtype, interpret, wit
     zero = lambda: i_sq.astype(F32) * 0.0   # a [C, C] float32 tile of zeros in the products' layout
 
     def share(half, form, wi, stage):
-      """Warpgroup wi's part of half `half`'s grams in `form` ("one", "halves" or "groups")."""
-      items = [None] if form == "one" else list(groups.products(C, {"halves": groups.HALVES,
-                                                                      "groups": groups.GROUP}[form]))
-      block = None if form == "one" else {"halves": groups.HALVES, "groups": groups.GROUP}[form]
+      """Warpgroup wi's part of half `half`'s grams in `form` ("one", or the diagonal blocks' tokens:
+      the halves' or the groups' products)."""
+      items = [None] if form == "one" else list(groups.products(C, form))
       P, M = zero(), zero()
       for i, s in enumerate(items):
         if (i + half) % WARPGROUPS == wi:
-          Ps, Ms = product(half, "one" if form == "one" else block, s, stage)
+          Ps, Ms = product(half, form, s, stage)
           P, M = P + Ps, M + Ms
       if form != "one" and half == wi:   # the tile's own diagonal, undecayed (groups.with_diagonal)
         P = groups.with_diagonal(P, load(q_s.at[:, cols(half)]), load(k_s.at[:, cols(half)]))
@@ -172,12 +169,11 @@ def kernel(q, k, v, G, refs, b, masks, *, chunk_size: int, dtype, interpret, wit
       P, M = zero(), zero()
       for half in range(WARPGROUPS):
         if grams != "chunk":
-          Ph, Mh = share(half, grams, wi, stage)
+          Ph, Mh = share(half, {"halves": groups.HALVES, "groups": groups.GROUP}.get(grams, grams), wi, stage)
         else:   # the chunk's form, or with half_forms the half's (`channel.form_row`)
           form = r_s[channel.form_row(C), half * HALF if half_forms else 0]
-          Ph, Mh = lax.cond(form < 0.5, lambda: share(half, "one", wi, stage),
-                            lambda: lax.cond(form < 1.5, lambda: share(half, "halves", wi, stage),
-                                             lambda: share(half, "groups", wi, stage)))
+          Ph, Mh = groups.by_form(form, lambda: share(half, "one", wi, stage),
+                                  lambda block: share(half, block, wi, stage))
         P, M = P + Ph, M + Mh
       return P, M
 

@@ -134,6 +134,14 @@ def diagonal_mask(C: int, inclusive: bool, block: int = GROUP):
   return causal & (lax.div(i, block) == lax.div(j, block))
 
 
+def by_form(form, one, grouped):
+  """Inside a kernel, for a chunk's (or a half's) form `form` (`channel.ONE`, `HALVES` or `GROUPS` as a
+  float32 scalar, `channel.form_row` / `form_tokens`): `one()`, or `grouped(block)` with the halves'
+  (`HALVES`) or the groups' (`GROUP`) diagonal blocks, in a `lax.cond`."""
+  return lax.cond(form < 0.5, one, lambda: lax.cond(form < 1.5, lambda: grouped(HALVES),
+                                                    lambda: grouped(GROUP)))
+
+
 def products(C: int, block: int = GROUP):
   """The products of the group form with diagonal blocks of `block` tokens, in order: `(s or None for
   the diagonal, ...)`."""

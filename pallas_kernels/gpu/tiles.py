@@ -114,6 +114,13 @@ def matmuls(*specs):
   return lax.optimization_barrier(pl.run_scoped(scoped, *(plgpu.ACC(shape, F32) for shape, _ in specs)))
 
 
+def chunk_program(C: int, group: int):
+  """Inside a kernel whose grid is `("b", "h", "n")` (batch row, value head, chunk): `(b, h, n, the key
+  head of value head h with `group` value heads a key head, the chunk's C token rows)`."""
+  b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
+  return b, h, n, lax.div(h, group), pl.ds(n * C, C)
+
+
 def flat(x):
   """`[B, H, NC, C, D]` -> `[B, H, NC * C, D]` (free: a reshape of contiguous dims)."""
   return None if x is None else x.reshape(x.shape[:2] + (-1,) + x.shape[4:])
