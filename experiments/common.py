@@ -231,6 +231,18 @@ def kernel_config(grads_programs: int = 0, unit_ref_bound: bool | None = None,
   return gpu.default_config(gpu.GpuConfig(**fields))
 
 
+def suffix_options(suffix: str) -> dict:
+  """`kernel_config`'s arguments for one of layer_benchmark's mixer suffixes without its colon (e.g. "k",
+  "kf"; "": the defaults), for the scripts that take the kernels' configuration as `--kernels`. Raises
+  ValueError for any other suffix."""
+  from experiments.layer_benchmark import kernel_options   # it imports this module
+  options = kernel_options(f"_:{suffix}")
+  if options is None:
+    raise ValueError(f"kernels must be one of layer_benchmark's mixer suffixes without ':' (e.g. 'k', 'kf'); "
+                     f"got {suffix!r}")
+  return options
+
+
 def write_json(workdir, name: str, results: dict) -> str:
   """Writes `results` to `{workdir}/{name}` (creating workdir) and returns the path."""
   os.makedirs(workdir, exist_ok=True)

@@ -70,16 +70,9 @@ class Config:
       raise ValueError(f"matmul_precision must be default, high or highest; got {self.matmul_precision!r}")
     if self.gates not in common.GATES:
       raise ValueError(f"gates must be one of {common.GATES}; got {self.gates!r}")
-    if _kernel_options(self.kernels) is None:
-      raise ValueError(f"kernels must be one of layer_benchmark's mixer suffixes (without ':'); got "
-                       f"{self.kernels!r}")
+    common.suffix_options(self.kernels)
     if not self.T or any(t < 1 for t in self.T):
       raise ValueError(f"T must be a non-empty list of positive lengths; got {list(self.T)}")
-
-
-def _kernel_options(suffix: str) -> dict | None:
-  from experiments.layer_benchmark import kernel_options
-  return kernel_options(f"_:{suffix}")
 
 
 def relative_rms(a, b) -> float:
@@ -127,7 +120,7 @@ def compare(config: Config, variant: str, T: int) -> list[dict]:
   fb = _jitted_forward_backward()
   with jax.default_matmul_precision(config.matmul_precision):  # thread-local: set in this worker
     # (in this thread: the configuration is a context variable, and compare runs in a pool's threads)
-    with common.kernel_config(**_kernel_options(config.kernels)):
+    with common.kernel_config(**common.suffix_options(config.kernels)):
       outs = {impl: jax.device_get(fb(inputs, cotangents, segment_ids, variant=variant, impl=impl,
                                       chunk_size=config.chunk_size)) for impl in config.impls}
   ref = outs[config.impls[0]]

@@ -163,11 +163,12 @@ def trace_op(variant: str, directory: str) -> float | None:
   """Runs `variant`'s forward and backward once under `tiles.phase_trace(directory)`; then, compiled
   without the records, back to back for 2 s while the SM clock is sampled. Returns the clock (MHz)."""
   grads, args = common.op_gradient(variant, FLAGS)
-  with tiles.phase_trace(directory, ranges=FLAGS.ranges):
-    jax.block_until_ready(jax.jit(grads)(*args))
-    jax.effects_barrier()   # the traces are written by host callbacks
-  plain = jax.jit(lambda *a: grads(*a))   # a new trace, without the records
-  return sm_clock_mhz(lambda: plain(*args))
+  with common.kernel_config(**common.suffix_options(FLAGS.kernels)):   # chosen as the calls trace
+    with tiles.phase_trace(directory, ranges=FLAGS.ranges):
+      jax.block_until_ready(jax.jit(grads)(*args))
+      jax.effects_barrier()   # the traces are written by host callbacks
+    plain = jax.jit(lambda *a: grads(*a))   # a new trace, without the records
+    return sm_clock_mhz(lambda: plain(*args))
 
 
 def render(results: dict) -> str:
@@ -193,7 +194,7 @@ def main(argv):
   common.check_variants(f.variants)
   results = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                  shape=dict(B=f.B, T=f.T, H=f.H, K=f.K, V=f.V), gates=f.gates, dtype=f.dtype,
-                 variants={})
+                 kernels=f.kernels, variants={})
   for variant in f.variants:
     directory = tempfile.mkdtemp(prefix=f"phases_{variant}_")
     clock = trace_op(variant, directory)
@@ -225,6 +226,8 @@ def _define_flags():
   flags.DEFINE_integer("ranges", 40, "Phases a warpgroup may record in one program (16 bytes of shared "
                        "memory each a warpgroup: the pair gradients have room for 40).")
   flags.DEFINE_bool("keep_traces", False, "Also keep every kernel call's Chrome trace.")
+  flags.DEFINE_string("kernels", "", "The GPU kernels' configuration: a suffix of layer_benchmark's mixers "
+                      "without its colon (e.g. kf: kda's key side and preparation on two warpgroups).")
   flags.DEFINE_string("workdir", "runs/kernel_phases", "Where phases.json and phases.md go.")
 
 

@@ -92,12 +92,8 @@ def render(results: dict) -> str:
 
 def compile_once(variant: str) -> None:
   """The child: `variant`'s forward and backward at the flags' shape, compiled and run once."""
-  from experiments.layer_benchmark import kernel_options
-  options = kernel_options(f"_:{FLAGS.kernels}")
-  if options is None:
-    raise app.UsageError(f"--kernels must be one of layer_benchmark's mixer suffixes; got {FLAGS.kernels!r}")
   grads, args = common.op_gradient(variant, FLAGS)
-  with common.kernel_config(**options):   # the kernels are chosen as the call traces
+  with common.kernel_config(**common.suffix_options(FLAGS.kernels)):   # chosen as the call traces
     jax.block_until_ready(jax.jit(grads)(*args))
 
 
