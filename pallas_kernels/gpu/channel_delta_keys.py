@@ -14,6 +14,12 @@ dS already are, in 16-bit tiles): this program reads neither the states nor the 
 products), dq, dk and dG are the one-warpgroup kernel's, half by half; warpgroup 1 hands its part of
 dbeta to warpgroup 0, which writes the sum. With `qk_l2norm` each warpgroup reads both halves of q and k
 for the rows' norms and, after both have read them, scales its own half in place.
+
+Where each chunk takes its form (`grams="chunk"`) and half 0 takes the halves' or the groups' products
+while half 1 takes one reference (the strong channels in half 0, as the layers' order puts them), the
+halves' work is unequal: warpgroup 1 then first takes half 0's odd products and hands their partial
+terms to warpgroup 0, which takes the even ones and the diagonal's: dq's and the sum of k's two (dk's)
+in the operand dtype, their difference (dG's) in float32, 32 KB more.
 """
 
 from __future__ import annotations
@@ -74,15 +80,18 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
       r_s=plgpu.SMEM((WARPGROUPS, rows_of_refs, HALF), F32), sds_s=plgpu.SMEM((WARPGROUPS, HALF), F32),
       b_s=plgpu.SMEM((C,), F32), form_s=plgpu.SMEM((C,), F32), vec_s=plgpu.SMEM((WARPGROUPS, C), F32),
       bar=plgpu.Barrier(num_arrivals=3 + 8 * WARPGROUPS + SEG_ROWS * has_seg + chunkwise),
-      normed=plgpu.Barrier(num_arrivals=WARPGROUPS), handed=plgpu.Barrier())
+      normed=plgpu.Barrier(num_arrivals=WARPGROUPS, num_barriers=2), handed=plgpu.Barrier())
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
+  if chunkwise:   # warpgroup 1's share of half 0's products, handed over (module docstring)
+    scratch.update(hq_s=smem((C, HALF), dtype), hs_s=smem((C, HALF), dtype), hd_s=smem((C, HALF), F32),
+                   dealt=plgpu.Barrier())
   need = scratch_bytes(scratch) + phase_bytes(WARPGROUPS)
   if need > SMEM_BYTES:
     raise ValueError(f"the two-warpgroup key side needs {need} bytes of shared memory (at most {SMEM_BYTES})")
 
   def body(*refs_, q_s, k_s, g_s, dqg_s, dkd_s, dbk_s, qr_s, kr_s, ar_s, dp_s, dm_s, r_s, sds_s, b_s, form_s,
-           vec_s, bar, normed, handed, m_s=None):
+           vec_s, bar, normed, handed, m_s=None, hq_s=None, hs_s=None, hd_s=None, dealt=None):
     q_r, k_r, g_r, ref_r, b_r, dp_r, dm_r, dqg_r, dkd_r, dbk_r, sds_r = refs_[:11]
     m_r = refs_[11] if has_seg else None
     fit_r = refs_[11 + has_seg] if chunkwise else None
@@ -119,19 +128,22 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
         for tile in (q_s, k_s):
           sums = jnp.sum(load(tile.at[0]) ** 2, axis=1) + jnp.sum(load(tile.at[1]) ** 2, axis=1)
           norms.append(lax.rsqrt(sums + L2_EPS))
-        plgpu.barrier_arrive(normed)   # both warpgroups have read both halves
-        plgpu.barrier_wait(normed)
+        plgpu.barrier_arrive(normed.at[0])   # both warpgroups have read both halves
+        plgpu.barrier_wait(normed.at[0])
         for tile, r in zip((q_w, k_w), norms):
           tile[...] = (load(tile) * rows(r)).astype(dtype)
         plgpu.commit_smem()
+        plgpu.barrier_arrive(normed.at[1])   # both halves scaled: warpgroup 1 may read half 0's
+        plgpu.barrier_wait(normed.at[1])
 
-    colv = lambda row: lax.broadcast_in_dim(plgpu.load(r_s.at[w, row], layout=COLS), ck, [1])
+    colv = lambda row, half=w: lax.broadcast_in_dim(plgpu.load(r_s.at[half, row], layout=COLS), ck, [1])
     fresh = lax.optimization_barrier
     clamp = lambda x: jnp.exp(jnp.minimum(x, bound))
     _, carry, to_last, carry_last = (None, None, None, 1.0) if m_s is None else segment_masks(m_s, None, C)
     last_row = plgpu.broadcasted_iota(jnp.int32, ck, 0, layout=WGMMA) == C - 1
     gb = groups.group_bound(dtype)
     vec_end = lambda t: colv(groups.FIRST_ROW + t)
+    zero_ck = lambda: plgpu.broadcasted_iota(jnp.int32, ck, 0, layout=WGMMA).astype(F32) * 0.0
     blocks = {"halves": groups.HALVES, "groups": groups.GROUP}
 
     def one_terms():   # the grams' terms about the one reference R
@@ -145,14 +157,26 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
       dPK, minus, plus = matmuls((ck, [(dp_s, kr)]), (ck, [(dp_s.T, qr), (dm_s.T, ar)]), (ck, [(dm_s, kr)]))
       return clamp(Gt - R) * dPK, clamp(R - Gt) * minus, clamp(Gt - R) * plus
 
-    def group_terms(block):   # groups.py's products: dP, then dM, on each product's entries
-      d = rows(groups.diagonal_of(load(dp_s)))
-      dq_p, minus, plus = d * load(k_w), d * load(q_w), 0.0
-      for s in groups.products(C, block):
+    def group_terms(block, half=None, parity=None):
+      """groups.py's products (dP, then dM, on each product's entries) of this warpgroup's half, or of
+      `half`; with `parity`, only the products of that index parity (0 also takes the diagonal's
+      terms), staged in this warpgroup's tiles."""
+      q_w, k_w, g_w = (q_s.at[w], k_s.at[w], g_s.at[w]) if half is None else (
+          q_s.at[half], k_s.at[half], g_s.at[half])
+      ends = vec_end if half is None else (lambda t: colv(groups.FIRST_ROW + t, half))
+      if parity in (None, 0):
+        d = rows(groups.diagonal_of(load(dp_s)))
+        dq_p, minus = d * load(k_w), d * load(q_w)
+      else:
+        dq_p = minus = zero_ck()
+      plus = 0.0
+      for i, s in enumerate(groups.products(C, block)):
+        if parity is not None and i % 2 != parity:
+          continue
         if s is None:
-          up, down = groups.factors(fresh(load(g_w)), vec_end, s, gb, block)
+          up, down = groups.factors(fresh(load(g_w)), ends, s, gb, block)
         else:
-          up = down = groups.level_factor(fresh(load(g_w)), vec_end, s)
+          up = down = groups.level_factor(fresh(load(g_w)), ends, s)
         kr[...] = (load(k_w) * down).astype(dtype)
         qr[...] = (load(q_w) * up).astype(dtype)
         ar[...] = jnp.where(groups.keep_mask(C, s, block), load(dp_s), 0.0).astype(dtype)
@@ -172,10 +196,38 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
         return one_terms()
       if grams in blocks:
         return group_terms(blocks[grams])
-      return groups.by_form(form_s[w], one_terms, group_terms)
+      own = lambda: groups.by_form(form_s[w], one_terms, group_terms)
+      if not chunkwise:
+        return own()
+      # warpgroup 0 keeps the even products of half 0 where warpgroup 1 takes the odd ones
+      return lax.cond(dealing & (w == 0), lambda: groups.by_form(
+          form_s[0], one_terms, lambda block: group_terms(block, parity=0)), own)
+
+    # "chunk": where half 0 takes a groups' form and half 1 one reference (the strong channels in half 0,
+    # as the layers' order puts them), warpgroup 1 first takes the odd products of half 0 and hands
+    # their partial terms to warpgroup 0 (module docstring), then takes its own
+    dealing = (form_s[0] >= 0.5) & (form_s[1] < 0.5) if chunkwise else False
+    if chunkwise:
+      @pl.when(dealing & (w == 1))
+      def _deal():
+        with phase("keys2.deal"):
+          dq_h, minus_h, plus_h = groups.by_form(
+              form_s[0], lambda: (zero_ck(),) * 3, lambda block: group_terms(block, half=0, parity=1))
+          hq_s[...] = dq_h.astype(dtype)
+          hs_s[...] = (plus_h + minus_h).astype(dtype)   # dk's sum: rounded as dk is
+          hd_s[...] = plus_h - minus_h                    # dG's difference: float32
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(dealt)
 
     with phase("keys2.terms"):
       dq_p, minus, plus = terms()
+    if chunkwise:
+      def received():   # plus + minus gains the sum, plus - minus the difference
+        plgpu.barrier_wait(dealt)
+        total, diff = load(hs_s), plgpu.load(hd_s, layout=WGMMA)
+        return dq_p + load(hq_s), minus + 0.5 * (total - diff), plus + 0.5 * (total + diff)
+
+      dq_p, minus, plus = lax.cond(dealing & (w == 0), received, lambda: (dq_p, minus, plus))
     with phase("keys2.dq"):
       Gt = fresh(load(g_w))
       e_q = jnp.exp(Gt) if carry is None else jnp.exp(Gt) * rows(carry)
