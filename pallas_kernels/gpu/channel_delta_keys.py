@@ -10,8 +10,9 @@ so that one computes while the other waits on its products or fences.
 They fit one program because the products without a decayed gram (`do S^T`, `u dS^T`, `dr S^T`) and
 `colsum(S dS)` come from the value side (`value_side(..., key_products=True)`, where do, u, dr, S and
 dS already are, in 16-bit tiles): this program reads neither the states nor the value-width tiles,
-~181 KB at K = 128. The grams' products, each half's form (one reference, the halves' or the groups'
-products), dq, dk and dG are the one-warpgroup kernel's, half by half; warpgroup 1 hands its part of
+~181 KB at K = 128 (~213 with the hand-over below). The grams' products, each half's form (one
+reference, the halves' or the groups' products), dq, dk and dG are the one-warpgroup kernel's, half by
+half; warpgroup 1 hands its part of
 dbeta to warpgroup 0, which writes the sum. With `qk_l2norm` each warpgroup reads both halves of q and k
 for the rows' norms and, after both have read them, scales its own half in place.
 
