@@ -12,9 +12,9 @@ They fit one program because the products without a decayed gram (`do S^T`, `u d
 dS already are, in 16-bit tiles): this program reads neither the states nor the value-width tiles,
 ~181 KB at K = 128 (~213 with the hand-over below). The grams' products, each half's form (one
 reference, the halves' or the groups' products), dq, dk and dG are the one-warpgroup kernel's, half by
-half; warpgroup 1 hands its part of
-dbeta to warpgroup 0, which writes the sum. With `qk_l2norm` each warpgroup reads both halves of q and k
-for the rows' norms and, after both have read them, scales its own half in place.
+half; warpgroup 1 hands its part of dbeta to warpgroup 0, which writes the sum. With `qk_l2norm` each
+warpgroup reads both halves of q and k for the rows' norms and, after both have read them, scales its
+own half in place.
 
 Where each chunk takes its form (`grams="chunk"`) and half 0 takes the halves' or the groups' products
 while half 1 takes one reference (the strong channels in half 0, as the layers' order puts them), the
