@@ -180,8 +180,8 @@ class GpuConfig:
 
   def __post_init__(self):
     for name, allowed in (("forward", FORWARDS), ("backward", BACKWARDS), ("forward_warpgroups", (1, 3)),
-                          ("delta_warpgroups", (1, 2)), ("key_warpgroups", (1, 2)), ("prep_warpgroups", (1, 2)),
-                          ("gram_method", prep.GRAM_METHODS),
+                          ("delta_warpgroups", (1, 2)), ("key_warpgroups", (1, 2)),
+                          ("prep_warpgroups", (1, 2)), ("gram_method", prep.GRAM_METHODS),
                           ("dg_cumsum", DG_CUMSUMS), ("order_channels", CHANNEL_ORDERS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"GpuConfig.{name} must be one of {allowed}; got {getattr(self, name)!r}")
