@@ -2,7 +2,8 @@
 Mosaic GPU interpreter: its outputs against the one-warpgroup kernel's on the same call for every grams
 form (one reference, the halves', the groups', each chunk its own, each half its own), with packed rows,
 grouped value heads and q, k normalised on load; the whole op against the float64 loop with both the
-preparation and the key side on two warpgroups; the plan and the argument checks."""
+preparation and the key side on two warpgroups; the KDA layer under that configuration; the plan and the
+argument checks."""
 
 import dataclasses
 
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from linear_attention_jax.pallas_kernels import gpu
 from linear_attention_jax.pallas_kernels.gpu import GpuConfig, call_plan, channel, channel_prep
 from tests.ops.conftest import make_inputs, rel_rms
 from tests.pallas_kernels.gpu.util import F16_TOL, KERNELS, PARAMS, check, packed_runs
@@ -85,3 +87,33 @@ def test_the_plan_and_the_checks():
     GpuConfig(prep_warpgroups=3)
   with pytest.raises(ValueError, match="kda at K = 128"):
     channel_prep.prepare(q, q, v, g, None, chunk_size=64, dtype=jnp.bfloat16, warpgroups=2)
+
+
+def test_the_kda_layer_takes_both_two_warpgroup_kernels_under_the_config(monkeypatch):
+  # where users are: KimiDeltaAttention (K = 128, bfloat16, its own gates and the layer order) fwd+bwd in
+  # the interpreter under `default_config(key_warpgroups=2, prep_warpgroups=2)` (the benchmarks' K:kf):
+  # both new kernels run, and the loss and every parameter's gradient agree with the default kernels'
+  from flax import nnx
+  from linear_attention_jax import layers
+  from linear_attention_jax.pallas_kernels.gpu import channel_delta_keys, channel_prep_split
+  from linear_attention_jax.pallas_kernels.gpu.interpret import interpret_kernels
+  calls = []
+  for module, name in ((channel_delta_keys, "key_side"), (channel_prep_split, "kernel")):
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+  layer = layers.KimiDeltaAttention(256, 2, head_dim=128, impl="pallas", dtype=jnp.bfloat16, rngs=nnx.Rngs(3))
+  x = jnp.asarray(np.random.default_rng(4).normal(size=(1, 70, 256)), jnp.float32)
+
+  def loss(layer):
+    y, _ = layer(x)
+    return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(y.shape[-1], dtype=jnp.float32)))
+
+  runs = []
+  for config in (GpuConfig(), GpuConfig(key_warpgroups=2, prep_warpgroups=2)):
+    with interpret_kernels(), gpu.default_config(config):
+      runs.append(jax.jit(nnx.value_and_grad(loss))(layer))
+  assert sorted(set(calls)) == ["kernel", "key_side"], calls
+  (l1, g1), (l2, g2) = runs
+  assert abs(float(l2) - float(l1)) <= 1e-5 * abs(float(l1))
+  for a, b in zip(jax.tree.leaves(nnx.state(g1)), jax.tree.leaves(nnx.state(g2))):
+    assert np.isfinite(np.asarray(b)).all() and rel_rms(np.asarray(b), np.asarray(a)) < 2e-2
