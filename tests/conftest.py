@@ -8,14 +8,17 @@ has one thread per core (the `NPROC` environment variable overrides the count). 
 the launcher and one blocked warpgroup fill the pool. The warpgroup the blocked one waits for then
 never starts, and the suite hangs.
 
-Six threads leave room for the launcher and three warpgroups, with two to spare. The environment variable also reaches
-the scripts that tests run as subprocesses. It is set here, before any test initialises JAX's CPU
+Twelve threads leave room for the launcher and three warpgroups of two kernel calls in flight at once:
+an eager test dispatches its kernels asynchronously. With six, one run of the suite hung: a worker sat
+at 0% CPU in an eager dispatch inside test_chunked_attention's l2 test, as a pool whose threads all
+wait on barriers would leave it (the cause is inferred, not traced). The environment variable also
+reaches the scripts that tests run as subprocesses. It is set here, before any test initialises JAX's CPU
 backend.
 """
 
 import os
 
-os.environ["NPROC"] = str(max(6, int(os.environ.get("NPROC") or 0)))
+os.environ["NPROC"] = str(max(12, int(os.environ.get("NPROC") or 0)))
 
 # The suite's programs are tiny and mostly run once, so LLVM's optimisations of XLA's CPU code cost more
 # than they save: the whole suite compiles at -O0 (XLA's fusion and every numeric choice are the same;

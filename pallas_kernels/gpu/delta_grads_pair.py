@@ -65,7 +65,7 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
   In the Mosaic GPU interpreter the two warpgroups run as separate computations on XLA's CPU thread
   pool, which needs at least three threads (launcher + two warpgroups). That pool has one thread per
   core unless the environment variable `NPROC` says otherwise, so a 2-core machine hangs without
-  `NPROC >= 3`, set before JAX's CPU backend starts (tests/conftest.py sets 6)."""
+  `NPROC >= 3`, set before JAX's CPU backend starts (tests/conftest.py sets 12)."""
   B, T_pad, H, K = q.shape
   Hv, V = v.shape[2:]
   NC = states.shape[2]
