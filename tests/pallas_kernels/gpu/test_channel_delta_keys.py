@@ -57,7 +57,7 @@ def test_two_warpgroup_key_side_matches_the_float64_loop(monkeypatch, case):
   if case == "grouped-strong-half":
     inp["g"] = _strong_half(inp["g"], 62)
     config = dataclasses.replace(SPLIT, order_channels="ordered")
-  errors = check("kda", inp, seg=seg, dtype=jnp.bfloat16, tol=1e-2, config=config)
+  check("kda", inp, seg=seg, dtype=jnp.bfloat16, tol=1e-2, config=config)
   assert calls and set(calls) == {"channel_delta_keys.key_side"}, calls
 
 
