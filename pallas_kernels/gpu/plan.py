@@ -149,11 +149,13 @@ class GpuConfig:
     product costs 0.48 (NOTES.md v59).
   prep_warpgroups: kda's preparation kernel at K = 128 on 1 warpgroup or 2 (the grams' products dealt
     out between them, qg / kd by halves of the columns, the inverse and w on one while the other
-    forms u: `channel_prep_split`; K = 64 and gla run one). Not the default until timed (NOTES.md v61).
+    forms u: `channel_prep_split`; K = 64 and gla run one). Not the default: with both options the
+    trained K LM steps 10.5% faster on an H100, but its loss after 80 steps differs from the default
+    kernels' (2.44 against 2.29) where the interpreter finds them alike (NOTES.md v62).
   key_warpgroups: kda's key-side gradients at K = 128 on 1 warpgroup (both halves of the key channels
     in turn, `channel_delta_grads.key_side`) or 2 (a half each, side by side, the value side forming
     their products without a decayed gram: `channel_delta_keys`; needs `dg_cumsum="xla"`; K = 64 runs
-    one). Not the default until timed on the device (NOTES.md v61).
+    one). Not the default (as prep_warpgroups: NOTES.md v62).
   gram_method: XLA's per-channel decayed grams (`prep.GRAM_METHODS`) where XLA prepares: "auto" (one
     product about a per-channel reference within the bound, else the merge form) or "merge" (NOTES.md
     v25: a third form, whole-tile levels, was slower on the H200 and is gone).
