@@ -21,6 +21,15 @@ while half 1 takes one reference (the strong channels in half 0, as the layers' 
 halves' work is unequal: warpgroup 1 then first takes half 0's odd products and hands their partial
 terms to warpgroup 0, which takes the even ones and the diagonal's: dq's and the sum of k's two (dk's)
 in the operand dtype, their difference (dG's) in float32, 32 KB more.
+
+Nothing here sums over a tile's rows with `jnp.sum`: Mosaic GPU takes such a sum across the warps of a
+warpgroup through one reduction scratch at one offset for every warpgroup of the program, so two
+warpgroups summing at once read each other's partial sums (the Mosaic GPU interpreter does not model
+it: on an H100 dg came out ~50x off, NOTES.md v63). The last token's `colsum(kd (u dS^T))` is a
+product with a tile of ones instead, its operand split into a 16-bit high and low part so that the sum
+keeps ~16 bits more than one 16-bit operand would (it cancels against the rows' own terms in dg's
+reverse cumsum: a sum rounded as a 16-bit operand once put dg 7% off under strong gates). Sums along a
+row stay within a warp and are safe.
 """
 
 from __future__ import annotations
@@ -68,8 +77,9 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
   group = Hv // H
   if not serves(K):
     raise ValueError(f"the two-warpgroup key side takes K = {WARPGROUPS * HALF} (a half each); got K={K}")
-  if grams != "one" and C != HALF:
-    raise ValueError(f"the group form stages dP and dM in a [C, {HALF}] tile: C must be {HALF}; got {C}")
+  if C != HALF:
+    raise ValueError(f"the key side stages [C, C] tiles (dP and dM's parts, the column sums' ones) in "
+                     f"[C, {HALF}] tiles: C must be {HALF}; got {C}")
   chunkwise = grams == "chunk"
   bound = prep.ref_bound(dtype, unit=unit_bound and chunkwise)
   has_seg = masks is not None
@@ -239,17 +249,25 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
       Gt, Gc = fresh(load(g_w)), colv(1)
       kt, dkd, dBk = load(k_w), load(dkd_s.at[w]), load(dbk_s.at[w])
       e_k = jnp.exp(Gc - Gt) if to_last is None else jnp.exp(Gc - Gt) * rows(to_last)
-      kd_dkd = jnp.sum(kt * e_k * dkd, axis=0)   # the last token's colsum(kd (u dS^T))
+      kd_dkd = kt * e_k * dkd   # the last token's colsum(kd (u dS^T)) sums its rows (keys2.last)
       minus = e_k * dkd + minus
       e_q = jnp.exp(Gt) if carry is None else jnp.exp(Gt) * rows(carry)
       dbeta = -jnp.sum(dBk * (kt * e_q), axis=1)
       plus = plus - rows(fresh(plgpu.load(b_s, layout=ROWS))) * e_q * dBk
       dG = dG + kt * (plus - minus)
     with phase("keys2.last"):   # the last token: colsum(kd (u dS^T)) + e^(G_C) colsum(S dS)
+      # the column sums on the tensor cores (module docstring): ones^T (hi + lo), every row the sum, in
+      # this warpgroup's staging tiles (its products have read them)
+      high = kd_dkd.astype(dtype)
+      qr[...] = high
+      kr[...] = (kd_dkd - high.astype(F32)).astype(dtype)
+      ar[...] = (zero_ck() + 1.0).astype(dtype)
+      plgpu.commit_smem()
+      (colsum,) = matmuls((ck, [(ar, qr), (ar, kr)]))
       s_ds = plgpu.load(sds_s.at[w], layout=COLS)
       s_decay = plgpu.load(r_s.at[w, 1], layout=COLS)
-      term = kd_dkd + jnp.exp(s_decay) * carry_last * s_ds
-      dG = dG + jnp.where(last_row, lax.broadcast_in_dim(term, ck, [1]), 0.0)
+      term = colsum + lax.broadcast_in_dim(jnp.exp(s_decay) * carry_last * s_ds, ck, [1])
+      dG = dG + jnp.where(last_row, term, 0.0)
     with phase("keys2.out"):
       k_w[...] = (plus + minus).astype(dtype)
       g_w[...] = dG
