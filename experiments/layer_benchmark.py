@@ -26,9 +26,11 @@ KDA layer's projections instead, `"layer"`, the default; ":w", e.g. `K:w`, neith
 (e.g. `K:r`, `F:r`) takes dG's reverse cumsum in the per-channel gradient kernels instead of XLA
 (`GpuConfig(dg_cumsum="kernel")`); ":k" (e.g. `K:k`) runs kda's key-side gradients on two warpgroups, a
 half of the key channels each (`GpuConfig(key_warpgroups=2)`), ":f" its preparation kernel on two
-(`GpuConfig(prep_warpgroups=2)`), and letters together set each (e.g. `K:kf`). Writes `{workdir}/layers.json` and `layers.md`; with several `--T`,
-also `layers.png`: each mixer's time per token against T next to softmax attention's, and the T from
-which each mixer is faster.
+(`GpuConfig(prep_warpgroups=2)`), and letters together set each (e.g. `K:kf`): both are the default
+at K = 128 with bfloat16 operands, and ":1" (e.g. `K:1`) runs both on one warpgroup instead
+(`GpuConfig(key_warpgroups=1, prep_warpgroups=1)`). Writes `{workdir}/layers.json` and `layers.md`;
+with several `--T`, also `layers.png`: each mixer's time per token against T next to softmax
+attention's, and the T from which each mixer is faster.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def build(mixer: str, *, width: int, heads: int, impl: str, dtype):
   name, _, variant = mixer.partition(":")
   if variant != "xlaconv" and kernel_options(mixer) is None:
     raise ValueError(f"mixer suffix must be ':xlaconv', ':pN' or ':sN' (N > 0), ':u', ':n', ':c', ':o', "
-                     f"':l', ':w', ':r', ':k', ':f' (letters together: each) or none; got {mixer!r}")
+                     f"':l', ':w', ':r', ':k', ':f' (letters together: each), ':1' or none; got {mixer!r}")
   layer = _build(name, width=width, heads=heads, impl=impl, dtype=dtype)
   for conv in getattr(layer, "convs", ()) if variant == "xlaconv" else ():
     conv.impl = "xla"
@@ -76,7 +78,8 @@ def kernel_options(mixer: str) -> dict | None:
   projections, the default) and "none" for ':w' (neither), `dg_cumsum="kernel"` for ':r' (dG's
   reverse cumsum in the per-channel gradient kernels), `key_warpgroups=2` for ':k' (kda's key side on
   two warpgroups), `prep_warpgroups=2` for ':f' (kda's preparation, the forward's kernel, on two); letters
-  together set each (':kf' both), each field once; None for any other suffix."""
+  together set each (':kf' both), each field once; both at 1 for ':1' (the one-warpgroup kernels); None
+  for any other suffix."""
   _, _, suffix = mixer.partition(":")
   if suffix in ("", "xlaconv"):
     return {}
@@ -95,6 +98,8 @@ def kernel_options(mixer: str) -> dict | None:
     return dict(key_warpgroups=2)
   if suffix == "f":
     return dict(prep_warpgroups=2)
+  if suffix == "1":
+    return dict(key_warpgroups=1, prep_warpgroups=1)
   if suffix in ("u", "n"):
     return dict(unit_ref_bound=suffix == "u")
   match = re.fullmatch(r"([ps])([1-9][0-9]*)", suffix)

@@ -149,13 +149,14 @@ class GpuConfig:
     product costs 0.48 (NOTES.md v59).
   prep_warpgroups: kda's preparation kernel at K = 128 on 1 warpgroup or 2 (the grams' products dealt
     out between them, qg / kd by halves of the columns, the inverse and w on one while the other
-    forms u: `channel_prep_split`; K = 64 and gla run one). Not the default: with both options the
-    trained K LM steps 10.5% faster on an H100, but its loss after 80 steps differs from the default
-    kernels' (2.44 against 2.29) where the interpreter finds them alike (NOTES.md v62).
+    forms u: `channel_prep_split`; K = 64 and gla run one). None (default): 2 at K = 128 with
+    bfloat16 operands and C = 64, else 1.
   key_warpgroups: kda's key-side gradients at K = 128 on 1 warpgroup (both halves of the key channels
     in turn, `channel_delta_grads.key_side`) or 2 (a half each, side by side, the value side forming
     their products without a decayed gram: `channel_delta_keys`; needs `dg_cumsum="xla"`; K = 64 runs
-    one). Not the default (as prep_warpgroups: NOTES.md v62).
+    one). None (default): 2 at K = 128 with bfloat16 operands, C = 64 and dG's cumsum in XLA, else 1.
+    With both at 2 the trained K LM steps ~10% faster on an H100 and trains as with one warpgroup
+    (NOTES.md v62-v63).
   gram_method: XLA's per-channel decayed grams (`prep.GRAM_METHODS`) where XLA prepares: "auto" (one
     product about a per-channel reference within the bound, else the merge form) or "merge" (NOTES.md
     v25: a third form, whole-tile levels, was slower on the H200 and is gone).
@@ -177,13 +178,13 @@ class GpuConfig:
   call_test: bool = True
   order_channels: str = "layer"
   dg_cumsum: str = "xla"
-  key_warpgroups: int = 1
-  prep_warpgroups: int = 1
+  key_warpgroups: int | None = None
+  prep_warpgroups: int | None = None
 
   def __post_init__(self):
     for name, allowed in (("forward", FORWARDS), ("backward", BACKWARDS), ("forward_warpgroups", (1, 3)),
-                          ("delta_warpgroups", (1, 2)), ("key_warpgroups", (1, 2)),
-                          ("prep_warpgroups", (1, 2)), ("gram_method", prep.GRAM_METHODS),
+                          ("delta_warpgroups", (1, 2)), ("key_warpgroups", (None, 1, 2)),
+                          ("prep_warpgroups", (None, 1, 2)), ("gram_method", prep.GRAM_METHODS),
                           ("dg_cumsum", DG_CUMSUMS), ("order_channels", CHANNEL_ORDERS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"GpuConfig.{name} must be one of {allowed}; got {getattr(self, name)!r}")
@@ -294,6 +295,10 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
                      and not per_head)
   on_load = (forward, backward) == ("delta_prep", "delta_grads") or (
       channel_kernels and backward == "channel_delta_grads")
+  dg_cumsum = config.dg_cumsum if jnp.dtype(dtype) == jnp.bfloat16 and (
+      backward == "channel_delta_grads" or (backward == "channel_grads" and chunk_size == 64)) else "xla"
+  # kda's two-warpgroup kernels where their option is left to the plan (GpuConfig's docstring)
+  two = jnp.dtype(dtype) == jnp.bfloat16 and chunk_size == 64
   return Plan(cell=c, forward=forward, keeps=_KEEPS.get((forward, backward), "inputs"), backward=backward,
               forward_beyond=forward_beyond, backward_beyond=backward_beyond,
               l2="none" if not qk_l2norm else "on_load" if on_load else "xla",
@@ -309,13 +314,11 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
               half_forms=(config.order_channels in ("op", "ordered") and forward == "channel_prep"
                           and backward == "channel_delta_grads"),
               gate_floor="stages" if channel_kernels else "xla",
-              dg_cumsum=config.dg_cumsum if jnp.dtype(dtype) == jnp.bfloat16 and (
-                  backward == "channel_delta_grads" or (backward == "channel_grads" and chunk_size == 64))
-              else "xla",
-              key_warpgroups=(config.key_warpgroups if backward == "channel_delta_grads" and K == 128
-                              else 1),
-              prep_warpgroups=(config.prep_warpgroups if forward == "channel_prep" and delta and K == 128
-                               else 1))
+              dg_cumsum=dg_cumsum,
+              key_warpgroups=(config.key_warpgroups or (2 if two and dg_cumsum == "xla" else 1)
+                              if backward == "channel_delta_grads" and K == 128 else 1),
+              prep_warpgroups=(config.prep_warpgroups or (2 if two else 1)
+                               if forward == "channel_prep" and delta and K == 128 else 1))
 
 
 def hopper_reason(backend: str | None = None) -> str | None:

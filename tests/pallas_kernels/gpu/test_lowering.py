@@ -159,7 +159,8 @@ def test_float32_inputs_fit_shared_memory(delta):
 def test_per_channel_preparation_kernel_exports_for_hopper(kind, D, packed):
   # the default: the forward's chunk tensors from chunk_prep_channel (one-reference grams, in a
   # lax.cond with the same kernel choosing per chunk between those and the 8-token groups' products:
-  # chunk_prep_channel_chunk), then the walk; kda's q, k l2-normalised in the kernels as they load
+  # chunk_prep_channel_chunk), then the walk; kda's q, k l2-normalised in the kernels as they load; kda
+  # at K = 128 on two warpgroups (chunk_prep_channel2)
   delta = kind == "kda"
   args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D, dtype=jnp.float32),
           _spec(B, T, H, dtype=jnp.float32) if delta else None)
@@ -168,7 +169,9 @@ def test_per_channel_preparation_kernel_exports_for_hopper(kind, D, packed):
   with jax.sharding.use_abstract_mesh(H200):
     fwd = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
   assert fwd.count("custom_call @mosaic_gpu") == 3
-  assert "chunk_prep_channel" in fwd and "chunk_prep_channel_chunk" in fwd and "chunk_walk_fwd" in fwd
+  prep = "chunk_prep_channel2" if delta and D == 128 else "chunk_prep_channel"
+  assert prep in fwd and f"{prep}_chunk" in fwd and "chunk_walk_fwd" in fwd
+  assert fwd.count("chunk_prep_channel") == fwd.count(prep)
   assert "stablehlo.rsqrt" not in fwd   # no XLA norm (kda's in the kernels)
 
 
@@ -180,7 +183,8 @@ def test_per_channel_gradient_kernels_export_for_hopper(kind, D, group, packed, 
   # key channels, ~209 KB of shared memory at K = V = 128) or kda's value-side and key-side kernels
   # (~192 / ~218 KB), inside the lax.cond whose other branch is the same kernels on the 8-token groups'
   # products (chunk_grads_channel_groups) or, for kda, choosing per chunk between the two forms
-  # (chunk_grads_channel_delta_k_chunk); `order`: kda's channels strongest first (GpuConfig.order_channels)
+  # (chunk_grads_channel_delta_k_chunk; at K = 128 the two-warpgroup key side, chunk_grads_channel_delta_k2);
+  # `order`: kda's channels strongest first (GpuConfig.order_channels)
   Hv = group * H
   delta = kind == "kda"
   args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, Hv, D), _spec(B, T, Hv, D, dtype=jnp.float32),
@@ -199,9 +203,11 @@ def test_per_channel_gradient_kernels_export_for_hopper(kind, D, group, packed, 
   assert ("stablehlo.gather" in bwd) == order   # the order's gathers, forward and back
   # with the order, the per-chunk preparation chooses each half's form (delta and order go together)
   assert ("chunk_prep_channel_chunk_parts" in bwd) == order
-  names = ["chunk_grads_channel_delta_v", "chunk_grads_channel_delta_k"] if delta else ["chunk_grads_channel"]
-  names += ["chunk_grads_channel_delta_k_chunk"] if delta else ["chunk_grads_channel_groups"]
+  keys = "chunk_grads_channel_delta_k2" if D == 128 else "chunk_grads_channel_delta_k"
+  names = ["chunk_grads_channel_delta_v", keys] if delta else ["chunk_grads_channel"]
+  names += [f"{keys}_chunk"] if delta else ["chunk_grads_channel_groups"]
   assert all(name in bwd for name in names)
+  assert not delta or bwd.count("chunk_grads_channel_delta_k") == bwd.count(keys)
   assert "chunk_walk_bwd" in bwd
 
 
@@ -300,7 +306,8 @@ def test_persistent_pair_gradients_export_for_hopper():
 
 def test_the_kda_layer_with_the_layer_order_gathers_only_weights_for_hopper(monkeypatch):
   # GpuConfig(order_channels="layer"): the KDA layer's fwd+bwd (impl "pallas", bfloat16) exported for
-  # Hopper holds the per-half preparation kernel and gathers only its weights' columns (q, k, f_up
+  # Hopper holds the per-half preparation kernel (two warpgroups at K = 128) and gathers only its
+  # weights' columns (q, k, f_up
   # kernels, dt_bias, the convolutions' taps), no [B, T, ...] activation, where "op" gathers q, k, g
   import re
 
@@ -325,6 +332,6 @@ def test_the_kda_layer_with_the_layer_order_gathers_only_weights_for_hopper(monk
   with gpu.default_config(gpu.GpuConfig(order_channels="layer")), jax.sharding.use_abstract_mesh(H200):
     text = jax.export.export(jax.jit(jax.grad(loss)), platforms=["cuda"])(
         params, _spec(B, T_, width)).mlir_module()
-  assert "chunk_prep_channel_chunk_parts" in text and "short_conv" in text
+  assert "chunk_prep_channel2_chunk_parts" in text and "short_conv" in text
   gathered = re.findall(r'stablehlo\.gather"?\(.*?\).*?:\s*\(tensor<([0-9x]+)x[a-z0-9]+>', text)
   assert gathered and all(f"{B}x{T_}x" not in s and not s.startswith(f"{B}x") for s in gathered), gathered

@@ -100,6 +100,21 @@ def test_the_plan_says_where_the_warpgroups_and_the_l2_norm_go():
   assert plan.select(delta=False, decay="scalar", config=kernels).interpreter_threads() == {
       "forward_warpgroups=3": 4}
   assert plan.select(delta=True, decay="channel", config=kernels).interpreter_threads() == {}
+  # kda's two-warpgroup kernels: the default at K = 128 with bfloat16 operands and C = 64 (the key side
+  # also needs dG's cumsum in XLA), one warpgroup elsewhere or where asked
+  k128 = lambda dtype=jnp.bfloat16, K=128, **c: plan.select(delta=True, decay="channel", dtype=dtype, K=K,
+                                                            config=GpuConfig(**c))
+  both = lambda p: (p.key_warpgroups, p.prep_warpgroups)
+  assert both(k128()) == (2, 2)
+  assert k128().interpreter_threads() == {"key_warpgroups=2": 3, "prep_warpgroups=2": 3}
+  assert both(k128(jnp.float16)) == both(k128(jnp.float32)) == both(k128(K=64)) == (1, 1)
+  assert both(k128(dg_cumsum="kernel")) == (1, 2)
+  assert both(k128(key_warpgroups=1, prep_warpgroups=1)) == (1, 1)
+  assert both(k128(key_warpgroups=2, prep_warpgroups=1)) == (2, 1)
+  assert both(plan.select(delta=False, decay="channel", K=128, config=kernels)) == (1, 1)   # gla
+  assert both(plan.select(delta=True, decay="channel", K=128, config=GpuConfig(backward="xla_vjp"))) == (1, 2)
+  with pytest.raises(ValueError, match="key_warpgroups must be one of"):
+    GpuConfig(key_warpgroups=0)
   with pytest.raises(TypeError):
     GpuConfig(walk_warpgroups=3)   # the walks' three-warpgroup form is gone (NOTES.md v30, v37)
 

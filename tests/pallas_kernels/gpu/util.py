@@ -40,7 +40,7 @@ def assert_walk_outputs_close(reference, got, tol):
 # The prepared path (XLA's preparation and vjp around the walk kernels), every cell's kernels, and each
 # half of them; one warpgroup a program unless a test asks for more (the interpreter's threads).
 XLA = GpuConfig(forward="xla_prep", backward="xla_vjp", forward_warpgroups=1, delta_warpgroups=1)
-KERNELS = GpuConfig(forward_warpgroups=1, delta_warpgroups=1)
+KERNELS = GpuConfig(forward_warpgroups=1, delta_warpgroups=1, key_warpgroups=1, prep_warpgroups=1)
 KERNEL_FORWARD = dataclasses.replace(KERNELS, backward="xla_vjp")
 KERNEL_BACKWARD = dataclasses.replace(KERNELS, forward="xla_prep")
 
