@@ -71,7 +71,8 @@ flags.DEFINE_list("patterns", ["A", "G", "GGGA", "K"], "LM patterns; A (the anch
                   "dG's reverse cumsum in the per-channel gradient kernels (GpuConfig(dg_cumsum="
                   "'kernel')), ':k' (e.g. K:k) kda's key side on two warpgroups (GpuConfig("
                   "key_warpgroups=2)), ':f' its preparation on two (GpuConfig(prep_warpgroups=2)); letters "
-                  "together set each (e.g. K:kf); beside the default in the same process.")
+                  "together set each (e.g. K:kf: the default at K = 128 with bfloat16), and ':1' (e.g. "
+                  "K:1) runs both on one warpgroup; beside the default in the same process.")
 flags.DEFINE_list("seq_lens", ["4096", "16384"], "Sequence lengths T.")
 flags.DEFINE_integer("tokens", 32768, "Tokens per step: batch = tokens / T (at least 1).")
 flags.DEFINE_list("breakdown", [], "Patterns whose steps are also timed part by part.")
