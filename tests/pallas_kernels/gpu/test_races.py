@@ -59,19 +59,33 @@ def _strong_half(g):
   return g
 
 
+# the calls whose programs run several warpgroups (kda's preparation and key side, the delta family's pair
+# gradients, the fused forward's three warpgroups)
+MULTI_WARPGROUP = [
+    pytest.param("kda", 128, dataclasses.replace(KERNELS, key_warpgroups=2, prep_warpgroups=2,
+                                                 order_channels="ordered"), _strong_half,
+                 id="kda-two-warpgroup-prep-and-keys"),
+    pytest.param("kda", 128, dataclasses.replace(KERNELS, key_warpgroups=2, prep_warpgroups=2), _mild,
+                 id="kda-two-warpgroup-one-reference"),
+    pytest.param("gated_delta_rule", 128, gpu.GpuConfig(forward_warpgroups=1), None, id="gated-delta-pair"),
+    pytest.param("simple_gla", 64, gpu.GpuConfig(sequence_pieces=2), None, id="fused-streamed-pieces"),
+]
+
+
 @pytest.mark.parametrize("variant,D,config,g", [
-    ("kda", 128, KERNELS, _strong_half),
-    ("kda", 128, dataclasses.replace(KERNELS, key_warpgroups=2, prep_warpgroups=2, order_channels="ordered"),
-     _strong_half),
-    ("kda", 128, dataclasses.replace(KERNELS, key_warpgroups=2, prep_warpgroups=2), _mild),
-    ("gla", 128, KERNELS, None),
-    ("gated_delta_rule", 128, gpu.GpuConfig(forward_warpgroups=1), None),   # the pair gradients
-    ("simple_gla", 64, gpu.GpuConfig(sequence_pieces=2), None),   # the fused forward's three warpgroups
-], ids=["kda", "kda-two-warpgroup-prep-and-keys", "kda-two-warpgroup-one-reference", "gla", "gated-delta-pair",
-        "fused-streamed-pieces"])
+    pytest.param("kda", 128, KERNELS, _strong_half, id="kda"), *MULTI_WARPGROUP[:2],
+    pytest.param("gla", 128, KERNELS, None, id="gla"), *MULTI_WARPGROUP[2:]])
 def test_the_kernels_of_a_differentiated_call_have_no_races(capfd, variant, D, config, g):
   _differentiate(variant, D, config, g)
   _no_races(capfd)
+
+
+def _inner_jaxprs(eqn):
+  """The jaxprs an equation holds in its parameters (a cond's branches, a scan's or a scope's body)."""
+  for value in eqn.params.values():
+    for sub in value if isinstance(value, (list, tuple)) else [value]:
+      if hasattr(sub, "eqns") or hasattr(sub, "consts"):
+        yield getattr(sub, "jaxpr", sub)
 
 
 def _programs(jaxpr):
@@ -80,10 +94,8 @@ def _programs(jaxpr):
     if eqn.primitive.name == "mpmd_map":
       for mesh, body in zip(eqn.params["meshes"], eqn.params["jaxprs"]):
         yield eqn.params["name"], mesh.num_threads or 1, getattr(body, "jaxpr", body)
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (list, tuple)) else [value]:
-        if hasattr(sub, "eqns") or hasattr(sub, "consts"):
-          yield from _programs(getattr(sub, "jaxpr", sub))
+    for inner in _inner_jaxprs(eqn):
+      yield from _programs(inner)
 
 
 def _row_sums(jaxpr):
@@ -93,21 +105,12 @@ def _row_sums(jaxpr):
     if eqn.primitive.name.startswith("reduce_") and eqn.invars[0].aval.ndim >= 2:
       if any(a != eqn.invars[0].aval.ndim - 1 for a in eqn.params["axes"]):
         found.append(f"{eqn.primitive.name}{tuple(eqn.params['axes'])} of {eqn.invars[0].aval.str_short()}")
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (list, tuple)) else [value]:
-        if hasattr(sub, "eqns") or hasattr(sub, "consts"):
-          found += _row_sums(getattr(sub, "jaxpr", sub))
+    for inner in _inner_jaxprs(eqn):
+      found += _row_sums(inner)
   return found
 
 
-@pytest.mark.parametrize("variant,D,config,g", [
-    ("kda", 128, dataclasses.replace(KERNELS, key_warpgroups=2, prep_warpgroups=2, order_channels="ordered"),
-     _strong_half),
-    ("kda", 128, dataclasses.replace(KERNELS, key_warpgroups=2, prep_warpgroups=2), _mild),
-    ("gated_delta_rule", 128, gpu.GpuConfig(forward_warpgroups=1), None),
-    ("simple_gla", 64, gpu.GpuConfig(sequence_pieces=2), None),
-], ids=["kda-two-warpgroup-prep-and-keys", "kda-two-warpgroup-one-reference", "gated-delta-pair",
-        "fused-streamed-pieces"])
+@pytest.mark.parametrize("variant,D,config,g", MULTI_WARPGROUP)
 def test_no_multi_warpgroup_program_sums_over_a_tiles_rows(variant, D, config, g):
   # A sum over a tile's rows crosses the warps of a warpgroup through Mosaic GPU's reduction scratch, at
   # one offset for every warpgroup: two warpgroups summing at once read each other's partial sums. The
