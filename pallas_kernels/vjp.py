@@ -109,7 +109,8 @@ def _forward(static: Static, q, k, v, g, beta, h0, segment_ids, *, keep: bool):
     case "xla_prep" if not saves:
       return prepared.forward(static, q, k, v, g, beta, h0, segment_ids), None
     case "xla_prep":   # gla's gradient kernels read the walk's states and the tensors they walked
-      cumsum = channel.chunk_cumsum(g, prep.padded_length(T, C, _pieces(static)), C)
+      cumsum = channel.chunk_cumsum(g, prep.padded_length(T, C, _pieces(static)), C,
+                                     kernel=plan.cumsums == "kernel", interpret=interpret)
       t = common.cast_tensors(prepared.prepare(static, q, k, v, g, beta, segment_ids), dtype)
       o, states, final = _walk(static, t, h0, with_states=True)
       saved = channel_grads.Saved(*states, qg=t.qg, decay=t.decay, G=cumsum[0], refs=cumsum[1])
@@ -126,7 +127,8 @@ def _forward(static: Static, q, k, v, g, beta, h0, segment_ids, *, keep: bool):
       o, states, final = _walk(static, t, h0, with_states=saves)
       saved = (t, X) + states if saves else None
     case "channel_prep":
-      cumsum = channel.chunk_cumsum(g, prep.padded_length(T, C, _pieces(static)), C)
+      cumsum = channel.chunk_cumsum(g, prep.padded_length(T, C, _pieces(static)), C,
+                                     kernel=plan.cumsums == "kernel", interpret=interpret)
       inverse = saves and plan.backward == "channel_delta_grads"
       out = channel_tensors(q, k, v, g, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
                             interpret=interpret, chunk_multiple=_pieces(static), cumsum=cumsum,
@@ -167,12 +169,13 @@ def _backward(static: Static, q, k, v, g, beta, h0, segment_ids, saved, do, dfin
     case "channel_grads":
       kernels = lambda grams: lambda: channel_grads.backward(
           q, k, v, g, h0, do, dfinal, **kw, sequence_pieces=_sequence_pieces(static), scale=static.scale,
-          saved=saved, grams=grams, dg_cumsum=plan.dg_cumsum)
+          saved=saved, grams=grams, dg_cumsum=plan.dg_cumsum, cumsums=plan.cumsums)
     case "channel_delta_grads":
       kernels = lambda grams: lambda: channel_delta_grads.backward(
           q, k, v, g, beta, h0, do, dfinal, **kw, sequence_pieces=_sequence_pieces(static),
           scale=static.scale, saved=saved, grams=grams, unit_bound=plan.unit_bound,
-          qk_l2norm=plan.l2 == "on_load", dg_cumsum=plan.dg_cumsum, key_warpgroups=plan.key_warpgroups)
+          qk_l2norm=plan.l2 == "on_load", dg_cumsum=plan.dg_cumsum, key_warpgroups=plan.key_warpgroups,
+          cumsums=plan.cumsums)
     case other:
       raise ValueError(f"no backward stage {other!r}")
   # the kernels sum their gradients over the mesh axes their primals do not vary over, as the per-head

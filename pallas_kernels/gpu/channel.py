@@ -13,18 +13,23 @@ import numpy as np
 from jax import lax
 
 from .. import prep
-from . import groups
+from . import cumsum, groups
 from .tiles import F32
 
 HALF = 64   # key channels per pass
 
 
-def chunk_cumsum(g, T_pad: int, C: int):
+def chunk_cumsum(g, T_pad: int, C: int, *, kernel: bool = False, interpret=None):
   """`(G [B, T_pad, H_v, K], refs [B, NC, 2 + NG, H_v, K])` float32: the chunk-local cumulative
   log-decay in g's token layout (g floored at `prep.LOG_DECAY_FLOOR`), and per chunk and channel the
   reference `R` (`prep.reference`, row 0), the last token's `G_C` (row 1) and the last row of each
-  8-token group (`groups.ref_rows`)."""
+  8-token group (`groups.ref_rows`). `kernel`: by `cumsum.forward`'s token walk where it serves the
+  shape (`cumsum.serves`; the `Plan.cumsums` of the call), else XLA's batched product."""
   B, T, Hv, K = g.shape
+  if kernel and cumsum.serves(Hv * K, C):
+    flat = jnp.pad(g, [(0, 0), (0, T_pad - T), (0, 0), (0, 0)]).reshape(B, T_pad, Hv * K)
+    G, refs = cumsum.forward(flat, C=C, interpret=interpret)
+    return G.reshape(B, T_pad, Hv, K), refs.reshape(B, T_pad // C, -1, Hv, K)
   g = jnp.pad(prep.floor_log_decay(g.astype(F32)), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
   G = prep.local_cumsum(g.reshape(B, T_pad // C, C, Hv, K), 2, method="matmul")
   refs = [prep.reference(G, axis=2), G[:, :, -1:], lax.stop_gradient(groups.ref_rows(G))]
@@ -184,16 +189,20 @@ def _permute_bwd(heads_axis, axis, res, ct):
 _permute.defvjp(_permute_fwd, _permute_bwd)
 
 
-def key_grads(dq, dk, dG, q, k, g, C: int, summed: bool = False):
+def key_grads(dq, dk, dG, q, k, g, C: int, summed: bool = False, *, kernel: bool = False,
+              interpret=None):
   """`(dq, dk, dg)` in q, k, g's dtypes and lengths from the kernels' per-value-head dq, dk `[B, T_pad,
   H_v, K]` and per-token dG: dg is dG's reverse cumsum within each chunk (G = cumsum(g) there; `summed`:
-  the kernel took it, and dG is that sum), zero below the gate's floor, and grouped heads add their
-  value heads' dq, dk."""
+  the kernel took it, and dG is that sum; `kernel`: `cumsum.reverse`'s token walk where it serves the
+  shape, else XLA's batched product), zero below the gate's floor, and grouped heads add their value
+  heads' dq, dk."""
   B, T, H, K = q.shape
   T_pad, Hv = dG.shape[1:3]
   group = Hv // H
   if summed:
     dg = dG[:, :T]
+  elif kernel and cumsum.serves(Hv * K, C):
+    dg = cumsum.reverse(dG.reshape(B, T_pad, Hv * K), C=C, interpret=interpret).reshape(dG.shape)[:, :T]
   else:
     dG = dG.reshape(B, T_pad // C, C, Hv, K)
     dg = prep.local_cumsum(dG, 2, reverse=True, method="matmul").reshape(B, T_pad, Hv, K)[:, :T]

@@ -433,13 +433,13 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
 def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None,
              interpret=None, sequence_pieces=None, scale: float = 1.0, saved: Saved, grams: str = "one",
              unit_bound: bool = False, qk_l2norm: bool = False, dg_cumsum: str = "xla",
-             key_warpgroups: int = 1):
+             key_warpgroups: int = 1, cumsums: str = "xla"):
   """`(dq, dk, dv, dg, dbeta, dh0)` of kda's prepared forward (`o` scaled by `scale`; in q, k, v, g,
   beta's dtypes, dh0 float32) for `do: [B, T, H_v, V]` and `dfinal` None or `[B, H_v, K, V]`, from what
   the forward `saved`: the reverse walk over the saved tensors, then `value_side` and `key_side`; dG's
-  reverse cumsum within the chunks in XLA, or in `key_side` with `dg_cumsum="kernel"` (bfloat16
-  operands: `GpuConfig.dg_cumsum`); XLA masks dg below the gate's floor and, for grouped heads,
-  adds the value heads' dq, dk.
+  reverse cumsum within the chunks after them (`cumsums`: `cumsum.reverse`'s walk or XLA's product),
+  or in `key_side` with `dg_cumsum="kernel"` (bfloat16 operands: `GpuConfig.dg_cumsum`); XLA masks dg below
+  the gate's floor and, for grouped heads, adds the value heads' dq, dk.
   `grams`: `key_side`'s; the caller's `lax.cond` (`vjp.py`) takes "one" where every chunk's decay fits the
   one-reference bound, else "groups" (or XLA's vjp, for float16 beyond the groups' bound). `unit_bound`:
   `key_side`'s (q, k l2-normalised). `qk_l2norm`: the forward normalised q, k on load; the key side
@@ -483,7 +483,8 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
       u, dr, dP, dM, dv, dbeta_v = sides
       dq, dk, dG, dbeta_k = key_side(pad(q), pad(k), G, refs, b, do_t, u, dr, dP, dM, saved.states, dstates,
                                      **keys, reverse_cumsum=summed)
-    dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C, summed=summed)
+    dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C, summed=summed, kernel=cumsums == "kernel",
+                           interpret=interpret)
     if qk_l2norm:
       dq, dk = (jax.vjp(common.l2_normalize, x)[1](dx)[0] for x, dx in ((q, dq), (k, dk)))
     dbeta = jnp.swapaxes(dbeta_v + dbeta_k, 1, 2)[:, :T].astype(beta.dtype)

@@ -253,15 +253,15 @@ class Saved(NamedTuple):
 
 def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None, interpret=None,
              sequence_pieces=None, scale: float = 1.0, saved: Saved, grams: str = "one",
-             dg_cumsum: str = "xla"):
+             dg_cumsum: str = "xla", cumsums: str = "xla"):
   """`(dq, dk, dv, dg, None, dh0)` of the prepared forward of gla (`o` scaled by `scale`; dq, dk, dv,
   dg in q, k, v, g's dtypes, dh0 float32) for `do: [B, T, H_v, V]` and `dfinal` None or
   `[B, H_v, K, V]`, from what the forward `saved`.
 
   The reverse walk (`walk.backward_states`, over the saved q e^G and decay) gives the gradient of the
-  state leaving every chunk; then `chunk_grads` forms every chunk's gradients, XLA dG's reverse cumsum
-  within the chunks (or `chunk_grads` with `dg_cumsum="kernel"`: bfloat16, C = 64,
-  `GpuConfig.dg_cumsum`), and XLA masks dg below the gate's floor and,
+  state leaving every chunk; then `chunk_grads` forms every chunk's gradients, dG's reverse cumsum within the
+  chunks follows (`cumsums`: `cumsum.reverse`'s walk or XLA's product) (or `chunk_grads` with
+  `dg_cumsum="kernel"`: bfloat16, C = 64, `GpuConfig.dg_cumsum`), and XLA masks dg below the gate's floor and,
   for grouped heads, adds the value heads' dq, dk. `grams`:
   `chunk_grads`'; the caller's `lax.cond` (`vjp.py`) takes "one" where every chunk's decay fits the
   one-reference bound (`fits`), else "groups" (or XLA's vjp, for float16 beyond the groups' bound).
@@ -286,7 +286,8 @@ def backward(q, k, v, g, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=
     summed = dg_cumsum == "kernel"   # the kernel takes dG's reverse cumsum
     dq, dk, dv, dG = chunk_grads(qp, kp, vp, G, refs, saved.states, dstates, dos, dtype=dtype,
                                  masks=masks, interpret=interpret, grams=grams, reverse_cumsum=summed)
-    dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C, summed=summed)
+    dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C, summed=summed, kernel=cumsums == "kernel",
+                           interpret=interpret)
     grads = (dq, dk, dv[:, :T].astype(v.dtype), dg)
     return common.summed_like(grads, (q, k, v, g)) + (None, dh0.astype(F32))
 

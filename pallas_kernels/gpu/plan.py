@@ -79,6 +79,7 @@ CHUNK_SIZES = (64,)
 FORWARDS = ("kernel", "xla_prep")
 BACKWARDS = ("kernel", "xla_vjp")
 DG_CUMSUMS = ("xla", "kernel")
+CUMSUMS = ("kernel", "xla")
 CHANNEL_ORDERS = ("none", "op", "layer", "ordered")
 VARIANTS = {   # variant -> (delta family, decay kind)
     "linear_attention": (False, "none"), "retention": (False, "scalar"), "simple_gla": (False, "scalar"),
@@ -147,6 +148,11 @@ class GpuConfig:
     cores: `tiles.reverse_cumsum_rows`; bfloat16 operands, and C = 64 for gla). "xla" by default: in
     the trained KDA LM on the H200 the key-side kernel took 1.35 ms a step longer with it, where XLA's
     product costs 0.48 (NOTES.md v59).
+  cumsums: the per-channel stages' chunk-local cumulative sums of g (the forward's G and its reference
+    rows, `channel.chunk_cumsum`) and of dG (dg, where `dg_cumsum` leaves it to XLA): "kernel" (the
+    default: `cumsum.py`'s token walks, one pass over the input each, where H_v K is a multiple of 128
+    and C of 8; XLA's product elsewhere) or "xla" (one batched float32 product with the triangle of
+    ones, and the references from G in a second pass).
   prep_warpgroups: kda's preparation kernel at K = 128 on 1 warpgroup or 2 (the grams' products dealt
     out between them, qg / kd by halves of the columns, the inverse and w on one while the other
     forms u: `channel_prep_split`; K = 64 and gla run one). None (default): 2 at K = 128 with
@@ -178,6 +184,7 @@ class GpuConfig:
   call_test: bool = True
   order_channels: str = "layer"
   dg_cumsum: str = "xla"
+  cumsums: str = "kernel"
   key_warpgroups: int | None = None
   prep_warpgroups: int | None = None
 
@@ -185,7 +192,8 @@ class GpuConfig:
     for name, allowed in (("forward", FORWARDS), ("backward", BACKWARDS), ("forward_warpgroups", (1, 3)),
                           ("delta_warpgroups", (1, 2)), ("key_warpgroups", (None, 1, 2)),
                           ("prep_warpgroups", (None, 1, 2)), ("gram_method", prep.GRAM_METHODS),
-                          ("dg_cumsum", DG_CUMSUMS), ("order_channels", CHANNEL_ORDERS)):
+                          ("dg_cumsum", DG_CUMSUMS), ("cumsums", CUMSUMS),
+                          ("order_channels", CHANNEL_ORDERS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"GpuConfig.{name} must be one of {allowed}; got {getattr(self, name)!r}")
     for name in ("unit_ref_bound", "call_test"):
@@ -227,6 +235,7 @@ class Plan:
   half_forms: bool = False     # its preparation's halves their own forms ("op" or "ordered" there)
   gate_floor: str = "xla"      # "xla": g floored before the stages | "stages": by the per-channel ones
   dg_cumsum: str = "xla"       # GpuConfig.dg_cumsum where a per-channel gradient kernel can take it
+  cumsums: str = "xla"         # GpuConfig.cumsums for the per-channel stages' cumsums of g and dG
   key_warpgroups: int = 1      # of kda's key-side programs (GpuConfig.key_warpgroups where K = 128)
   prep_warpgroups: int = 1     # of kda's preparation programs (GpuConfig.prep_warpgroups where K = 128)
 
@@ -315,6 +324,7 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
                           and backward == "channel_delta_grads"),
               gate_floor="stages" if channel_kernels else "xla",
               dg_cumsum=dg_cumsum,
+              cumsums=config.cumsums if per_channel else "xla",
               key_warpgroups=(config.key_warpgroups or (2 if two and dg_cumsum == "xla" else 1)
                               if backward == "channel_delta_grads" and K == 128 else 1),
               prep_warpgroups=(config.prep_warpgroups or (2 if two else 1)

@@ -1,0 +1,134 @@
+"""Per-channel decay's chunk-local cumulative sums as two Mosaic GPU kernels, each one pass over its
+input: the forward's `G` (g floored, summed down each chunk) with its references, and the backward's
+reverse sum of dG up each chunk.
+
+    G_t = sum_{s <= t} max(g_s, LOG_DECAY_FLOOR)     dg_t = sum_{s >= t} dG_s     (s, t in one chunk)
+
+One program a (batch row, chunk, block of `BLOCK_D` channels of the flattened heads and channels)
+copies the chunk's C rows into shared memory and walks them in order, each thread holding its own
+channel's running sum in float32 (as `conv.py` walks its tokens), overwriting each row with its sum;
+the forward also keeps the running maximum and minimum and writes `channel.chunk_cumsum`'s reference
+rows (R = (max + min) / 2, G_C, each 8-token group's last row) beside G. XLA's form (`prep.local_cumsum`'s
+product with the triangle of ones) reads and writes the same bytes but ran at about a third of the
+memory's rate in the trained KDA LM (NOTES.md v64), and its references read G once more.
+
+The sums run token after token, the order of `lax.cumsum`; float32 throughout.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from .. import prep
+from . import groups
+from .once import lowered_once
+from .tiles import F32, vary_like
+
+BLOCK_D = 128   # channels a program: one a thread of the warpgroup
+UNROLL = groups.GROUP   # rows a loop iteration: one 8-token group, whose last row is a reference row
+
+
+def serves(D: int, C: int) -> bool:
+  """Whether the kernels take `D` flattened channels (heads x key channels) and chunks of C tokens."""
+  return D % BLOCK_D == 0 and C % UNROLL == 0 and C >= UNROLL
+
+
+def _geometry(x, C: int):
+  B, T_pad, D = x.shape
+  if not serves(D, C) or T_pad % C:
+    raise ValueError(f"the cumsum kernels take x [B, T_pad, D] with D a multiple of {BLOCK_D} and T_pad a "
+                     f"multiple of C, C a multiple of {UNROLL}; got shape {tuple(x.shape)}, C={C}")
+  return B, T_pad // C, D // BLOCK_D
+
+
+def _params():
+  return plgpu.CompilerParams(approx_math=False)
+
+
+@lowered_once()
+def forward(g, *, C: int, interpret=None):
+  """`(G [B, T_pad, D], refs [B, NC, 2 + C / 8, D])` float32 of `g [B, T_pad, D]` (any float dtype;
+  zero rows past the sequence): G the chunk-local cumulative sums of g floored at
+  `prep.LOG_DECAY_FLOOR`, refs `channel.chunk_cumsum`'s rows (R, G_C, the groups' last rows)."""
+  B, NC, ND = _geometry(g, C)
+  D = g.shape[2]
+  in_place = g.dtype == F32
+  rows = groups.FIRST_ROW + C // UNROLL
+  scratch = dict(x_s=plgpu.SMEM((C, BLOCK_D), g.dtype), r_s=plgpu.SMEM((rows, BLOCK_D), F32),
+                 bar=plgpu.Barrier(num_arrivals=1))
+  if not in_place:
+    scratch["y_s"] = plgpu.SMEM((C, BLOCK_D), F32)
+
+  def body(g_r, G_r, refs_r, x_s, r_s, bar, y_s=None):
+    b, n, c = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("c")
+    cols, chunk = pl.ds(c * BLOCK_D, BLOCK_D), pl.ds(n * C, C)
+    out = x_s if in_place else y_s
+    plgpu.copy_gmem_to_smem(g_r.at[b, chunk, cols], x_s, bar)
+    plgpu.barrier_wait(bar)
+
+    def floored(i):
+      x = x_s[i].astype(F32)
+      return jnp.where(x < prep.LOG_DECAY_FLOOR, jnp.full_like(x, prep.LOG_DECAY_FLOOR), x)
+
+    def group(u, carry):
+      acc, top, bottom = carry
+      for j in range(UNROLL):
+        i = u * UNROLL + j
+        acc = acc + floored(i)
+        out[i] = acc
+        top, bottom = jnp.maximum(top, acc), jnp.minimum(bottom, acc)
+      r_s[groups.FIRST_ROW + u] = acc
+      return acc, top, bottom
+
+    first = floored(0)
+    zero = jnp.zeros_like(first)
+    acc, top, bottom = lax.fori_loop(0, C // UNROLL, group, (zero, first, first))
+    r_s[0] = (top + bottom) / 2
+    r_s[1] = acc
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out, G_r.at[b, chunk, cols])
+    plgpu.copy_smem_to_gmem(r_s, refs_r.at[b, n, :, cols])
+    plgpu.wait_smem_to_gmem(0)
+
+  out_type = (jax.ShapeDtypeStruct(g.shape, F32), jax.ShapeDtypeStruct((B, NC, rows, D), F32))
+  return tuple(vary_like(plgpu.kernel(
+      body, out_type=out_type, scratch_types=scratch, grid=(B, NC, ND), grid_names=("b", "n", "c"),
+      compiler_params=_params(), interpret=interpret, kernel_name="chunk_cumsum_fwd")(g), (g,)))
+
+
+@lowered_once()
+def reverse(dG, *, C: int, interpret=None):
+  """`dg [B, T_pad, D]` float32: the sums of the float32 `dG [B, T_pad, D]` from each row to its chunk's
+  last."""
+  B, NC, ND = _geometry(dG, C)
+  if dG.dtype != F32:
+    raise ValueError(f"dG must be float32; got {dG.dtype}")
+  scratch = dict(x_s=plgpu.SMEM((C, BLOCK_D), F32), bar=plgpu.Barrier(num_arrivals=1))
+
+  def body(dG_r, dg_r, x_s, bar):
+    b, n, c = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("c")
+    cols, chunk = pl.ds(c * BLOCK_D, BLOCK_D), pl.ds(n * C, C)
+    plgpu.copy_gmem_to_smem(dG_r.at[b, chunk, cols], x_s, bar)
+    plgpu.barrier_wait(bar)
+
+    def group(u, acc):
+      for j in range(UNROLL):
+        i = C - 1 - (u * UNROLL + j)
+        acc = acc + x_s[i]
+        x_s[i] = acc
+      return acc
+
+    lax.fori_loop(0, C // UNROLL, group, jnp.zeros_like(x_s[C - 1]))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(x_s, dg_r.at[b, chunk, cols])
+    plgpu.wait_smem_to_gmem(0)
+
+  (dg,) = vary_like(plgpu.kernel(
+      body, out_type=(jax.ShapeDtypeStruct(dG.shape, F32),), scratch_types=scratch, grid=(B, NC, ND),
+      grid_names=("b", "n", "c"), compiler_params=_params(), interpret=interpret,
+      kernel_name="chunk_cumsum_bwd")(dG), (dG,))
+  return dg
