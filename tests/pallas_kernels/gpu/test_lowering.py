@@ -160,7 +160,8 @@ def test_per_channel_preparation_kernel_exports_for_hopper(kind, D, packed):
   # the default: the forward's chunk tensors from chunk_prep_channel (one-reference grams, in a
   # lax.cond with the same kernel choosing per chunk between those and the 8-token groups' products:
   # chunk_prep_channel_chunk), then the walk; kda's q, k l2-normalised in the kernels as they load; kda
-  # at K = 128 on two warpgroups (chunk_prep_channel2)
+  # at K = 128 on two warpgroups (chunk_prep_channel2); before them, g's chunk-local cumsums by
+  # chunk_cumsum_fwd (GpuConfig.cumsums)
   delta = kind == "kda"
   args = (_spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D), _spec(B, T, H, D, dtype=jnp.float32),
           _spec(B, T, H, dtype=jnp.float32) if delta else None)
@@ -168,7 +169,7 @@ def test_per_channel_preparation_kernel_exports_for_hopper(kind, D, packed):
   fn = lambda q, k, v, g, beta: gpu.chunked_attention(q, k, v, g, beta, segment_ids=seg, qk_l2norm=delta)
   with jax.sharding.use_abstract_mesh(H200):
     fwd = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
-  assert fwd.count("custom_call @mosaic_gpu") == 3
+  assert fwd.count("custom_call @mosaic_gpu") == 4 and "chunk_cumsum_fwd" in fwd
   prep = "chunk_prep_channel2" if delta and D == 128 else "chunk_prep_channel"
   assert prep in fwd and f"{prep}_chunk" in fwd and "chunk_walk_fwd" in fwd
   assert fwd.count("chunk_prep_channel") == fwd.count(prep)
@@ -209,6 +210,7 @@ def test_per_channel_gradient_kernels_export_for_hopper(kind, D, group, packed, 
   assert all(name in bwd for name in names)
   assert not delta or bwd.count("chunk_grads_channel_delta_k") == bwd.count(keys)
   assert "chunk_walk_bwd" in bwd
+  assert "chunk_cumsum_fwd" in bwd and "chunk_cumsum_bwd" in bwd   # g's cumsums, and dG's after the kernels
 
 
 def test_kdas_key_side_and_preparation_in_two_warpgroups_export_for_hopper():
