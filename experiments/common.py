@@ -203,7 +203,8 @@ def _numeric(text: str) -> bool:
 def kernel_config(grads_programs: int = 0, unit_ref_bound: bool | None = None,
                   sequence_pieces: int | None = None, call_test: bool | None = None,
                   order_channels: str | None = None, dg_cumsum: str | None = None,
-                  key_warpgroups: int | None = None, prep_warpgroups: int | None = None):
+                  key_warpgroups: int | None = None, prep_warpgroups: int | None = None,
+                  cumsums: str | None = None):
   """The GPU kernels' configuration for a benchmark's whole run (`pallas_kernels.gpu.default_config`):
   `grads_programs` > 0 runs the delta family's pair gradients in that many persistent programs (0: the
   library's default, one program a chunk); `unit_ref_bound` True or False sets the per-channel
@@ -215,12 +216,14 @@ def kernel_config(grads_programs: int = 0, unit_ref_bound: bool | None = None,
   taken strongest first (`GpuConfig.order_channels`);
   `dg_cumsum` "kernel" or "xla" says where dG's reverse cumsum runs (`GpuConfig.dg_cumsum`);
   `key_warpgroups`, `prep_warpgroups` 1 or 2: kda's key side, its preparation on one warpgroup or two
-  (`GpuConfig.key_warpgroups`, `GpuConfig.prep_warpgroups`)."""
+  (`GpuConfig.key_warpgroups`, `GpuConfig.prep_warpgroups`); `cumsums` "kernel" or "xla": the gates'
+  chunk-local cumsums (`GpuConfig.cumsums`)."""
   if grads_programs < 0:
     raise ValueError(f"grads_programs must be >= 0; got {grads_programs}")
   switches = (("unit_ref_bound", unit_ref_bound), ("call_test", call_test),
               ("order_channels", order_channels), ("dg_cumsum", dg_cumsum),
-              ("key_warpgroups", key_warpgroups), ("prep_warpgroups", prep_warpgroups))
+              ("key_warpgroups", key_warpgroups), ("prep_warpgroups", prep_warpgroups),
+              ("cumsums", cumsums))
   if not grads_programs and sequence_pieces is None and all(value is None for _, value in switches):
     return contextlib.nullcontext()
   from linear_attention_jax.pallas_kernels import gpu
