@@ -27,6 +27,7 @@ def chunk_cumsum(g, T_pad: int, C: int, *, kernel: bool = False, interpret=None)
   shape (`cumsum.serves`; the `Plan.cumsums` of the call), else XLA's batched product."""
   B, T, Hv, K = g.shape
   if kernel and cumsum.serves(Hv * K, C):
+    g = g if g.dtype in (jnp.bfloat16, jnp.float16, F32) else g.astype(F32)   # the kernel's tile dtypes
     flat = jnp.pad(g, [(0, 0), (0, T_pad - T), (0, 0), (0, 0)]).reshape(B, T_pad, Hv * K)
     G, refs = cumsum.forward(flat, C=C, interpret=interpret)
     return G.reshape(B, T_pad, Hv, K), refs.reshape(B, T_pad // C, -1, Hv, K)

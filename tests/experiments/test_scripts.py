@@ -416,9 +416,10 @@ def test_layer_benchmark_reads_the_kernel_option_suffixes():
   assert options("K:kf") == dict(key_warpgroups=2, prep_warpgroups=2)
   assert options("K:1") == dict(key_warpgroups=1, prep_warpgroups=1)
   assert options("K:kw") == dict(key_warpgroups=2, order_channels="none")
+  assert options("K:x") == dict(cumsums="xla") and options("K:kx") == dict(key_warpgroups=2, cumsums="xla")
   assert options("G") == {} and options("G:xlaconv") == {}
   for bad in ("G:p0", "G:p", "G:q4", "G:p4x", "K:uu", "K:nu", "G:s0", "G:s", "K:cc", "K:oo", "K:rr", "K:kk",
-              "K:ol", "K:kx", "K:kp4", "K:2", "K:k1"):
+              "K:ol", "K:kq", "K:xx", "K:kp4", "K:2", "K:k1"):
     with pytest.raises(ValueError, match="suffix"):
       layer_benchmark.build(bad, width=32, heads=2, impl="chunk", dtype=jnp.float32)
 
