@@ -17,7 +17,10 @@ so, with `dP = tril(do v^T)`:
     dG = q dq - k dk,  and the last token also takes  sum_i kd_i (v dS^T)_i + e^(G_C) colsum(S dS)
 
 (the e^G-weighted terms of dG collapse into `q dq` and `k dk`: each of q's and k's factors is an
-exponential of +-G). dg is dG's reverse cumsum within the chunk (the kernel's, for bfloat16 and C = 64;
+exponential of +-G). The gram terms of dG are taken as `Qr (dP Kr) - Kr (dP^T Qr)` from the rounded
+operands the products read (each product's own, in the groups' form), so that a pair's shares of dG at
+its two tokens cancel in dg's reverse cumsum as they do exactly; from `q e^(G - R)` in float32 they
+differ by the operands' rounding, which under strong gates is the size of dg (NOTES.md v64). dg is dG's reverse cumsum within the chunk (the kernel's, for bfloat16 and C = 64;
 else XLA's). The key channels are processed in halves of 64 columns (`[C, 64]` float32 tiles, 32
 registers a thread), so the only full-width products are P, dP and dv. Shared memory is reused for the
 outputs: dq leaves through q's tile, dk through k's, kd through Kr's, dG through G's and dv through v's.
@@ -174,14 +177,20 @@ def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, int
       e_q, e_k = jnp.exp(Gt), jnp.exp(Gc - Gt)
       if has_seg:
         e_q, e_k = e_q * rows(carry), e_k * rows(to_last)
+      # dG's gram terms from the rounded operands the products took (Qr (dP Kr) - Kr (dP^T Qr) per
+      # product), so that each pair's share of q dq and of k dk cancel in dg's reverse cumsum as
+      # they do exactly: from q e^(G - R) in float32 they differ by the operands' rounding, which
+      # strong gates make the size of dg itself
       if grams == "one":
         # dq = e^G (do S^T) + e^(G - R) (dP Kr);  dk = e^(G_C - G) (v dS^T) + e^(R - G) (dP^T Qr)
-        dq_p = clamp(Gt - R) * matmul(dp_s, b_s.at[i], ck)
-        dk_p = clamp(R - Gt) * matmul(dp_s.T, a_s.at[i], ck)
+        dPK, dPQ = matmuls((ck, [(dp_s, b_s.at[i])]), (ck, [(dp_s.T, a_s.at[i])]))
+        dq_p, dk_p = clamp(Gt - R) * dPK, clamp(R - Gt) * dPQ
+        dG_p = load(a_s.at[i]) * dPK - load(b_s.at[i]) * dPQ
       else:   # the same gram terms, product by product, dP kept on each product's entries
-        # (dP's own diagonal in float32: groups.py)
+        # (dP's own diagonal in float32: groups.py; its pairs cancel in q dq - k dk exactly)
         d = rows(groups.diagonal_of(load(dp_s)))
         dq_p, dk_p = d * load(k_s.at[i]), d * load(q_s.at[i])
+        dG_p = 0.0
         for s in groups.products(C):
           up, down = factors(fresh(load(g_s.at[i])), i, s)
           a_s.at[0][...] = (load(q_s.at[i]) * up).astype(dtype)
@@ -191,15 +200,17 @@ def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, int
           plgpu.commit_smem()
           dPK, dPQ = matmuls((ck, [(dpl_s, b_s.at[i])]), (ck, [(dpl_s.T, a_s.at[0])]))
           dq_p, dk_p = dq_p + up * dPK, dk_p + down * dPQ
-      dq = e_q * matmul(do_s, st_s.at[i], ck) + dq_p
+          dG_p = dG_p + load(a_s.at[0]) * dPK - load(b_s.at[i]) * dPQ
+      doS = e_q * matmul(do_s, st_s.at[i], ck)
+      dq = doS + dq_p
       qt = load(q_s.at[i])
-      dG = qt * dq
+      dG = qt * doS + dG_p
       q_s.at[i][...] = dq.astype(dtype)
       v_ds = matmul(v_s, dst_s.at[i], ck)
       dk = e_k * v_ds + dk_p
       kt = load(k_s.at[i])
       kd = kt * e_k
-      dG = dG - kt * dk
+      dG = dG - kt * (e_k * v_ds)
       k_s.at[i][...] = dk.astype(dtype)
       b_s.at[i][...] = kd.astype(dtype)   # for dv; Kr is no longer read
       # the last token: sum_i kd_i (v dS^T)_i + e^(G_C) colsum(S dS), S and dS `[V, 64]` tiles
