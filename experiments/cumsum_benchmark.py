@@ -8,11 +8,7 @@ Forms (`--forms`), each over the tokens of chunks of `--C` of a float32 `[B, T /
   blocks:  `prep.local_cumsum(..., method="blocks")`: a scan within blocks of 8 tokens plus the sums
            of the blocks before;
   matmul:  `prep.local_cumsum(..., method="matmul")`: the triangle of ones times the chunk, float32 at
-           HIGHEST precision (kda's and gla's kernel glue from NOTES.md v49 to v63; `GpuConfig(cumsums=
-           "xla")`);
-  walk:    the Mosaic GPU token walks (`pallas_kernels/gpu/cumsum.py`, the default since NOTES.md v64):
-           the forward's also floors g and writes the chunks' reference rows; H K a multiple of 128.
-           Off a Hopper GPU in the Mosaic GPU interpreter (its times are not the GPU's).
+           HIGHEST precision (what kda's and gla's kernel glue takes, NOTES.md v49).
 Each row: one call waited for alone and `--stream` calls back to back (medians over `--iters` rounds),
 the ratio to `cumsum`, and the largest difference from `cumsum` relative to its scale. Writes
 `{workdir}/cumsum.json` and `cumsum.md`.
@@ -34,9 +30,8 @@ from jax import lax
 from experiments import common
 from experiments.layer_benchmark import time_it
 from linear_attention_jax.pallas_kernels import prep
-from linear_attention_jax.pallas_kernels.gpu import cumsum, plan
 
-FORMS = ("cumsum", "blocks", "matmul", "walk")
+FORMS = ("cumsum", "blocks", "matmul")
 FLAGS = flags.FLAGS
 flags.DEFINE_list("forms", list(FORMS), f"Forms to time: {FORMS}.")
 flags.DEFINE_integer("B", 8, "Batch.")
@@ -57,17 +52,6 @@ def form(name: str, reverse: bool):
     return lambda x: prep.local_cumsum(x, 2, reverse=reverse)
   if name == "matmul":
     return lambda x: prep.local_cumsum(x, 2, reverse=reverse, method="matmul")
-  if name == "walk":
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-    interpret = None if plan.hopper_reason() is None else plgpu.InterpretGPUParams()
-
-    def walk(x):
-      B, NC, C, H, K = x.shape
-      flat = x.reshape(B, NC * C, H * K)
-      y = (cumsum.reverse(flat, C=C, interpret=interpret) if reverse
-           else cumsum.forward(flat, C=C, interpret=interpret)[0])
-      return y.reshape(x.shape)
-    return walk
   raise ValueError(f"form must be one of {FORMS}; got {name!r}")
 
 

@@ -18,13 +18,12 @@ so, with `dP = tril(do v^T)`:
 
 (the e^G-weighted terms of dG collapse into `q dq` and `k dk`: each of q's and k's factors is an
 exponential of +-G). The gram terms of dG are taken as `Qr (dP Kr) - Kr (dP^T Qr)` from the rounded
-operands the products read (each product's own, in the groups' form), so that a pair's shares of dG at its
-two tokens cancel in dg's reverse cumsum as they do exactly; from `q e^(G - R)` in float32 they differ by
-the operands' rounding, which under strong gates is the size of dg (NOTES.md v64). dg is dG's reverse
-cumsum within the chunk (the kernel's, for bfloat16 and C = 64; else after it). The key channels are
-processed in halves of 64 columns (`[C, 64]` float32 tiles, 32 registers a thread), so the only full-width
-products are P, dP and dv. Shared memory is reused for the outputs: dq leaves through q's tile, dk through
-k's, kd through Kr's, dG through G's and dv through v's.
+operands the products read (each product's own, in the groups' form), so that a pair's shares of dG at
+its two tokens cancel in dg's reverse cumsum as they do exactly; from `q e^(G - R)` in float32 they
+differ by the operands' rounding, which under strong gates is the size of dg (NOTES.md v64). dg is dG's reverse cumsum within the chunk (the kernel's, for bfloat16 and C = 64;
+else XLA's). The key channels are processed in halves of 64 columns (`[C, 64]` float32 tiles, 32
+registers a thread), so the only full-width products are P, dP and dv. Shared memory is reused for the
+outputs: dq leaves through q's tile, dk through k's, kd through Kr's, dG through G's and dv through v's.
 
 This form needs every chunk's decay to fit the one-reference bound (`prep.one_reference_fits`); a call
 where some chunk does not takes the 8-token groups' products (`grams="groups"`, groups.py), the same
@@ -208,11 +207,10 @@ def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, int
       dG = qt * doS + dG_p
       q_s.at[i][...] = dq.astype(dtype)
       v_ds = matmul(v_s, dst_s.at[i], ck)
-      dk_s = e_k * v_ds   # dk's state term
-      dk = dk_s + dk_p
+      dk = e_k * v_ds + dk_p
       kt = load(k_s.at[i])
       kd = kt * e_k
-      dG = dG - kt * dk_s
+      dG = dG - kt * (e_k * v_ds)
       k_s.at[i][...] = dk.astype(dtype)
       b_s.at[i][...] = kd.astype(dtype)   # for dv; Kr is no longer read
       # the last token: sum_i kd_i (v dS^T)_i + e^(G_C) colsum(S dS), S and dS `[V, 64]` tiles
