@@ -82,6 +82,15 @@ def _layer_gates(rng, shape, *, gla: bool, bounded: bool = False):
   return (-A * np.logaddexp(0.0, a + dt_bias)).astype(np.float32)
 
 
+def kda_gate_inputs(rng, shape):
+  """`(a [B, T, H_v, K], A_log [H_v], dt_bias [H_v K])` float32: `_layer_gates`' draws for KDA as the
+  op's gate arguments (`ops.kda(q, k, v, a, beta, A_log=, dt_bias=)`)."""
+  a = rng.standard_normal(shape).astype(np.float32)
+  A = rng.uniform(1.0, 16.0, size=(shape[2],)).astype(np.float32)
+  dt = np.exp(rng.uniform(np.log(1e-3), np.log(0.1), size=shape[2:])).astype(np.float32)
+  return a, np.log(A), (dt + np.log(-np.expm1(-dt))).reshape(-1)
+
+
 def make_inputs(variant: str, rng: np.random.Generator, *, B: int, T: int, H: int, K: int, V: int,
                 H_v: int | None = None, dtype=jnp.float32, initial_state: bool = False,
                 gates: str = "benchmark") -> dict[str, jax.Array]:
@@ -133,8 +142,9 @@ def call(variant: str, inputs: dict, **options):
   delta variants get `use_qk_l2norm=True`. Returns the op's `(o, final_state)`.
   """
   args = tuple(inputs[name] for name in input_names(variant))
-  if "initial_state" in inputs:
-    options["initial_state"] = inputs["initial_state"]
+  for name in ("initial_state", "A_log", "dt_bias"):   # the last two: kda given its gate's pre-activation
+    if name in inputs:
+      options[name] = inputs[name]
   if variant in DELTA_VARIANTS:
     options["use_qk_l2norm"] = True
   return getattr(ops, variant)(*args, **options)
@@ -204,7 +214,7 @@ def kernel_config(grads_programs: int = 0, unit_ref_bound: bool | None = None,
                   sequence_pieces: int | None = None, call_test: bool | None = None,
                   order_channels: str | None = None, dg_cumsum: str | None = None,
                   key_warpgroups: int | None = None, prep_warpgroups: int | None = None,
-                  cumsums: str | None = None):
+                  cumsums: str | None = None, gate: str | None = None):
   """The GPU kernels' configuration for a benchmark's whole run (`pallas_kernels.gpu.default_config`):
   `grads_programs` > 0 runs the delta family's pair gradients in that many persistent programs (0: the
   library's default, one program a chunk); `unit_ref_bound` True or False sets the per-channel
@@ -217,13 +227,14 @@ def kernel_config(grads_programs: int = 0, unit_ref_bound: bool | None = None,
   `dg_cumsum` "kernel" or "xla" says where dG's reverse cumsum runs (`GpuConfig.dg_cumsum`);
   `key_warpgroups`, `prep_warpgroups` 1 or 2: kda's key side, its preparation on one warpgroup or two
   (`GpuConfig.key_warpgroups`, `GpuConfig.prep_warpgroups`); `cumsums` "kernel" or "xla": the gates'
-  chunk-local cumsums (`GpuConfig.cumsums`)."""
+  chunk-local cumsums (`GpuConfig.cumsums`); `gate` "kernel" or "xla": where kda's gate is computed
+  (`GpuConfig.gate`)."""
   if grads_programs < 0:
     raise ValueError(f"grads_programs must be >= 0; got {grads_programs}")
   switches = (("unit_ref_bound", unit_ref_bound), ("call_test", call_test),
               ("order_channels", order_channels), ("dg_cumsum", dg_cumsum),
               ("key_warpgroups", key_warpgroups), ("prep_warpgroups", prep_warpgroups),
-              ("cumsums", cumsums))
+              ("cumsums", cumsums), ("gate", gate))
   if not grads_programs and sequence_pieces is None and all(value is None for _, value in switches):
     return contextlib.nullcontext()
   from linear_attention_jax.pallas_kernels import gpu

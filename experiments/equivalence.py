@@ -31,8 +31,9 @@ from experiments import common
 from linear_attention_jax import ops
 
 # Columns of the table and keys of each row's "errors": o, the final state, then d<input>.
-QUANTITIES = ("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
-_GRAD_KEYS = {"q": "dq", "k": "dk", "v": "dv", "g": "dg", "beta": "dbeta", "initial_state": "dh0"}
+QUANTITIES = ("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
+_GRAD_KEYS = {"q": "dq", "k": "dk", "v": "dv", "g": "dg", "beta": "dbeta", "initial_state": "dh0",
+              "A_log": "dA_log", "dt_bias": "ddt_bias"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,10 @@ class Config:
   # gate values (common.GATES): "benchmark", "edge" (-1.8 a token on every other channel: strong decay
   # within the per-channel kernels' bound) or "strong" (uniform in [-20, 0]: beyond it)
   gates: str = "benchmark"
+  # kda takes its gate's pre-activation (`ops.kda(..., A_log=, dt_bias=)`, as the KDA layer calls it) drawn
+  # as "layer" / "bounded" draw it (`common.kda_gate_inputs`): dg is then the pre-activation's cotangent,
+  # with dA_log and ddt_bias beside it. Needs gates "layer" or "bounded".
+  gate_inputs: bool = False
   # the GPU kernels' configuration while the impls trace: a suffix of layer_benchmark's mixers without
   # its colon (e.g. "k": kda's key side on two warpgroups, "o": the channel order); "": the defaults
   kernels: str = ""
@@ -71,6 +76,8 @@ class Config:
     if self.gates not in common.GATES:
       raise ValueError(f"gates must be one of {common.GATES}; got {self.gates!r}")
     common.suffix_options(self.kernels)
+    if self.gate_inputs and self.gates not in ("layer", "bounded"):
+      raise ValueError(f"gate_inputs takes gates 'layer' or 'bounded'; got {self.gates!r}")
     if not self.T or any(t < 1 for t in self.T):
       raise ValueError(f"T must be a non-empty list of positive lengths; got {list(self.T)}")
 
@@ -87,10 +94,12 @@ def relative_rms(a, b) -> float:
 _CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def _forward_backward(inputs, cotangents, segment_ids, *, variant, impl, chunk_size):
-  """o, the final state and the gradient of every input under the given cotangents, keyed as QUANTITIES."""
+def _forward_backward(inputs, cotangents, segment_ids, *, variant, impl, chunk_size, lower_bound=None):
+  """o, the final state and the gradient of every input under the given cotangents, keyed as QUANTITIES
+  (`lower_bound`: the bounded gate's, where kda takes its gate's pre-activation)."""
+  bound = {} if lower_bound is None else dict(gate_lower_bound=lower_bound)
   fn = lambda x: common.call(variant, x, impl=impl, chunk_size=chunk_size, output_final_state=True,
-                             segment_ids=segment_ids)
+                             segment_ids=segment_ids, **bound)
   (o, final), pull = jax.vjp(fn, inputs)
   (grads,) = pull(cotangents)
   return {"o": o, "state": final, **{_GRAD_KEYS[name]: g for name, g in grads.items()}}
@@ -99,7 +108,7 @@ def _forward_backward(inputs, cotangents, segment_ids, *, variant, impl, chunk_s
 @functools.cache
 def _jitted_forward_backward():
   options = _CPU_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
-  return jax.jit(_forward_backward, static_argnames=("variant", "impl", "chunk_size"),
+  return jax.jit(_forward_backward, static_argnames=("variant", "impl", "chunk_size", "lower_bound"),
                  compiler_options=options)
 
 
@@ -109,6 +118,11 @@ def compare(config: Config, variant: str, T: int) -> list[dict]:
   inputs = common.make_inputs(variant, rng, B=config.B, T=T, H=config.H, K=config.K, V=config.V,
                               H_v=config.H_v, dtype=common.dtype_of(config.dtype), initial_state=True,
                               gates=config.gates)
+  lower_bound = None
+  if config.gate_inputs and variant == "kda":
+    a, A_log, dt_bias = common.kda_gate_inputs(rng, inputs["g"].shape)
+    inputs = dict(inputs, g=jnp.asarray(a), A_log=jnp.asarray(A_log), dt_bias=jnp.asarray(dt_bias))
+    lower_bound = common.GATE_LOWER_BOUND if config.gates == "bounded" else None
   cotangents = (jnp.asarray(rng.standard_normal((config.B, T, config.H_v, config.V)), inputs["v"].dtype),
                 jnp.asarray(rng.standard_normal(inputs["initial_state"].shape), jnp.float32))
   segment_ids = None
@@ -122,7 +136,8 @@ def compare(config: Config, variant: str, T: int) -> list[dict]:
     # (in this thread: the configuration is a context variable, and compare runs in a pool's threads)
     with common.kernel_config(**common.suffix_options(config.kernels)):
       outs = {impl: jax.device_get(fb(inputs, cotangents, segment_ids, variant=variant, impl=impl,
-                                      chunk_size=config.chunk_size)) for impl in config.impls}
+                                      chunk_size=config.chunk_size, lower_bound=lower_bound))
+              for impl in config.impls}
   ref = outs[config.impls[0]]
   return [{"variant": variant, "T": T, "impl": impl, "reference": config.impls[0],
            "errors": {q: relative_rms(outs[impl][q], ref[q]) for q in QUANTITIES if q in ref}}
@@ -176,6 +191,9 @@ def _define_flags():
                     "Matmul precision while tracing (GPUs and TPUs run float32 matmuls as TF32 by default).")
   flags.DEFINE_integer("packed", d.packed, "Random sequence boundaries per row (segment_ids); 0: none.")
   flags.DEFINE_enum("gates", d.gates, list(common.GATES), "Gate values (experiments/common.py).")
+  flags.DEFINE_bool("gate_inputs", d.gate_inputs, "kda takes its gate's pre-activation with A_log and "
+                    "dt_bias (as the KDA layer calls it); dg is the pre-activation's cotangent. With "
+                    "--gates=layer or bounded.")
   flags.DEFINE_string("kernels", d.kernels, "The GPU kernels' configuration: a suffix of layer_benchmark's "
                       "mixers without its colon (e.g. k: kda's key side on two warpgroups); empty: defaults.")
   flags.DEFINE_string("workdir", "runs/equivalence", "Where equivalence.json is written.")
@@ -188,7 +206,7 @@ def main(argv):
   config = Config(variants=tuple(f.variants), T=tuple(int(t) for t in f.T), B=f.B, H=f.H, H_v=f.H_v,
                   K=f.K, V=f.V, dtype=f.dtype, seed=f.seed, impls=tuple(f.impls),
                   chunk_size=f.chunk_size, matmul_precision=f.matmul_precision, packed=f.packed,
-                  gates=f.gates, kernels=f.kernels)
+                  gates=f.gates, kernels=f.kernels, gate_inputs=f.gate_inputs)
   run_equivalence(config, f.workdir)
 
 

@@ -61,7 +61,7 @@ def build(mixer: str, *, width: int, heads: int, impl: str, dtype):
   name, _, variant = mixer.partition(":")
   if variant != "xlaconv" and kernel_options(mixer) is None:
     raise ValueError(f"mixer suffix must be ':xlaconv', ':pN' or ':sN' (N > 0), ':u', ':n', ':c', ':o', "
-                     f"':l', ':w', ':r', ':k', ':f', ':x' (letters together: each), ':1' or none; "
+                     f"':l', ':w', ':r', ':k', ':f', ':x', ':g' (letters together: each), ':1' or none; "
                      f"got {mixer!r}")
   layer = _build(name, width=width, heads=heads, impl=impl, dtype=dtype)
   for conv in getattr(layer, "convs", ()) if variant == "xlaconv" else ():
@@ -79,7 +79,8 @@ def kernel_options(mixer: str) -> dict | None:
   projections, the default) and "none" for ':w' (neither), `dg_cumsum="kernel"` for ':r' (dG's
   reverse cumsum in the per-channel gradient kernels), `key_warpgroups=2` for ':k' (kda's key side on
   two warpgroups), `prep_warpgroups=2` for ':f' (kda's preparation, the forward's kernel, on two),
-  `cumsums="xla"` for ':x' (the gates' chunk-local cumsums as XLA's products); letters together set each
+  `cumsums="xla"` for ':x' (the gates' chunk-local cumsums as XLA's products), `gate="xla"` for ':g'
+  (kda's gate computed by XLA before the kernels, not in their cumsum walks); letters together set each
   (':kf' both), each field once; both at 1 for ':1' (the one-warpgroup kernels); None for any other suffix."""
   _, _, suffix = mixer.partition(":")
   if suffix in ("", "xlaconv"):
@@ -103,6 +104,8 @@ def kernel_options(mixer: str) -> dict | None:
     return dict(key_warpgroups=1, prep_warpgroups=1)
   if suffix == "x":
     return dict(cumsums="xla")
+  if suffix == "g":
+    return dict(gate="xla")
   if suffix in ("u", "n"):
     return dict(unit_ref_bound=suffix == "u")
   match = re.fullmatch(r"([ps])([1-9][0-9]*)", suffix)

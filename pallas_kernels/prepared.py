@@ -49,6 +49,8 @@ class Static:
   inverse_dtype: `prep.prepare`'s operand dtype of the matmuls of `(I + L)^-1` (None: compute_dtype).
   gram_method: `prep.prepare`'s form of per-channel decayed grams (`prep.GRAM_METHODS`).
   scale: the read-out scale applied to o.
+  gate: None (the call's g is its log-decay), or the kind of KDA gate whose pre-activation g is
+    (`pallas_kernels.gate`; the op's `gate` argument holds A_log and dt_bias).
   """
 
   plan: Any
@@ -60,6 +62,7 @@ class Static:
   inverse_dtype: Any = None
   gram_method: str = "auto"
   scale: float = 1.0
+  gate: Any = None
 
 
 def chunk_multiple(static: Static, T: int) -> int:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import common, prep, prepared
+from .gate import Gate
 from .gpu import channel, channel_delta_grads, channel_grads, channel_prep, delta_grads, delta_prep
 from .gpu import fused, groups, walk
 from .gpu.plan import Plan
@@ -99,10 +100,23 @@ def _by_bound(G, C: int, dtype, one, grouped, per_head, bound: float | None = No
   return lax.cond(channel.fits(G, C, dtype, bound), one, beyond)
 
 
-def _forward(static: Static, q, k, v, g, beta, h0, segment_ids, *, keep: bool):
+def _gate(static: Static, gate_arrays) -> Gate | None:
+  """The call's `Gate` (g is its pre-activation), or None. The kernels take it in the per-channel delta
+  plan's cumsum walks only (`gpu.ops.chunked_attention` computes g in XLA for any other)."""
+  if static.gate is None:
+    return None
+  plan = static.plan
+  if (plan.forward, plan.backward, plan.cumsums) != ("channel_prep", "channel_delta_grads", "kernel"):
+    raise ValueError(f"a gate's pre-activation takes the per-channel delta plan with the cumsum walks; got "
+                     f"{plan.forward}, {plan.backward}, cumsums {plan.cumsums}")
+  return Gate(*gate_arrays, static.gate)
+
+
+def _forward(static: Static, q, k, v, g, beta, h0, segment_ids, gate_arrays=None, *, keep: bool):
   """`((o [B, T, H_v, V], final), saved)`: `saved` is what `plan.backward` reads (`plan.keeps`) where
-  `keep` (a differentiated call), else None."""
+  `keep` (a differentiated call), else None. With a gate (`static.gate`), g is its pre-activation."""
   plan, T = static.plan, q.shape[1]
+  gate = _gate(static, gate_arrays)
   C, dtype, interpret = static.chunk_size, static.compute_dtype, static.options.interpret
   saves = keep and plan.keeps != "inputs"
   match plan.forward:
@@ -128,10 +142,12 @@ def _forward(static: Static, q, k, v, g, beta, h0, segment_ids, *, keep: bool):
       saved = (t, X) + states if saves else None
     case "channel_prep":
       cumsum = channel.chunk_cumsum(g, prep.padded_length(T, C, _pieces(static)), C,
-                                     kernel=plan.cumsums == "kernel", interpret=interpret)
+                                     kernel=plan.cumsums == "kernel", interpret=interpret, gate=gate)
       inverse = saves and plan.backward == "channel_delta_grads"
-      out = channel_tensors(q, k, v, g, beta, chunk_size=C, dtype=dtype, segment_ids=segment_ids,
-                            interpret=interpret, chunk_multiple=_pieces(static), cumsum=cumsum,
+      # g itself only in the float16 branch beyond the groups' bound (XLA drops it elsewhere)
+      out = channel_tensors(q, k, v, g if gate is None else gate.values(g), beta, chunk_size=C, dtype=dtype,
+                            segment_ids=segment_ids, interpret=interpret, chunk_multiple=_pieces(static),
+                            cumsum=cumsum,
                             with_inverse=inverse, beyond=plan.forward_beyond,
                             bound=plan.forward_ref_bound, call_test=plan.call_test,
                             half_forms=plan.half_forms, qk_l2norm=plan.l2 == "on_load",
@@ -149,12 +165,20 @@ def _forward(static: Static, q, k, v, g, beta, h0, segment_ids, *, keep: bool):
   return (o[:, :T], final), saved
 
 
-def _backward(static: Static, q, k, v, g, beta, h0, segment_ids, saved, do, dfinal):
-  """`(dq, dk, dv, dg, dbeta, dh0 float32)` of the scaled o's cotangent `do` and the final state's."""
+def _backward(static: Static, q, k, v, g, beta, h0, segment_ids, saved, do, dfinal, gate_arrays=None):
+  """`(dq, dk, dv, dg, dbeta, dh0 float32)` of the scaled o's cotangent `do` and the final state's; with a
+  gate (`static.gate`; g its pre-activation) dg is `(df, dA_log, ddt_bias)`."""
   plan = static.plan
+  gate = _gate(static, gate_arrays)
   kw = dict(chunk_size=static.chunk_size, dtype=static.compute_dtype, segment_ids=segment_ids,
             interpret=static.options.interpret if plan.backward != "xla_vjp" else None)
-  per_head = lambda: prepared.backward_per_head(static, q, k, v, g, beta, h0, segment_ids, do, dfinal)
+
+  def per_head():
+    if gate is None:
+      return prepared.backward_per_head(static, q, k, v, g, beta, h0, segment_ids, do, dfinal)
+    grads = prepared.backward_per_head(static, q, k, v, gate.values(g), beta, h0, segment_ids, do, dfinal)
+    return grads[:3] + (gate.vjp(g, grads[3]),) + grads[4:]
+
   match plan.backward:
     case "xla_vjp":
       return prepared.backward(static, q, k, v, g, beta, h0, segment_ids, do, dfinal)
@@ -175,7 +199,7 @@ def _backward(static: Static, q, k, v, g, beta, h0, segment_ids, saved, do, dfin
           q, k, v, g, beta, h0, do, dfinal, **kw, sequence_pieces=_sequence_pieces(static),
           scale=static.scale, saved=saved, grams=grams, unit_bound=plan.unit_bound,
           qk_l2norm=plan.l2 == "on_load", dg_cumsum=plan.dg_cumsum, key_warpgroups=plan.key_warpgroups,
-          cumsums=plan.cumsums)
+          cumsums=plan.cumsums, gate=gate)
     case other:
       raise ValueError(f"no backward stage {other!r}")
   # the kernels sum their gradients over the mesh axes their primals do not vary over, as the per-head
@@ -190,31 +214,40 @@ def _sequence_pieces(static: Static):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def chunked(static: Static, q, k, v, g, beta, h0, segment_ids):
+def chunked(static: Static, q, k, v, g, beta, h0, segment_ids, gate_arrays=None):
   """The op: `(o [B, T, H_v, V] in static.out_dtype, scaled by static.scale, final [B, H_v, K, V])`.
 
-  Shapes as in `prep.prepare`; `h0` None or `[B, H_v, K, V]` float32; `segment_ids` None or `[B, T]`.
+  Shapes as in `prep.prepare`; `h0` None or `[B, H_v, K, V]` float32; `segment_ids` None or `[B, T]`;
+  `gate_arrays` None or `(A_log [H_v], dt_bias [H_v * K])` of the gate `static.gate`, whose
+  pre-activation g then is.
   """
-  return _forward(static, q, k, v, g, beta, h0, segment_ids, keep=False)[0]
+  return _forward(static, q, k, v, g, beta, h0, segment_ids, gate_arrays, keep=False)[0]
 
 
-def _chunked_fwd(static, q, k, v, g, beta, h0, segment_ids):
-  out, saved = _forward(static, q, k, v, g, beta, h0, segment_ids, keep=True)
-  return out, (q, k, v, g, beta, h0, segment_ids, saved)
+def _chunked_fwd(static, q, k, v, g, beta, h0, segment_ids, gate_arrays=None):
+  out, saved = _forward(static, q, k, v, g, beta, h0, segment_ids, gate_arrays, keep=True)
+  return out, (q, k, v, g, beta, h0, segment_ids, gate_arrays, saved)
 
 
 def _chunked_bwd(static, residuals, cotangents):
-  q, k, v, g, beta, h0, segment_ids, saved = residuals
+  q, k, v, g, beta, h0, segment_ids, gate_arrays, saved = residuals
   do, dfinal = cotangents
-  dq, dk, dv, dg, dbeta, dh0 = _backward(static, q, k, v, g, beta, h0, segment_ids, saved, do, dfinal)
+  dq, dk, dv, dg, dbeta, dh0 = _backward(static, q, k, v, g, beta, h0, segment_ids, saved, do, dfinal,
+                                         gate_arrays)
+  dgate = None
+  if gate_arrays is not None:
+    dg, dgate = dg[0], common.summed_like(dg[1:], gate_arrays)
   dq, dk, dv, dg, dbeta = common.summed_like((dq, dk, dv, dg, dbeta), (q, k, v, g, beta))
-  return dq, dk, dv, dg, dbeta, (None if h0 is None else dh0.astype(h0.dtype)), None
+  return dq, dk, dv, dg, dbeta, (None if h0 is None else dh0.astype(h0.dtype)), None, dgate
 
 
 chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def chunked_op(static: Static, q, k, v, g, beta, *, scale: float, initial_state, segment_ids):
-  """`chunked` with the read-out scale: `(o [B, T, H_v, V] out_dtype, final [B, H_v, K, V] float32)`."""
+def chunked_op(static: Static, q, k, v, g, beta, *, scale: float, initial_state, segment_ids, gate=None):
+  """`chunked` with the read-out scale: `(o [B, T, H_v, V] out_dtype, final [B, H_v, K, V] float32)`;
+  `gate` None or a `Gate` whose pre-activation g is."""
   h0 = None if initial_state is None else jnp.asarray(initial_state, jnp.float32)
-  return chunked(dataclasses.replace(static, scale=float(scale)), q, k, v, g, beta, h0, segment_ids)
+  static = dataclasses.replace(static, scale=float(scale), gate=None if gate is None else gate.kind)
+  arrays = None if gate is None else (gate.A_log, gate.dt_bias)
+  return chunked(static, q, k, v, g, beta, h0, segment_ids, arrays)

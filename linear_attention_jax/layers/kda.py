@@ -26,9 +26,10 @@ from linear_attention_jax import ops
 from linear_attention_jax.layers.base import LinearMixer, a_log_init, dense_columns, dt_bias_init, linear
 from linear_attention_jax.layers.cache import LinearCache
 from linear_attention_jax.layers.norm import GatedRMSNorm
+from linear_attention_jax.pallas_kernels import gate as kernel_gate
 from linear_attention_jax.pallas_kernels import gpu
 from linear_attention_jax.pallas_kernels.gpu import channel, plan
-from linear_attention_jax.sharding.rules import axes
+from linear_attention_jax.sharding.rules import axes, current_rules
 
 
 class KimiDeltaAttention(LinearMixer):
@@ -82,22 +83,24 @@ class KimiDeltaAttention(LinearMixer):
     """`(g [B, T, H_v, K], beta [B, T, H_v])` float32 for `x: [B, T, width]`; `columns` (None or
     `[H_v * K]` int32, a permutation of g's channels within each value head) takes g's channels in
     that order."""
+    f, dt_bias, beta = self.gate_inputs(x, columns)
+    return kernel_gate.values(f, self.A_log[...], dt_bias, self._gate_kind()), beta
+
+  def gate_inputs(self, x: jax.Array, columns: jax.Array | None = None):
+    """`(f [B, T, H_v, K] in the layer's dtype, dt_bias [H_v * K], beta [B, T, H_v] float32)`: the gate's
+    pre-activation (its low-rank projection) and bias, each in `columns`' order (as `gates`), and beta."""
     B, T, _ = x.shape
     Hv, K = self.num_v_heads, self.head_dim
     down = self.f_down(x)
     if columns is None:
-      f = self.f_up(down).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+      f, dt_bias = self.f_up(down), self.dt_bias[...]
     else:
-      f = (dense_columns(self.f_up, down, columns).astype(jnp.float32)
-           + jnp.take(self.dt_bias[...].astype(jnp.float32), columns))
-    A = jnp.exp(self.A_log[...].astype(jnp.float32))
-    f = f.reshape(B, T, Hv, K)
-    if self.gate_lower_bound is not None:
-      g = self.gate_lower_bound * jax.nn.sigmoid(A[:, None] * f)
-    else:
-      g = -A[:, None] * jax.nn.softplus(f)
+      f, dt_bias = dense_columns(self.f_up, down, columns), jnp.take(self.dt_bias[...], columns)
     beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
-    return g, beta
+    return f.reshape(B, T, Hv, K), dt_bias, beta
+
+  def _gate_kind(self):
+    return kernel_gate.SOFTPLUS if self.gate_lower_bound is None else self.gate_lower_bound
 
   def __call__(self, x: jax.Array, cache: LinearCache | None = None):
     """Mixes `x: [B, T, width]` along T.
@@ -110,9 +113,15 @@ class KimiDeltaAttention(LinearMixer):
     ordered = self._orders_channels(cache)
     key_columns, gate_columns = self.channel_columns(x) if ordered else (None, None)
     q, k, v, windows = self._project(x, cache, key_columns)
-    g, beta = self.gates(x, gate_columns)
-    with gpu.ordered_channels() if ordered else contextlib.nullcontext():
-      o, state = self._recur(ops.kda, ops.kda_step, q, k, v, (g, beta), cache, use_qk_l2norm=True)
+    if cache is None and current_rules() is None:   # the op takes the gate (its GPU kernels compute it)
+      f, dt_bias, beta = self.gate_inputs(x, gate_columns)
+      gate = dict(A_log=self.A_log[...], dt_bias=dt_bias, gate_lower_bound=self.gate_lower_bound)
+      with gpu.ordered_channels() if ordered else contextlib.nullcontext():
+        o, state = self._recur(ops.kda, ops.kda_step, q, k, v, (f, beta), cache, use_qk_l2norm=True, **gate)
+    else:
+      g, beta = self.gates(x, gate_columns)
+      with gpu.ordered_channels() if ordered else contextlib.nullcontext():
+        o, state = self._recur(ops.kda, ops.kda_step, q, k, v, (g, beta), cache, use_qk_l2norm=True)
     o = self.o_norm(o, self.g_up(self.g_down(x)).reshape(B, T, Hv, V))
     y = self.o_proj(o.reshape(B, T, -1))
     return y, self._advance(cache, state, windows, T)

@@ -114,13 +114,17 @@ def scan_forward_chunk_derivatives(scan, chunk):
 
 
 def pallas_form(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_size, compute_dtype,
-                qk_l2norm, v_extra, mapped_qk, packing):
+                qk_l2norm, v_extra, mapped_qk, packing, gate=None):
   """The running backend's kernels on float32 `q, k` (raw when `qk_l2norm`), `v` with `v_extra`
   appended columns, g (unfloored: `gate_for`), beta; the columns the kernels do not walk take the
-  chunked form on `mapped_qk()` (q, k through the variant's map). Returns float32 `(o, final)`."""
+  chunked form on `mapped_qk()` (q, k through the variant's map). Returns float32 `(o, final)`.
+  `gate`: None, or a `pallas_kernels.gate.Gate` whose pre-activation g is: the GPU's kernels take it
+  (`gpu.chunked_attention`), the TPU's take the gate's values."""
   backend = kernel_backend()
   kernels = BACKENDS[backend]
-  if backend == "gpu" and g is not None and g.ndim == 4:
+  if gate is not None and backend != "gpu":
+    g, gate = gate.values(g), None
+  if backend == "gpu" and g is not None and g.ndim == 4 and gate is None:
     # the per-chunk forms of its per-channel kernels take a non-increasing cumulative decay in a chunk
     checks.check_log_decay("g", g, "the GPU's per-channel kernels; impl='chunk' takes any g")
   V = v.shape[-1]
@@ -129,10 +133,12 @@ def pallas_form(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_si
   o, final = kernels.chunked_attention(q, k, v[..., :cols], g, beta, scale=scale,
                                        initial_state=None if h0 is None else h0[..., :cols],
                                        segment_ids=segment_ids, chunk_size=chunk_size,
-                                       compute_dtype=compute_dtype, qk_l2norm=qk_l2norm)
+                                       compute_dtype=compute_dtype, qk_l2norm=qk_l2norm,
+                                       **({} if gate is None else dict(gate=gate)))
   o = o.astype(jnp.float32)
   if cols < V:
     q_m, k_m = mapped_qk()
+    g = g if gate is None else gate.values(g)
     o_x, final_x = chunk_form(q_m, k_m, v[..., cols:], gate_for("chunk", g), beta, scale=scale,
                               initial_state=None if h0 is None else h0[..., cols:], packing=packing,
                               chunk_size=chunk_size)

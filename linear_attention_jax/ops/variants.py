@@ -28,6 +28,7 @@ from linear_attention_jax.ops.feature_maps import l2_normalize, resolve_feature_
 from linear_attention_jax.ops.packing import Packing, from_cu_seqlens, from_segment_ids
 from linear_attention_jax.ops.recurrent import recurrent_form
 from linear_attention_jax.pallas_kernels import common as kernel_common
+from linear_attention_jax.pallas_kernels import gate as kernel_gate
 
 
 def _expand_heads(x, Hv):
@@ -36,13 +37,15 @@ def _expand_heads(x, Hv):
 
 def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_state, segment_ids,
             cu_seqlens, impl, chunk_size, gated=False, delta=False, per_channel=False, qk_map=None,
-            v_extra=0):
+            v_extra=0, gate=None):
   """Checks the call, runs the chosen form of the family (beta None: additive; else delta).
 
   `gated` / `delta`: the variant takes g / beta, so None there is an error.
 
   `qk_map` is applied to q and k in float32 (feature maps, l2 norm). `v_extra` columns of ones are
   appended to v (the linear-attention normaliser), so the state is `[.., K, V + v_extra]`.
+  `gate`: None, or a `pallas_kernels.gate.Gate` whose pre-activation g is (the GPU's kernels take it
+  into their cumsum walks; every other form takes its values first).
   Returns the float32 output `[B, T, H_v, V + v_extra]` and the final state or None.
   """
   checks.check_static(output_final_state=output_final_state)
@@ -64,6 +67,11 @@ def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_sta
   form = select_impl(impl, variant, T=T, K=K, V=V + v_extra, chunk_size=chunk_size, packing=packing_kind,
                      dtype=compute_dtype, sharded=kernel_common.explicitly_sharded(q, k, v),
                      v_extra=v_extra, delta=delta)
+  if gate is not None:
+    kind = kernel_gate.check(g, gate.A_log, gate.dt_bias, gate.kind, Hv, K)
+    gate = kernel_gate.Gate(gate.A_log, gate.dt_bias, kind)
+    if form != "pallas":
+      g, gate = gate.values(g), None
 
   if B == 0 or T == 0:  # nothing to run: empty outputs, and the initial state (or zeros) as final
     rows = B if N is None else N
@@ -91,9 +99,10 @@ def _family(variant, q, k, v, g, beta, *, scale, initial_state, output_final_sta
     # matmul dtype (the inputs' own: exact for raw inputs)
     l2 = qk_map is l2_normalize
     q_in, k_in = (q_raw, k_raw) if l2 else mapped()
-    o, final = pallas_form(q_in, k_in, v32, gate_for(form, g32), b32, scale=scale, initial_state=h0,
-                           segment_ids=segment_ids, chunk_size=chunk_size, compute_dtype=compute_dtype,
-                           qk_l2norm=l2, v_extra=v_extra, mapped_qk=mapped, packing=packing)
+    o, final = pallas_form(q_in, k_in, v32, gate_for(form, g32) if gate is None else g, b32, scale=scale,
+                           initial_state=h0, segment_ids=segment_ids, chunk_size=chunk_size,
+                           compute_dtype=compute_dtype, qk_l2norm=l2, v_extra=v_extra, mapped_qk=mapped,
+                           packing=packing, gate=gate)
   elif form == "recurrent" and impl == "auto":  # the scan forward, the chunked form's derivatives
     scan = lambda *x: recurrent_form(*x[:5], scale=scale, initial_state=x[5], packing=packing)
     chunk = lambda q, k, v, g, b, h0: chunk_form(q, k, v, gate_for("chunk", g), b, scale=scale,
@@ -205,13 +214,27 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
 
 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-        segment_ids=None, cu_seqlens=None, impl="auto", chunk_size=64, use_qk_l2norm=False):
+        segment_ids=None, cu_seqlens=None, impl="auto", chunk_size=64, use_qk_l2norm=False, A_log=None,
+        dt_bias=None, gate_lower_bound=None):
   """Kimi Delta Attention (arXiv 2510.26692): per-channel decay `g: [B, T, H_v, K]`, `beta: [B, T, H_v]`.
 
   The GPU's kernels take `g <= 0` only (README, "Non-finite inputs"); the recurrent and chunk forms
   take any g.
+
+  With `A_log: [H_v]` and `dt_bias: [H_v * K]`, g is the gate's pre-activation f and the decay is
+  Kimi Linear's `-exp(A_log) * softplus(f + dt_bias)`, or with `gate_lower_bound=lb` (in [-5, 0)) the
+  bounded `lb * sigmoid(exp(A_log) * (f + dt_bias))`; the op is differentiable in f, A_log and dt_bias.
+  The GPU's kernels compute the gate inside their cumsum walks (neither g nor its cotangent is
+  written); every other form computes it first (`pallas_kernels.gate.values`).
   """
-  o, final = _family("kda", q, k, v, g, beta, gated=True, delta=True, per_channel=True,
+  if A_log is None and dt_bias is None:
+    if gate_lower_bound is not None:
+      raise ValueError("gate_lower_bound takes the gate's pre-activation: pass A_log and dt_bias too")
+    gate = None
+  else:
+    gate = kernel_gate.Gate(A_log, dt_bias, kernel_gate.SOFTPLUS if gate_lower_bound is None
+                            else gate_lower_bound)
+  o, final = _family("kda", q, k, v, g, beta, gated=True, delta=True, per_channel=True, gate=gate,
                      qk_map=l2_normalize if checks.check_static(use_qk_l2norm=use_qk_l2norm) is None
                      and use_qk_l2norm else None, scale=scale,
                      initial_state=initial_state, output_final_state=output_final_state,

@@ -25,10 +25,12 @@ TMA chunk pipeline and sequence pieces) and `channel` (per-channel decay's G, bo
 
 from . import shared_compiles
 from .interpret import interpret_kernels, interpreter_threads, interpreting
-from .ops import call_plan, chunked_attention, default_config, layers_order_channels, ordered_channels
+from .ops import (call_plan, chunked_attention, default_config, fused_gate, layers_order_channels,
+                  ordered_channels)
 from . import plan
 from .plan import GpuConfig, Plan, hopper_reason, supports, walked_columns
 
-__all__ = ["GpuConfig", "Plan", "call_plan", "chunked_attention", "default_config", "hopper_reason",
-           "interpret_kernels", "interpreter_threads", "interpreting", "layers_order_channels",
-           "ordered_channels", "plan", "shared_compiles", "supports", "walked_columns"]
+__all__ = ["GpuConfig", "Plan", "call_plan", "chunked_attention", "default_config", "fused_gate",
+           "hopper_reason", "interpret_kernels", "interpreter_threads", "interpreting",
+           "layers_order_channels", "ordered_channels", "plan", "shared_compiles", "supports",
+           "walked_columns"]

@@ -13,19 +13,27 @@ import numpy as np
 from jax import lax
 
 from .. import prep
+from ..gate import Gate
 from . import cumsum, groups
 from .tiles import F32
 
 HALF = 64   # key channels per pass
 
 
-def chunk_cumsum(g, T_pad: int, C: int, *, kernel: bool = False, interpret=None):
+def chunk_cumsum(g, T_pad: int, C: int, *, kernel: bool = False, interpret=None, gate: Gate | None = None):
   """`(G [B, T_pad, H_v, K], refs [B, NC, 2 + NG, H_v, K])` float32: the chunk-local cumulative
   log-decay in g's token layout (g floored at `prep.LOG_DECAY_FLOOR`), and per chunk and channel the
   reference `R` (`prep.reference`, row 0), the last token's `G_C` (row 1) and the last row of each
   8-token group (`groups.ref_rows`). `kernel`: by `cumsum.forward`'s token walk where it serves the
-  shape (`cumsum.serves`; the `Plan.cumsums` of the call), else XLA's batched product."""
+  shape (`cumsum.serves`; the `Plan.cumsums` of the call), else XLA's batched product. With `gate`, g is
+  the gate's pre-activation f: the kernel computes g on load (`cumsum.gated_forward`), XLA first."""
   B, T, Hv, K = g.shape
+  if gate is not None and kernel and cumsum.serves(Hv * K, C):
+    flat = jnp.pad(g, [(0, 0), (0, T_pad - T), (0, 0), (0, 0)]).reshape(B, T_pad, Hv * K)
+    G, refs = cumsum.gated_forward(flat, *gate.columns(K), C=C, kind=gate.kind, T=T, interpret=interpret)
+    return G.reshape(B, T_pad, Hv, K), refs.reshape(B, T_pad // C, -1, Hv, K)
+  if gate is not None:
+    g = gate.values(g)
   if kernel and cumsum.serves(Hv * K, C):
     g = g if g.dtype in (jnp.bfloat16, jnp.float16, F32) else g.astype(F32)   # the kernel's tile dtypes
     flat = jnp.pad(g, [(0, 0), (0, T_pad - T), (0, 0), (0, 0)]).reshape(B, T_pad, Hv * K)
@@ -191,15 +199,27 @@ _permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 def key_grads(dq, dk, dG, q, k, g, C: int, summed: bool = False, *, kernel: bool = False,
-              interpret=None):
+              interpret=None, gate: Gate | None = None):
   """`(dq, dk, dg)` in q, k, g's dtypes and lengths from the kernels' per-value-head dq, dk `[B, T_pad,
   H_v, K]` and per-token dG: dg is dG's reverse cumsum within each chunk (G = cumsum(g) there; `summed`:
   the kernel took it, and dG is that sum; `kernel`: `cumsum.reverse`'s token walk where it serves the
   shape, else XLA's batched product), zero below the gate's floor, and grouped heads add their value
-  heads' dq, dk."""
+  heads' dq, dk. With `gate` (g is the gate's pre-activation f), the third is `(df, dA_log, ddt_bias)`:
+  by `cumsum.gated_reverse` where the kernel takes dG's sums, else by XLA through `gate.values`."""
   B, T, H, K = q.shape
   T_pad, Hv = dG.shape[1:3]
   group = Hv // H
+  per_head = lambda x: (x[:, :T].astype(F32).reshape(B, T, H, group, K).sum(3) if group > 1
+                        else x[:, :T])
+  key = lambda: (per_head(dq).astype(q.dtype), per_head(dk).astype(k.dtype))
+  if gate is not None and kernel and not summed and cumsum.serves(Hv * K, C):
+    f = jnp.pad(g, [(0, 0), (0, T_pad - T), (0, 0), (0, 0)]).reshape(B, T_pad, Hv * K)
+    df, parts = cumsum.gated_reverse(dG.reshape(B, T_pad, Hv * K), f, *gate.columns(K), C=C, kind=gate.kind,
+                                     T=T, interpret=interpret)
+    dA_log = parts[:, :, 0].reshape(-1, Hv, K).sum((0, 2)).astype(gate.A_log.dtype)
+    return key() + ((df.reshape(B, T_pad, Hv, K)[:, :T], dA_log,
+                     parts[:, :, 1].sum((0, 1)).astype(gate.dt_bias.dtype)),)
+  f, g = (g, gate.values(g)) if gate is not None else (None, g)
   if summed:
     dg = dG[:, :T]
   elif kernel and cumsum.serves(Hv * K, C):
@@ -208,6 +228,4 @@ def key_grads(dq, dk, dG, q, k, g, C: int, summed: bool = False, *, kernel: bool
     dG = dG.reshape(B, T_pad // C, C, Hv, K)
     dg = prep.local_cumsum(dG, 2, reverse=True, method="matmul").reshape(B, T_pad, Hv, K)[:, :T]
   dg = jnp.where(g >= prep.LOG_DECAY_FLOOR, dg, 0.0)   # the floor's gradient (chunk_cumsum)
-  per_head = lambda x: (x[:, :T].astype(F32).reshape(B, T, H, group, K).sum(3) if group > 1
-                        else x[:, :T])
-  return per_head(dq).astype(q.dtype), per_head(dk).astype(k.dtype), dg.astype(g.dtype)
+  return key() + ((gate.vjp(f, dg) if gate is not None else dg.astype(g.dtype)),)

@@ -433,7 +433,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
 def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None,
              interpret=None, sequence_pieces=None, scale: float = 1.0, saved: Saved, grams: str = "one",
              unit_bound: bool = False, qk_l2norm: bool = False, dg_cumsum: str = "xla",
-             key_warpgroups: int = 1, cumsums: str = "xla"):
+             key_warpgroups: int = 1, cumsums: str = "xla", gate=None):
   """`(dq, dk, dv, dg, dbeta, dh0)` of kda's prepared forward (`o` scaled by `scale`; in q, k, v, g,
   beta's dtypes, dh0 float32) for `do: [B, T, H_v, V]` and `dfinal` None or `[B, H_v, K, V]`, from what
   the forward `saved`: the reverse walk over the saved tensors, then `value_side` and `key_side`; dG's
@@ -445,7 +445,9 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
   `key_side`'s (q, k l2-normalised). `qk_l2norm`: the forward normalised q, k on load; the key side
   does too, and XLA takes the norm's backward from its dq, dk and the raw q, k. `key_warpgroups=2`
   (K = 128, `dg_cumsum="xla"`): the value side also forms the key side's products without a decayed
-  gram, and `channel_delta_keys.key_side` takes the two halves of the key channels on two warpgroups."""
+  gram, and `channel_delta_keys.key_side` takes the two halves of the key channels on two warpgroups.
+  `gate` (a `gate.Gate`; g is its pre-activation f): the fourth is `(df, dA_log, ddt_bias)`
+  (`channel.key_grads`)."""
   if key_warpgroups not in (1, 2):
     raise ValueError(f"key_warpgroups must be 1 or 2; got {key_warpgroups!r}")
   split = key_warpgroups == 2
@@ -484,11 +486,14 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
       dq, dk, dG, dbeta_k = key_side(pad(q), pad(k), G, refs, b, do_t, u, dr, dP, dM, saved.states, dstates,
                                      **keys, reverse_cumsum=summed)
     dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C, summed=summed, kernel=cumsums == "kernel",
-                           interpret=interpret)
+                           interpret=interpret, gate=gate)
     if qk_l2norm:
       dq, dk = (jax.vjp(common.l2_normalize, x)[1](dx)[0] for x, dx in ((q, dq), (k, dk)))
     dbeta = jnp.swapaxes(dbeta_v + dbeta_k, 1, 2)[:, :T].astype(beta.dtype)
-    grads = (dq, dk, dv[:, :T].astype(v.dtype), dg, dbeta)
-    return common.summed_like(grads, (q, k, v, g, beta)) + (dh0.astype(F32),)
+    if gate is not None:   # the gate's cotangents vary as A_log and dt_bias do
+      dg = (common.sum_over_extra_axes(dg[0], g),) + common.summed_like(dg[1:], gate[:2])
+    grads = (dq, dk, dv[:, :T].astype(v.dtype), dg if gate is None else None, dbeta)
+    grads = common.summed_like(grads, (q, k, v, g, beta))
+    return grads[:3] + (dg if gate is not None else grads[3], grads[4], dh0.astype(F32))
 
   return kernels()

@@ -13,6 +13,11 @@ product with the triangle of ones) reads and writes the same bytes but ran at ab
 memory's rate in the trained KDA LM (NOTES.md v64), and its references read G once more.
 
 The sums run token after token, the order of `lax.cumsum`; float32 throughout.
+
+`gated_forward` and `gated_reverse` take KDA's gate from its pre-activation (`pallas_kernels/gate.py`):
+the forward computes g from f on load (`gate.elementwise`, zero past the sequence's T), the reverse
+walk masks dg below the floor and returns the pre-activation's cotangent with each chunk's sums for
+A_log's and dt_bias's, so that neither g nor dg is ever written (NOTES.md v65).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from .. import gate as gates
 from .. import prep
 from . import groups
 from .once import lowered_once
@@ -132,3 +138,126 @@ def reverse(dG, *, C: int, interpret=None):
       grid_names=("b", "n", "c"), compiler_params=_params(), interpret=interpret,
       kernel_name="chunk_cumsum_bwd")(dG), (dG,))
   return dg
+
+
+def _gate_vectors(A, bias, D: int):
+  for name, x in (("A", A), ("bias", bias)):
+    if x.shape != (D,) or x.dtype != F32:
+      raise ValueError(f"{name} must be float32 [D] = ({D},); got {x.dtype} {tuple(x.shape)}")
+
+
+def _inside(t, T: int):
+  """1.0 for a token `t` before T, else 0.0 (a scalar: Mosaic GPU selects no vector by a scalar)."""
+  return jnp.where(t < T, 1.0, 0.0).astype(F32)
+
+
+@lowered_once()
+def gated_forward(f, A, bias, *, C: int, kind, T: int, interpret=None):
+  """`forward` of `g = gate(f + bias)` (`gate.elementwise` of `kind` with `A = exp(A_log)` per channel):
+  `f [B, T_pad, D]` (any float dtype; rows from `T` on are padding, g = 0 there), `A`, `bias` float32
+  `[D]`. Returns `forward`'s `(G, refs)`."""
+  B, NC, ND = _geometry(f, C)
+  D = f.shape[2]
+  _gate_vectors(A, bias, D)
+  rows = groups.FIRST_ROW + C // UNROLL
+  scratch = dict(x_s=plgpu.SMEM((C, BLOCK_D), f.dtype), y_s=plgpu.SMEM((C, BLOCK_D), F32),
+                 r_s=plgpu.SMEM((rows, BLOCK_D), F32), a_s=plgpu.SMEM((BLOCK_D,), F32),
+                 b_s=plgpu.SMEM((BLOCK_D,), F32), bars=plgpu.Barrier(num_arrivals=1, num_barriers=3))
+
+  def body(f_r, A_r, bias_r, G_r, refs_r, x_s, y_s, r_s, a_s, b_s, bars):
+    b, n, c = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("c")
+    cols, chunk = pl.ds(c * BLOCK_D, BLOCK_D), pl.ds(n * C, C)
+    plgpu.copy_gmem_to_smem(f_r.at[b, chunk, cols], x_s, bars.at[0])
+    plgpu.copy_gmem_to_smem(A_r.at[cols], a_s, bars.at[1])
+    plgpu.copy_gmem_to_smem(bias_r.at[cols], b_s, bars.at[2])
+    for i in range(3):
+      plgpu.barrier_wait(bars.at[i])
+    a, bias_v = a_s[...], b_s[...]
+
+    def floored(i):
+      g = gates.elementwise(x_s[i].astype(F32) + bias_v, a, kind, exact_log1p=False)[0]
+      g = g * _inside(n * C + i, T)
+      return jnp.where(g < prep.LOG_DECAY_FLOOR, jnp.full_like(g, prep.LOG_DECAY_FLOOR), g)
+
+    def group(u, carry):
+      acc, top, bottom = carry
+      for j in range(UNROLL):
+        i = u * UNROLL + j
+        acc = acc + floored(i)
+        y_s[i] = acc
+        top, bottom = jnp.maximum(top, acc), jnp.minimum(bottom, acc)
+      r_s[groups.FIRST_ROW + u] = acc
+      return acc, top, bottom
+
+    first = floored(0)
+    zero = jnp.zeros_like(first)
+    acc, top, bottom = lax.fori_loop(0, C // UNROLL, group, (zero, first, first))
+    r_s[0] = (top + bottom) / 2
+    r_s[1] = acc
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(y_s, G_r.at[b, chunk, cols])
+    plgpu.copy_smem_to_gmem(r_s, refs_r.at[b, n, :, cols])
+    plgpu.wait_smem_to_gmem(0)
+
+  out_type = (jax.ShapeDtypeStruct(f.shape, F32), jax.ShapeDtypeStruct((B, NC, rows, D), F32))
+  return tuple(vary_like(plgpu.kernel(
+      body, out_type=out_type, scratch_types=scratch, grid=(B, NC, ND), grid_names=("b", "n", "c"),
+      compiler_params=_params(), interpret=interpret, kernel_name="chunk_cumsum_gate_fwd")(f, A, bias),
+      (f, A, bias)))
+
+
+@lowered_once()
+def gated_reverse(dG, f, A, bias, *, C: int, kind, T: int, interpret=None):
+  """`reverse` through the gate of `gated_forward`: `(df [B, T_pad, D] in f's dtype, parts [B, NC, 2, D]
+  float32)`, df the cotangent of f (zero where g is below the floor, rows from `T` on undefined), parts
+  each chunk's sums over its tokens before T of `dg dg/dA_log` (row 0; summed over a head's channels and
+  every chunk: A_log's cotangent) and of df (row 1; over every chunk: dt_bias's)."""
+  B, NC, ND = _geometry(dG, C)
+  D = dG.shape[2]
+  if dG.dtype != F32:
+    raise ValueError(f"dG must be float32; got {dG.dtype}")
+  if f.shape != dG.shape:
+    raise ValueError(f"f must be dG's shape {tuple(dG.shape)}; got {tuple(f.shape)}")
+  _gate_vectors(A, bias, D)
+  scratch = dict(x_s=plgpu.SMEM((C, BLOCK_D), F32), f_s=plgpu.SMEM((C, BLOCK_D), f.dtype),
+                 p_s=plgpu.SMEM((2, BLOCK_D), F32), a_s=plgpu.SMEM((BLOCK_D,), F32),
+                 b_s=plgpu.SMEM((BLOCK_D,), F32), bars=plgpu.Barrier(num_arrivals=1, num_barriers=4))
+
+  def body(dG_r, f_r, A_r, bias_r, df_r, parts_r, x_s, f_s, p_s, a_s, b_s, bars):
+    b, n, c = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("c")
+    cols, chunk = pl.ds(c * BLOCK_D, BLOCK_D), pl.ds(n * C, C)
+    plgpu.copy_gmem_to_smem(dG_r.at[b, chunk, cols], x_s, bars.at[0])
+    plgpu.copy_gmem_to_smem(f_r.at[b, chunk, cols], f_s, bars.at[1])
+    plgpu.copy_gmem_to_smem(A_r.at[cols], a_s, bars.at[2])
+    plgpu.copy_gmem_to_smem(bias_r.at[cols], b_s, bars.at[3])
+    for i in range(4):
+      plgpu.barrier_wait(bars.at[i])
+    a, bias_v = a_s[...], b_s[...]
+
+    def group(u, carry):
+      acc, pa, pb = carry
+      for j in range(UNROLL):
+        i = C - 1 - (u * UNROLL + j)
+        acc = acc + x_s[i]
+        g, du, dlog_a = gates.elementwise(f_s[i].astype(F32) + bias_v, a, kind, exact_log1p=False)
+        # the floor's gradient; padding adds none
+        dg = jnp.where(g >= prep.LOG_DECAY_FLOOR, acc, jnp.zeros_like(acc)) * _inside(n * C + i, T)
+        df = dg * du
+        f_s[i] = df.astype(f_s.dtype)
+        pa, pb = pa + dg * dlog_a, pb + df
+      return acc, pa, pb
+
+    zero = jnp.zeros_like(x_s[C - 1])
+    _, pa, pb = lax.fori_loop(0, C // UNROLL, group, (zero, zero, zero))
+    p_s[0] = pa
+    p_s[1] = pb
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(f_s, df_r.at[b, chunk, cols])
+    plgpu.copy_smem_to_gmem(p_s, parts_r.at[b, n, :, cols])
+    plgpu.wait_smem_to_gmem(0)
+
+  out_type = (jax.ShapeDtypeStruct(f.shape, f.dtype), jax.ShapeDtypeStruct((B, NC, 2, D), F32))
+  return tuple(vary_like(plgpu.kernel(
+      body, out_type=out_type, scratch_types=scratch, grid=(B, NC, ND), grid_names=("b", "n", "c"),
+      compiler_params=_params(), interpret=interpret, kernel_name="chunk_cumsum_gate_bwd")(dG, f, A, bias),
+      (dG, f, A, bias)))

@@ -14,8 +14,9 @@ from typing import Any
 import jax.numpy as jnp
 
 from .. import common, prep, prepared, vjp
+from ..gate import Gate
 from . import plan as plans
-from . import channel, walk
+from . import channel, cumsum, walk
 from .interpret import check_interpreter_threads, interpreting
 from .plan import GpuConfig
 
@@ -107,9 +108,9 @@ def call_plan(q, k, v, g=None, beta=None, *, segment_ids=None, chunk_size: int =
 
 def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None, segment_ids=None,
                       chunk_size: int = 64, compute_dtype=None, out_dtype=None, qk_l2norm: bool = False,
-                      config: GpuConfig | None = None, interpret=None):
+                      config: GpuConfig | None = None, interpret=None, gate: Gate | None = None):
   """Either family in chunked form as Mosaic GPU kernels; differentiable in q, k, v, g, beta and
-  initial_state.
+  initial_state (and the gate's A_log and dt_bias).
 
   Args:
     q, k: `[B, T, H, K]`. v: `[B, T, H_v, V]`, `H_v % H == 0` (grouped value heads).
@@ -154,7 +155,10 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
   if jnp.dtype(out_dtype) not in SIXTEEN_BIT:
     raise ValueError(f"out_dtype must be bfloat16 or float16 (o leaves the kernels through a 16-bit "
                      f"tile; cast it afterwards); got {jnp.dtype(out_dtype).name}")
+  if gate is not None and (g is None or g.ndim != 4 or beta is None):
+    raise ValueError("gate takes a per-channel delta call: g [B, T, H_v, K] (its pre-activation) and beta")
   if plans.head_blocks(K, V, delta=beta is not None, decay=decay_kind(g)) != (K, V):
+    g = g if gate is None else gate.values(g)
     return _by_head_blocks(q, k, v, g, beta, scale=K ** -0.5 if scale is None else scale,
                            initial_state=initial_state, segment_ids=segment_ids, chunk_size=chunk_size,
                            compute_dtype=dtype, out_dtype=out_dtype, qk_l2norm=qk_l2norm, config=config,
@@ -162,6 +166,8 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
   q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
   p = call_plan(q, k, v, g, beta, segment_ids=segment_ids, chunk_size=chunk_size, qk_l2norm=qk_l2norm,
                 config=config)
+  if gate is not None and not fused_gate(p, Hv * K, chunk_size):
+    g, gate = gate.values(g), None
   if p.gate_floor == "xla":   # -inf (forget everything) is e^-20 a token: finite differences of G
     g = prep.floor_log_decay(g)
   if interpret:
@@ -175,7 +181,7 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
   scale = K ** -0.5 if scale is None else scale
   if not p.order_channels:
     return vjp.chunked_op(static, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                          segment_ids=segment_ids)
+                          segment_ids=segment_ids, gate=gate)
   # the strongest channels first (`GpuConfig.order_channels`); the final state back in the callers' order
   order, inverse = channel.channel_order(g, H)
   q, k, g = (channel.permute_channels(x, order, inverse, 2, 3) for x in (q, k, g))
@@ -184,6 +190,16 @@ def chunked_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=N
   o, final = vjp.chunked_op(static, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                             segment_ids=segment_ids)
   return o, channel.permute_channels(final, inverse, order, 1, 2)
+
+
+def fused_gate(p, D: int, chunk_size: int) -> bool:
+  """Whether the plan `p` takes a gate's pre-activation into its kernels (`chunked_attention`'s `gate`;
+  `GpuConfig.gate`): the per-channel delta plan with the cumsum walks (where they serve `D = H_v K`
+  flattened channels), the gate's floor inside the stages and no channel order of the op's own (the layer's order moves dt_bias with
+  its channels; the op's differs per batch row)."""
+  return ((p.forward, p.backward, p.cumsums, p.gate) == ("channel_prep", "channel_delta_grads", "kernel",
+                                                       "kernel")
+          and p.gate_floor != "xla" and not p.order_channels and cumsum.serves(D, chunk_size))
 
 
 def _by_head_blocks(q, k, v, g, beta, *, scale, initial_state, segment_ids, out_dtype, qk_l2norm, **call):

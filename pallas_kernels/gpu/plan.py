@@ -153,6 +153,11 @@ class GpuConfig:
     default: `cumsum.py`'s token walks, one pass over the input each, where H_v K is a multiple of 128
     and C of 8; XLA's product elsewhere) or "xla" (one batched float32 product with the triangle of
     ones, and the references from G in a second pass).
+  gate: where a kda call given its gate's pre-activation (`ops.kda(..., A_log=, dt_bias=)`, as the
+    KimiDeltaAttention layer calls it) computes the gate: "kernel" (the default: the cumsum walks
+    compute g on load and its cotangents in their reverse walk, `cumsum.gated_forward` / `gated_reverse`,
+    where `cumsums` is "kernel" and they serve the shape) or "xla" (XLA computes g first, and its
+    backward after the kernels: NOTES.md v65).
   prep_warpgroups: kda's preparation kernel at K = 128 on 1 warpgroup or 2 (the grams' products dealt
     out between them, qg / kd by halves of the columns, the inverse and w on one while the other
     forms u: `channel_prep_split`; K = 64 and gla run one). None (default): 2 at K = 128 with
@@ -185,6 +190,7 @@ class GpuConfig:
   order_channels: str = "layer"
   dg_cumsum: str = "xla"
   cumsums: str = "kernel"
+  gate: str = "kernel"
   key_warpgroups: int | None = None
   prep_warpgroups: int | None = None
 
@@ -192,7 +198,7 @@ class GpuConfig:
     for name, allowed in (("forward", FORWARDS), ("backward", BACKWARDS), ("forward_warpgroups", (1, 3)),
                           ("delta_warpgroups", (1, 2)), ("key_warpgroups", (None, 1, 2)),
                           ("prep_warpgroups", (None, 1, 2)), ("gram_method", prep.GRAM_METHODS),
-                          ("dg_cumsum", DG_CUMSUMS), ("cumsums", CUMSUMS),
+                          ("dg_cumsum", DG_CUMSUMS), ("cumsums", CUMSUMS), ("gate", CUMSUMS),
                           ("order_channels", CHANNEL_ORDERS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"GpuConfig.{name} must be one of {allowed}; got {getattr(self, name)!r}")
@@ -236,6 +242,7 @@ class Plan:
   gate_floor: str = "xla"      # "xla": g floored before the stages | "stages": by the per-channel ones
   dg_cumsum: str = "xla"       # GpuConfig.dg_cumsum where a per-channel gradient kernel can take it
   cumsums: str = "xla"         # GpuConfig.cumsums for the per-channel stages' cumsums of g and dG
+  gate: str = "xla"            # GpuConfig.gate for kda's per-channel stages
   key_warpgroups: int = 1      # of kda's key-side programs (GpuConfig.key_warpgroups where K = 128)
   prep_warpgroups: int = 1     # of kda's preparation programs (GpuConfig.prep_warpgroups where K = 128)
 
@@ -325,6 +332,7 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
               gate_floor="stages" if channel_kernels else "xla",
               dg_cumsum=dg_cumsum,
               cumsums=config.cumsums if per_channel else "xla",
+              gate=config.gate if per_channel and delta else "xla",
               key_warpgroups=(config.key_warpgroups or (2 if two and dg_cumsum == "xla" else 1)
                               if backward == "channel_delta_grads" and K == 128 else 1),
               prep_warpgroups=(config.prep_warpgroups or (2 if two else 1)

@@ -410,7 +410,7 @@ def test_layer_benchmark_reads_the_kernel_option_suffixes():
   assert options("K:u") == dict(unit_ref_bound=True) and options("K:n") == dict(unit_ref_bound=False)
   assert options("G:s4") == dict(sequence_pieces=4) and options("K:c") == dict(call_test=False)
   assert options("K:o") == dict(order_channels="op") and options("K:l") == dict(order_channels="layer")
-  assert options("K:w") == dict(order_channels="none")
+  assert options("K:w") == dict(order_channels="none") and options("K:g") == dict(gate="xla")
   assert options("K:r") == dict(dg_cumsum="kernel") and options("K:k") == dict(key_warpgroups=2)
   assert options("K:f") == dict(prep_warpgroups=2)
   assert options("K:kf") == dict(key_warpgroups=2, prep_warpgroups=2)
