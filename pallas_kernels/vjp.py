@@ -83,21 +83,22 @@ def channel_tensors(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=Non
   # results say so of all of them; the types of a lax.cond's branches must match)
   axes = common.varying_axes([x for x in (q, k, v, g, beta, segment_ids) if x is not None])
   varying = lambda branch: lambda: jax.tree.map(lambda x: common.vary_over(x, axes), branch())
-  return _by_bound(cumsum[0], C, dtype, varying(kernel("one")), varying(kernel(beyond)), varying(per_head),
+  return _by_bound(cumsum, C, dtype, varying(kernel("one")), varying(kernel(beyond)), varying(per_head),
                    bound=bound, test=call_test or beyond != "chunk")
 
 
-def _by_bound(G, C: int, dtype, one, grouped, per_head, bound: float | None = None, test: bool = True):
-  """`one()` where every chunk of `G` fits one reference (about `bound`, default `prep.ref_bound`),
-  else `grouped()` where every 8-token group fits the groups' bound (always, for bfloat16 operands),
-  else `per_head()`. Without `test` (kernels that choose per chunk, `GpuConfig.call_test=False`):
-  `grouped()` where the operands always fit the groups, with no `lax.cond` (whose branches are
-  all compiled)."""
+def _by_bound(cumsum, C: int, dtype, one, grouped, per_head, bound: float | None = None, test: bool = True):
+  """`one()` where every chunk of `cumsum = (G, refs)` (`channel.chunk_cumsum`'s) fits one reference
+  (about `bound`, default `prep.ref_bound`; from the refs' rows, `channel.fits_refs`), else `grouped()`
+  where every 8-token group fits the groups' bound (always, for bfloat16 operands), else `per_head()`.
+  Without `test` (kernels that choose per chunk, `GpuConfig.call_test=False`): `grouped()` where the
+  operands always fit the groups, with no `lax.cond` (whose branches are all compiled)."""
+  G, refs = cumsum
   if not test and groups.always_fits(dtype):
     return grouped()
   beyond = grouped if groups.always_fits(dtype) else (
       lambda: lax.cond(groups.fits(G, C, dtype), grouped, per_head))
-  return lax.cond(channel.fits(G, C, dtype, bound), one, beyond)
+  return lax.cond(channel.fits_refs(refs, dtype, bound), one, beyond)
 
 
 def _gate(static: Static, gate_arrays) -> Gate | None:
@@ -204,7 +205,7 @@ def _backward(static: Static, q, k, v, g, beta, h0, segment_ids, saved, do, dfin
       raise ValueError(f"no backward stage {other!r}")
   # the kernels sum their gradients over the mesh axes their primals do not vary over, as the per-head
   # branch's already are (the types of a lax.cond's branches must match under shard_map)
-  return _by_bound(saved.G, static.chunk_size, static.compute_dtype, kernels("one"),
+  return _by_bound((saved.G, saved.refs), static.chunk_size, static.compute_dtype, kernels("one"),
                    kernels(plan.backward_beyond), per_head,
                    test=plan.call_test or plan.backward_beyond != "chunk")
 

@@ -144,6 +144,13 @@ def cotangent_bound(dP, dM, C: int):
   return lax.stop_gradient(jnp.swapaxes(bound, 1, 2))
 
 
+def fits_refs(refs, dtype, bound: float | None = None):
+  """`fits` from `chunk_cumsum`'s refs (`[B, NC, rows, H_v, K]`, rows 0 and 1 R and G_C) instead of G: G
+  is non-increasing down a chunk (g <= 0, floored), so a channel's span is `2 (R - G_C)`, as the
+  kernels' per-chunk forms read it (`channels_beyond`); a read of 2 rows a chunk where `fits` reads G."""
+  return ~jnp.any(channels_beyond(refs, dtype, bound))
+
+
 def fits(G, C: int, dtype, bound: float | None = None):
   """`prep.one_reference_fits` for `G [B, T_pad, H_v, K]` in token layout and operands of `dtype`, about
   `bound` (default `prep.ref_bound(dtype)`)."""

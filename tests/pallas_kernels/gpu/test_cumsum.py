@@ -101,3 +101,12 @@ def test_kernels_export_for_hopper():
     half = jax.export.export(jax.jit(lambda x: cumsum.forward(x, C=C)), platforms=["cuda"])(
         jax.ShapeDtypeStruct((2, 4096, 1024), jnp.bfloat16)).mlir_module()
   assert "chunk_cumsum_fwd" in fwd and "chunk_cumsum_fwd" in half and "chunk_cumsum_bwd" in bwd
+
+
+def test_the_call_wide_test_from_the_reference_rows_equals_the_one_from_G():
+  # vjp._by_bound reads refs' two rows a chunk (channel.fits_refs) where channel.fits read all of G
+  for scale, dtype in ((0.01, jnp.bfloat16), (1.5, jnp.bfloat16), (1.5, jnp.float16), (3.0, jnp.float16)):
+    g = jnp.asarray(-scale * np.abs(np.random.default_rng(7).normal(size=(2, 150, 2, 64))), jnp.float32)
+    G, refs = channel.chunk_cumsum(g, 3 * C, C, kernel=True, interpret=PARAMS)
+    for bound in (None, 30.0):
+      assert bool(channel.fits_refs(refs, dtype, bound)) == bool(channel.fits(G, C, dtype, bound))
