@@ -19,6 +19,7 @@ from linear_attention_jax.ops import checks
 from linear_attention_jax.ops.feature_maps import l2_normalize, resolve_feature_map
 from linear_attention_jax.ops.recurrent import step_update
 from linear_attention_jax.ops.variants import _expand_heads, retention_log_gamma
+from linear_attention_jax.pallas_kernels import gate as kernel_gate
 
 
 def _state_and_impl(state, initial_state, impl):
@@ -109,9 +110,15 @@ def gated_delta_rule_step(q, k, v, g, beta, state=None, *, scale=None, use_qk_l2
 
 
 def kda_step(q, k, v, g, beta, state=None, *, scale=None, use_qk_l2norm=False,
-             impl="auto", initial_state=None):
-  """One token of `kda`; `g: [B, H_v, K]`, `beta: [B, H_v]`."""
+             impl="auto", initial_state=None, A_log=None, dt_bias=None, gate_lower_bound=None):
+  """One token of `kda`; `g: [B, H_v, K]`, `beta: [B, H_v]`. With `A_log`, `dt_bias` (and
+  `gate_lower_bound`), g is the gate's pre-activation, as in `kda`."""
   state = _state_and_impl(state, initial_state, impl)
+  if A_log is not None or dt_bias is not None or gate_lower_bound is not None:
+    B, _, H, K, Hv, _ = checks.check_qkv(q[:, None], k[:, None], v[:, None])
+    kind = kernel_gate.check(g[:, None], A_log, dt_bias,
+                             kernel_gate.SOFTPLUS if gate_lower_bound is None else gate_lower_bound, Hv, K)
+    g = kernel_gate.values(g[:, None], A_log, dt_bias, kind)[:, 0]
   o, state = _step(q, k, v, g, beta, state, scale=scale, gated=True, delta=True, per_channel=True,
                    qk_map=l2_normalize if use_qk_l2norm else None)
   return o.astype(v.dtype), state

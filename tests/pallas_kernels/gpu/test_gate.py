@@ -153,3 +153,16 @@ def test_xla_forms_take_the_gates_values(impl):
     for a, b in zip(jax.grad(loss(by_gate), argnums=(0, 1, 2))(f, A_log, dt_bias),
                     jax.grad(loss(by_values), argnums=(0, 1, 2))(f, A_log, dt_bias)):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_step_takes_the_gate_as_the_op_does():
+  B, Hv, K = 2, 2, 16
+  f, A_log, dt_bias = _gate_inputs(B, 1, Hv, K, jnp.float32, 6)
+  ks = jax.random.split(jax.random.key(7), 3)
+  q, k = (jax.random.normal(x, (B, 1, K)) for x in ks[:2])
+  v, beta = jax.random.normal(ks[2], (B, Hv, K)), jnp.full((B, Hv), 0.5)
+  for kind in (None, -3.0):
+    g = gate.values(f, A_log, dt_bias, "softplus" if kind is None else kind)[:, 0]
+    by_gate = ops.kda_step(q, k, v, f[:, 0], beta, A_log=A_log, dt_bias=dt_bias, gate_lower_bound=kind)
+    for a, b in zip(by_gate, ops.kda_step(q, k, v, g, beta)):
+      np.testing.assert_allclose(a, b, rtol=1e-6)

@@ -87,7 +87,7 @@ def _run(q, k, v, g, beta, do, dhT, config):
 
 def test_kda_forward_about_the_unit_bound_matches_the_loop_and_the_narrow_bound(monkeypatch):
   bounds = []   # what the call passes to the test of which chunks fit and to the preparation kernel
-  for module, name, arg in ((channel_prep, "prepare", None), (channel, "fits", 3),
+  for module, name, arg in ((channel_prep, "prepare", None), (channel, "fits_refs", 2),
                             (channel, "cotangent_bound", 2)):
     original = getattr(module, name)
     monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, _i=arg, **kw: bounds.append(
@@ -100,7 +100,8 @@ def test_kda_forward_about_the_unit_bound_matches_the_loop_and_the_narrow_bound(
   unit = prep.ref_bound(jnp.bfloat16, unit=True)
   forward = [b for b in bounds if b[0] == "prepare"]
   assert forward and all(b == ("prepare", unit) for b in forward), bounds
-  assert ("fits", unit) in bounds and ("fits", None) in bounds, bounds   # the backward's call-wide test: 60
+  # the forward's call-wide test about the unit bound, the backward's about the default
+  assert ("fits_refs", unit) in bounds and ("fits_refs", None) in bounds, bounds
   assert ("cotangent_bound", 64) in bounds, bounds   # the key side's forms: the chunks' own bounds
   bounds.clear()
   o0, hT0, grads0 = _run(q, k, v, g, beta, do, dhT, NARROW)
