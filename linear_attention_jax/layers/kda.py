@@ -29,7 +29,7 @@ from linear_attention_jax.layers.norm import GatedRMSNorm
 from linear_attention_jax.pallas_kernels import gate as kernel_gate
 from linear_attention_jax.pallas_kernels import gpu
 from linear_attention_jax.pallas_kernels.gpu import channel, plan
-from linear_attention_jax.sharding.rules import axes, current_rules
+from linear_attention_jax.sharding.rules import axes
 
 
 class KimiDeltaAttention(LinearMixer):
@@ -113,7 +113,7 @@ class KimiDeltaAttention(LinearMixer):
     ordered = self._orders_channels(cache)
     key_columns, gate_columns = self.channel_columns(x) if ordered else (None, None)
     q, k, v, windows = self._project(x, cache, key_columns)
-    if cache is None and current_rules() is None:   # the op takes the gate (its GPU kernels compute it)
+    if cache is None:   # the op takes the gate (its GPU kernels compute it)
       f, dt_bias, beta = self.gate_inputs(x, gate_columns)
       gate = dict(A_log=self.A_log[...], dt_bias=dt_bias, gate_lower_bound=self.gate_lower_bound)
       with gpu.ordered_channels() if ordered else contextlib.nullcontext():

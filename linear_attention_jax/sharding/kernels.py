@@ -88,23 +88,29 @@ def shard_op(op, mesh, rules="dp", *, check_vma: bool = False):
     rows = None if cu_seqlens is not None else b
     gate_spec = lambda x: P(b, s, h) if x.ndim == 3 else P(b, s, h, None)
     state_spec = P(rows, h, None, vx)
-    args = (q, k, v, *gates, initial_state, segment_ids, cu_seqlens)
+    # kda's gate arrays (`ops.kda(..., A_log=[H_v], dt_bias=[H_v K])`): one row a value head, split as the
+    # heads are (dt_bias's channels head after head)
+    per_head = {n: kwargs.pop(n) for n in ("A_log", "dt_bias") if kwargs.get(n) is not None}
+    args = (q, k, v, *gates, initial_state, segment_ids, cu_seqlens, *per_head.values())
     in_specs = (P(b, s, h, None), P(b, s, h, None), P(b, s, h, vx), *map(gate_spec, gates),
                 None if initial_state is None else state_spec,
-                None if segment_ids is None else P(b, s), None if cu_seqlens is None else P())
+                None if segment_ids is None else P(b, s), None if cu_seqlens is None else P(),
+                *(P(h) for _ in per_head))
     seq_axis = s if axis_size(mesh, s) > 1 else None
     if check_vma and seq_axis is not None:
       raise ValueError(f"check_vma=True cannot serve a context-parallel call (sequence over {s!r}): "
                        "its final state is replicated over that axis by construction, unseen by the check")
 
     def body(q, k, v, *rest):
+      rest, local = rest[:len(rest) - len(per_head)], rest[len(rest) - len(per_head):]
       *gates, h0, seg, cu = rest
+      options = dict(kwargs, **dict(zip(per_head, local)))
       if seq_axis is not None:
         return context_parallel.shard_forward(
             local_op, q, k, v, *gates, axis_name=seq_axis, initial_state=h0,
-            output_final_state=output_final_state, segment_ids=seg, **kwargs)
+            output_final_state=output_final_state, segment_ids=seg, **options)
       return local_op(q, k, v, *gates, initial_state=h0, output_final_state=output_final_state,
-                      segment_ids=seg, cu_seqlens=cu, **kwargs)
+                      segment_ids=seg, cu_seqlens=cu, **options)
 
     out_specs = (P(b, s, h, vx), state_spec if output_final_state else None)
     # check_vma=False by default: the final state of a context-parallel call is computed identically

@@ -104,14 +104,16 @@ def _abstract_mesh(device_kind, num_cores, platform):
                                                      platform=platform))
 
 
-def _export_grad(chunked_attention, mesh, rules, platform, arrays, **options):
+def _export_grad(chunked_attention, mesh, rules, platform, arrays, gate=(), **options):
   """`jax.export` for `platform` of the gradient of a loss of the sharded kernel's output and final
-  state; `arrays`: `(shape, dtype, PartitionSpec)` of each positional argument."""
+  state; `arrays`: `(shape, dtype, PartitionSpec)` of each positional argument, then of `gate`'s
+  keywords (kda's A_log and dt_bias)."""
   args = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, p)) for shape, dtype, p in arrays]
   fn = shard_op(util.kernel_op(chunked_attention, **options), mesh, rules, check_vma=True)
 
   def loss(*xs):
-    o, final = fn(*xs, output_final_state=True)
+    n = len(xs) - len(gate)
+    o, final = fn(*xs[:n], output_final_state=True, **dict(zip(gate, xs[n:])))
     return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final)
 
   with jax.sharding.use_abstract_mesh(mesh):
@@ -129,10 +131,11 @@ def test_tpu_kernel_sharded_exports_for_a_tpu_mesh():
   assert exported.mlir_module().count("stablehlo.custom_call @tpu_custom_call") == 3
 
 
-def _export_gpu_grad(rules, T, delta, per_channel=False):
+def _export_gpu_grad(rules, T, delta, per_channel=False, gate=False):
   """The GPU kernels' sharded gradient exported for a 2 x 2 H200 mesh (B=4, H=8, K=V=128, bf16; scalar
-  or per-channel decay). The Mosaic GPU interpreter simulates a single device, so the GPU kernels
-  cannot run sharded on a CPU: the numerics of the split are the TPU kernels' test's."""
+  or per-channel decay; `gate`: kda given its gate's pre-activation, A_log and dt_bias split as the
+  heads). The Mosaic GPU interpreter simulates a single device, so the GPU kernels cannot run sharded
+  on a CPU: the numerics of the split are the TPU kernels' test's."""
   from linear_attention_jax.pallas_kernels import gpu
   B, H, D = 4, 8, 128
   rows = P("data", None, "tensor") if rules == "tp" else P("data")
@@ -142,8 +145,11 @@ def _export_gpu_grad(rules, T, delta, per_channel=False):
             ((B, T, H, D) if per_channel else (B, T, H), jnp.float32, rows)]
   if delta:
     arrays.append(((B, T, H), jnp.float32, rows))
+  if gate:
+    arrays[3] = ((B, T, H, D), jnp.bfloat16, rows)
+    arrays += [((H,), jnp.float32, P("tensor")), ((H * D,), jnp.float32, P("tensor"))]
   return _export_grad(gpu.chunked_attention, _abstract_mesh("NVIDIA H200", 132, "gpu"), rules, "cuda",
-                      arrays)
+                      arrays, gate=("A_log", "dt_bias") if gate else ())
 
 
 @KERNEL_RULES
@@ -177,6 +183,8 @@ def test_gpu_kernel_sharded_per_channel_gradients_export(rules, delta):
   # each variant once (40-50 s of Mosaic lowering a case): what the layout changes is the shard_map
   # around the kernels, the same for both variants, and both variants' kernels lower unsharded at
   # every size in tests/pallas_kernels/gpu/test_lowering.py.
-  module = _export_gpu_grad(rules, T=1024, delta=delta, per_channel=True).mlir_module()
+  # kda given its gate's pre-activation: the gate's walks, and A_log's and dt_bias's cotangents split
+  module = _export_gpu_grad(rules, T=1024, delta=delta, per_channel=True, gate=delta).mlir_module()
   names = ["chunk_grads_channel_delta_v", "chunk_grads_channel_delta_k"] if delta else ["chunk_grads_channel"]
+  names += ["chunk_cumsum_gate_fwd", "chunk_cumsum_gate_bwd"] if delta else []
   assert all(name in module for name in ["chunk_prep_channel", "chunk_walk_fwd", "chunk_walk_bwd"] + names)

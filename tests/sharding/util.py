@@ -113,6 +113,9 @@ def kernel_op(chunked_attention, **options):
   def op(q, k, v, *gates, initial_state=None, output_final_state=False, segment_ids=None,
          cu_seqlens=None, **kwargs):
     assert cu_seqlens is None, "the kernels take segment_ids"
+    if "A_log" in kwargs:   # kda's gate arrays, as shard_op splits them: the GPU entry's gate
+      from linear_attention_jax.pallas_kernels.gate import Gate
+      kwargs["gate"] = Gate(kwargs.pop("A_log"), kwargs.pop("dt_bias"), "softplus")
     o, final = chunked_attention(q, k, v, *gates, initial_state=initial_state, segment_ids=segment_ids,
                                  **options, **kwargs)
     return o, (final if output_final_state else None)

@@ -43,7 +43,8 @@ def test_forward_kernel_matches_float64_sums_of_the_floored_gates(dtype):
   want = _sums(floored)
   np.testing.assert_allclose(np.asarray(G), want, rtol=1e-6, atol=1e-4)
   chunks = want.reshape(B, T // C, C, D)
-  rows = [(chunks.max(2) + chunks.min(2)) / 2, chunks[:, :, -1]] + [chunks[:, :, 7 + 8 * i] for i in range(C // 8)]
+  rows = [(chunks.max(2) + chunks.min(2)) / 2, chunks[:, :, -1]]
+  rows += [chunks[:, :, 7 + 8 * i] for i in range(C // 8)]
   np.testing.assert_allclose(np.asarray(refs), np.stack(rows, axis=2), rtol=1e-6, atol=1e-4)
   assert refs.shape == (B, T // C, channel.ref_count(C), D)
 
