@@ -55,13 +55,56 @@ def _params():
   return plgpu.CompilerParams(approx_math=False)
 
 
+def _floor(x):
+  return jnp.where(x < prep.LOG_DECAY_FLOOR, jnp.full_like(x, prep.LOG_DECAY_FLOOR), x)
+
+
+def _launch_forward(body, scratch, name: str, args, *, C: int, interpret):
+  """A forward walk's kernel over `args` (the first `[B, T_pad, D]`): `(G, refs)` float32."""
+  B, NC, ND = _geometry(args[0], C)
+  rows = groups.FIRST_ROW + C // UNROLL
+  out_type = (jax.ShapeDtypeStruct(args[0].shape, F32),
+              jax.ShapeDtypeStruct((B, NC, rows, args[0].shape[2]), F32))
+  return tuple(vary_like(plgpu.kernel(
+      body, out_type=out_type, scratch_types=scratch, grid=(B, NC, ND), grid_names=("b", "n", "c"),
+      compiler_params=_params(), interpret=interpret, kernel_name=name)(*args), args))
+
+
+def _sum_down(floored, out, r_s, C: int):
+  """The forward walk of one program: the running sum of `floored(i)` (row i's floored gates, float32)
+  down the chunk's C rows into `out`, and into `r_s` the reference rows: R from the running maximum and
+  minimum (row 0), G_C (row 1) and each 8-token group's last row."""
+  def group(u, carry):
+    acc, top, bottom = carry
+    for j in range(UNROLL):
+      i = u * UNROLL + j
+      acc = acc + floored(i)
+      out[i] = acc
+      top, bottom = jnp.maximum(top, acc), jnp.minimum(bottom, acc)
+    r_s[groups.FIRST_ROW + u] = acc
+    return acc, top, bottom
+
+  first = floored(0)
+  zero = jnp.zeros_like(first)
+  acc, top, bottom = lax.fori_loop(0, C // UNROLL, group, (zero, first, first))
+  r_s[0] = (top + bottom) / 2
+  r_s[1] = acc
+
+
+def _store(out, r_s, G_dst, refs_dst):
+  """G's tile and the reference rows from shared memory to their device-memory blocks."""
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(out, G_dst)
+  plgpu.copy_smem_to_gmem(r_s, refs_dst)
+  plgpu.wait_smem_to_gmem(0)
+
+
 @lowered_once()
 def forward(g, *, C: int, interpret=None):
   """`(G [B, T_pad, D], refs [B, NC, 2 + C / 8, D])` float32 of `g [B, T_pad, D]` (any float dtype;
   zero rows past the sequence): G the chunk-local cumulative sums of g floored at
   `prep.LOG_DECAY_FLOOR`, refs `channel.chunk_cumsum`'s rows (R, G_C, the groups' last rows)."""
-  B, NC, ND = _geometry(g, C)
-  D = g.shape[2]
+  _geometry(g, C)
   in_place = g.dtype == F32
   rows = groups.FIRST_ROW + C // UNROLL
   scratch = dict(x_s=plgpu.SMEM((C, BLOCK_D), g.dtype), r_s=plgpu.SMEM((rows, BLOCK_D), F32),
@@ -76,34 +119,10 @@ def forward(g, *, C: int, interpret=None):
     plgpu.copy_gmem_to_smem(g_r.at[b, chunk, cols], x_s, bar)
     plgpu.barrier_wait(bar)
 
-    def floored(i):
-      x = x_s[i].astype(F32)
-      return jnp.where(x < prep.LOG_DECAY_FLOOR, jnp.full_like(x, prep.LOG_DECAY_FLOOR), x)
+    _sum_down(lambda i: _floor(x_s[i].astype(F32)), out, r_s, C)
+    _store(out, r_s, G_r.at[b, chunk, cols], refs_r.at[b, n, :, cols])
 
-    def group(u, carry):
-      acc, top, bottom = carry
-      for j in range(UNROLL):
-        i = u * UNROLL + j
-        acc = acc + floored(i)
-        out[i] = acc
-        top, bottom = jnp.maximum(top, acc), jnp.minimum(bottom, acc)
-      r_s[groups.FIRST_ROW + u] = acc
-      return acc, top, bottom
-
-    first = floored(0)
-    zero = jnp.zeros_like(first)
-    acc, top, bottom = lax.fori_loop(0, C // UNROLL, group, (zero, first, first))
-    r_s[0] = (top + bottom) / 2
-    r_s[1] = acc
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out, G_r.at[b, chunk, cols])
-    plgpu.copy_smem_to_gmem(r_s, refs_r.at[b, n, :, cols])
-    plgpu.wait_smem_to_gmem(0)
-
-  out_type = (jax.ShapeDtypeStruct(g.shape, F32), jax.ShapeDtypeStruct((B, NC, rows, D), F32))
-  return tuple(vary_like(plgpu.kernel(
-      body, out_type=out_type, scratch_types=scratch, grid=(B, NC, ND), grid_names=("b", "n", "c"),
-      compiler_params=_params(), interpret=interpret, kernel_name="chunk_cumsum_fwd")(g), (g,)))
+  return _launch_forward(body, scratch, "chunk_cumsum_fwd", (g,), C=C, interpret=interpret)
 
 
 @lowered_once()
@@ -146,6 +165,15 @@ def _gate_vectors(A, bias, D: int):
       raise ValueError(f"{name} must be float32 [D] = ({D},); got {x.dtype} {tuple(x.shape)}")
 
 
+def _copy_in(bars, *pairs):
+  """Each `(device-memory block, shared-memory tile)` copied in on its own barrier of `bars`; waits for
+  all."""
+  for i, (src, dst) in enumerate(pairs):
+    plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+  for i in range(len(pairs)):
+    plgpu.barrier_wait(bars.at[i])
+
+
 def _inside(t, T: int):
   """1.0 for a token `t` before T, else 0.0 (a scalar: Mosaic GPU selects no vector by a scalar)."""
   return jnp.where(t < T, 1.0, 0.0).astype(F32)
@@ -156,9 +184,8 @@ def gated_forward(f, A, bias, *, C: int, kind, T: int, interpret=None):
   """`forward` of `g = gate(f + bias)` (`gate.elementwise` of `kind` with `A = exp(A_log)` per channel):
   `f [B, T_pad, D]` (any float dtype; rows from `T` on are padding, g = 0 there), `A`, `bias` float32
   `[D]`. Returns `forward`'s `(G, refs)`."""
-  B, NC, ND = _geometry(f, C)
-  D = f.shape[2]
-  _gate_vectors(A, bias, D)
+  _geometry(f, C)
+  _gate_vectors(A, bias, f.shape[2])
   rows = groups.FIRST_ROW + C // UNROLL
   scratch = dict(x_s=plgpu.SMEM((C, BLOCK_D), f.dtype), y_s=plgpu.SMEM((C, BLOCK_D), F32),
                  r_s=plgpu.SMEM((rows, BLOCK_D), F32), a_s=plgpu.SMEM((BLOCK_D,), F32),
@@ -167,43 +194,17 @@ def gated_forward(f, A, bias, *, C: int, kind, T: int, interpret=None):
   def body(f_r, A_r, bias_r, G_r, refs_r, x_s, y_s, r_s, a_s, b_s, bars):
     b, n, c = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("c")
     cols, chunk = pl.ds(c * BLOCK_D, BLOCK_D), pl.ds(n * C, C)
-    plgpu.copy_gmem_to_smem(f_r.at[b, chunk, cols], x_s, bars.at[0])
-    plgpu.copy_gmem_to_smem(A_r.at[cols], a_s, bars.at[1])
-    plgpu.copy_gmem_to_smem(bias_r.at[cols], b_s, bars.at[2])
-    for i in range(3):
-      plgpu.barrier_wait(bars.at[i])
+    _copy_in(bars, (f_r.at[b, chunk, cols], x_s), (A_r.at[cols], a_s), (bias_r.at[cols], b_s))
     a, bias_v = a_s[...], b_s[...]
 
     def floored(i):
       g = gates.elementwise(x_s[i].astype(F32) + bias_v, a, kind, exact_log1p=False)[0]
-      g = g * _inside(n * C + i, T)
-      return jnp.where(g < prep.LOG_DECAY_FLOOR, jnp.full_like(g, prep.LOG_DECAY_FLOOR), g)
+      return _floor(g * _inside(n * C + i, T))
 
-    def group(u, carry):
-      acc, top, bottom = carry
-      for j in range(UNROLL):
-        i = u * UNROLL + j
-        acc = acc + floored(i)
-        y_s[i] = acc
-        top, bottom = jnp.maximum(top, acc), jnp.minimum(bottom, acc)
-      r_s[groups.FIRST_ROW + u] = acc
-      return acc, top, bottom
+    _sum_down(floored, y_s, r_s, C)
+    _store(y_s, r_s, G_r.at[b, chunk, cols], refs_r.at[b, n, :, cols])
 
-    first = floored(0)
-    zero = jnp.zeros_like(first)
-    acc, top, bottom = lax.fori_loop(0, C // UNROLL, group, (zero, first, first))
-    r_s[0] = (top + bottom) / 2
-    r_s[1] = acc
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(y_s, G_r.at[b, chunk, cols])
-    plgpu.copy_smem_to_gmem(r_s, refs_r.at[b, n, :, cols])
-    plgpu.wait_smem_to_gmem(0)
-
-  out_type = (jax.ShapeDtypeStruct(f.shape, F32), jax.ShapeDtypeStruct((B, NC, rows, D), F32))
-  return tuple(vary_like(plgpu.kernel(
-      body, out_type=out_type, scratch_types=scratch, grid=(B, NC, ND), grid_names=("b", "n", "c"),
-      compiler_params=_params(), interpret=interpret, kernel_name="chunk_cumsum_gate_fwd")(f, A, bias),
-      (f, A, bias)))
+  return _launch_forward(body, scratch, "chunk_cumsum_gate_fwd", (f, A, bias), C=C, interpret=interpret)
 
 
 @lowered_once()
@@ -226,12 +227,8 @@ def gated_reverse(dG, f, A, bias, *, C: int, kind, T: int, interpret=None):
   def body(dG_r, f_r, A_r, bias_r, df_r, parts_r, x_s, f_s, p_s, a_s, b_s, bars):
     b, n, c = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("c")
     cols, chunk = pl.ds(c * BLOCK_D, BLOCK_D), pl.ds(n * C, C)
-    plgpu.copy_gmem_to_smem(dG_r.at[b, chunk, cols], x_s, bars.at[0])
-    plgpu.copy_gmem_to_smem(f_r.at[b, chunk, cols], f_s, bars.at[1])
-    plgpu.copy_gmem_to_smem(A_r.at[cols], a_s, bars.at[2])
-    plgpu.copy_gmem_to_smem(bias_r.at[cols], b_s, bars.at[3])
-    for i in range(4):
-      plgpu.barrier_wait(bars.at[i])
+    _copy_in(bars, (dG_r.at[b, chunk, cols], x_s), (f_r.at[b, chunk, cols], f_s), (A_r.at[cols], a_s),
+             (bias_r.at[cols], b_s))
     a, bias_v = a_s[...], b_s[...]
 
     def group(u, carry):
