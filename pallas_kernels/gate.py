@@ -38,6 +38,16 @@ class Gate(NamedTuple):
     return jnp.repeat(jnp.exp(self.A_log.astype(F32)), K), self.dt_bias.astype(F32)
 
 
+def from_args(A_log, dt_bias, lower_bound) -> Gate | None:
+  """The `Gate` of an op's `A_log=`, `dt_bias=`, `gate_lower_bound=` (None where all three are None; the
+  arrays' shapes are checked by `check`), or a ValueError for a bound without them."""
+  if A_log is None and dt_bias is None:
+    if lower_bound is not None:
+      raise ValueError("gate_lower_bound takes the gate's pre-activation: pass A_log and dt_bias too")
+    return None
+  return Gate(A_log, dt_bias, SOFTPLUS if lower_bound is None else lower_bound)
+
+
 def check_kind(kind):
   """`kind` ("softplus" or a lower bound in [-5, 0)) or a ValueError."""
   if kind == SOFTPLUS:

@@ -113,15 +113,11 @@ class KimiDeltaAttention(LinearMixer):
     ordered = self._orders_channels(cache)
     key_columns, gate_columns = self.channel_columns(x) if ordered else (None, None)
     q, k, v, windows = self._project(x, cache, key_columns)
-    if cache is None:   # the op takes the gate (its GPU kernels compute it)
-      f, dt_bias, beta = self.gate_inputs(x, gate_columns)
-      gate = dict(A_log=self.A_log[...], dt_bias=dt_bias, gate_lower_bound=self.gate_lower_bound)
-      with gpu.ordered_channels() if ordered else contextlib.nullcontext():
-        o, state = self._recur(ops.kda, ops.kda_step, q, k, v, (f, beta), cache, use_qk_l2norm=True, **gate)
-    else:
-      g, beta = self.gates(x, gate_columns)
-      with gpu.ordered_channels() if ordered else contextlib.nullcontext():
-        o, state = self._recur(ops.kda, ops.kda_step, q, k, v, (g, beta), cache, use_qk_l2norm=True)
+    # the op and its step take the gate's pre-activation (the GPU's kernels compute the gate)
+    f, dt_bias, beta = self.gate_inputs(x, gate_columns)
+    gate = dict(A_log=self.A_log[...], dt_bias=dt_bias, gate_lower_bound=self.gate_lower_bound)
+    with gpu.ordered_channels() if ordered else contextlib.nullcontext():
+      o, state = self._recur(ops.kda, ops.kda_step, q, k, v, (f, beta), cache, use_qk_l2norm=True, **gate)
     o = self.o_norm(o, self.g_up(self.g_down(x)).reshape(B, T, Hv, V))
     y = self.o_proj(o.reshape(B, T, -1))
     return y, self._advance(cache, state, windows, T)

@@ -114,11 +114,11 @@ def kda_step(q, k, v, g, beta, state=None, *, scale=None, use_qk_l2norm=False,
   """One token of `kda`; `g: [B, H_v, K]`, `beta: [B, H_v]`. With `A_log`, `dt_bias` (and
   `gate_lower_bound`), g is the gate's pre-activation, as in `kda`."""
   state = _state_and_impl(state, initial_state, impl)
-  if A_log is not None or dt_bias is not None or gate_lower_bound is not None:
-    B, _, H, K, Hv, _ = checks.check_qkv(q[:, None], k[:, None], v[:, None])
-    kind = kernel_gate.check(g[:, None], A_log, dt_bias,
-                             kernel_gate.SOFTPLUS if gate_lower_bound is None else gate_lower_bound, Hv, K)
-    g = kernel_gate.values(g[:, None], A_log, dt_bias, kind)[:, 0]
+  gate = kernel_gate.from_args(A_log, dt_bias, gate_lower_bound)
+  if gate is not None:
+    _, _, _, K, Hv, _ = checks.check_qkv(q[:, None], k[:, None], v[:, None])
+    kind = kernel_gate.check(g[:, None], gate.A_log, gate.dt_bias, gate.kind, Hv, K)
+    g = kernel_gate.values(g[:, None], gate.A_log, gate.dt_bias, kind)[:, 0]
   o, state = _step(q, k, v, g, beta, state, scale=scale, gated=True, delta=True, per_channel=True,
                    qk_map=l2_normalize if use_qk_l2norm else None)
   return o.astype(v.dtype), state

@@ -227,13 +227,7 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
   The GPU's kernels compute the gate inside their cumsum walks (neither g nor its cotangent is
   written); every other form computes it first (`pallas_kernels.gate.values`).
   """
-  if A_log is None and dt_bias is None:
-    if gate_lower_bound is not None:
-      raise ValueError("gate_lower_bound takes the gate's pre-activation: pass A_log and dt_bias too")
-    gate = None
-  else:
-    gate = kernel_gate.Gate(A_log, dt_bias, kernel_gate.SOFTPLUS if gate_lower_bound is None
-                            else gate_lower_bound)
+  gate = kernel_gate.from_args(A_log, dt_bias, gate_lower_bound)
   o, final = _family("kda", q, k, v, g, beta, gated=True, delta=True, per_channel=True, gate=gate,
                      qk_map=l2_normalize if checks.check_static(use_qk_l2norm=use_qk_l2norm) is None
                      and use_qk_l2norm else None, scale=scale,
