@@ -28,7 +28,9 @@ _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 
+import faulthandler
 import gc
+import tempfile
 
 import pytest
 
@@ -105,6 +107,36 @@ def pytest_configure(config):
     config.option.loadscopereorder = False
 
 
+# A test that hangs ends its worker. CI once stopped at its time limit with 1,357 of 1,363 tests done:
+# a worker waited forever and nothing said where (the interpreter's warpgroups block in barrier waits on
+# XLA's CPU threads, above; a pool too small for them hangs rather than fails). A test still running after
+# TEST_TIMEOUT_S (PYTEST_TEST_TIMEOUT_S overrides it) has every thread's Python stack written to a file
+# and its process ended, by faulthandler's watchdog thread, which needs no lock the hung threads might
+# hold: the crash below, so the test runs once more in a fresh worker and the summary counts it, and
+# the controller prints the stacks (a worker's own stderr is pytest's capture while a test runs). The
+# slowest test takes ~100 s on 2 cores.
+TEST_TIMEOUT_S = float(os.environ.get("PYTEST_TEST_TIMEOUT_S") or 600)
+
+
+def _stacks_path(controller_pid: int, worker: str) -> str:
+  return os.path.join(tempfile.gettempdir(), f"pytest-stacks-{controller_pid}-{worker}.txt")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+  path = _stacks_path(os.getppid() if worker != "main" else os.getpid(), worker)
+  with open(path, "w") as stacks:
+    stacks.write(f"{item.nodeid} still running after {TEST_TIMEOUT_S:.0f} s:\n")
+    stacks.flush()
+    faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True, file=stacks)
+    try:
+      yield
+    finally:
+      faulthandler.cancel_dump_traceback_later()
+  os.remove(path)   # left only by a process that died in the test
+
+
 def pytest_collection_modifyitems(config, items):
   items[:] = _by_file_seconds(items)
   if not config.pluginmanager.hasplugin("rerunfailures"):
@@ -125,5 +157,12 @@ _CRASHES: dict = {}
 def pytest_handlecrashitem(crashitem, report, sched):
   from xdist.scheduler import LoadScopeScheduling
   _CRASHES[crashitem] = _CRASHES.get(crashitem, 0) + 1
+  path = _stacks_path(os.getpid(), report.node.gateway.id)
+  if os.path.exists(path):
+    with open(path) as stacks:
+      text = stacks.read()
+    os.remove(path)
+    if "Timeout" in text:   # the watchdog's dump (a worker that died otherwise leaves its header alone)
+      report.node.config.get_terminal_writer().line("\n" + text)
   if isinstance(sched, LoadScopeScheduling) and _CRASHES[crashitem] <= CRASH_RERUNS:
     report.outcome = "rerun"
