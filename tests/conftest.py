@@ -108,13 +108,15 @@ def pytest_configure(config):
 
 
 # A test that hangs ends its worker. CI once stopped at its time limit with 1,357 of 1,363 tests done:
-# a worker waited forever and nothing said where (the interpreter's warpgroups block in barrier waits on
-# XLA's CPU threads, above; a pool too small for them hangs rather than fails). A test still running after
-# TEST_TIMEOUT_S (PYTEST_TEST_TIMEOUT_S overrides it) has every thread's Python stack written to a file
-# and its process ended, by faulthandler's watchdog thread, which needs no lock the hung threads might
-# hold: the crash below, so the test runs once more in a fresh worker and the summary counts it, and
-# the controller prints the stacks (a worker's own stderr is pytest's capture while a test runs). The
-# slowest test takes ~100 s on 2 cores.
+# a worker waited forever and nothing said where. (The interpreter's warpgroups block in barrier waits
+# on XLA's CPU threads, above, and a pool too small for them hangs rather than fails: with NPROC=2 a jit
+# of eight independent two-warpgroup kernel calls hung in 3 runs of 3, with 12 a jit of 32 ran. The CI
+# hang's cause is not known.) A test still running after TEST_TIMEOUT_S (PYTEST_TEST_TIMEOUT_S
+# overrides it) has every thread's Python stack written to a file and its process ended, by
+# faulthandler's watchdog thread, which needs no lock the hung threads might hold: the crash below, so
+# the test runs once more in a fresh worker and the summary counts it, and the controller prints the
+# stacks (a worker's own stderr is pytest's capture while a test runs). The slowest test takes 84 s on
+# 2 cores.
 TEST_TIMEOUT_S = float(os.environ.get("PYTEST_TEST_TIMEOUT_S") or 600)
 
 
