@@ -132,19 +132,32 @@ class KimiDeltaAttention(LinearMixer):
 
   def channel_columns(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`(key_columns [H * K], gate_columns [H_v * K])` int32: each key head's channels by how much
-    they decay over the whole batch `x` (`-sum g` over rows and tokens, summed over the head's value
-    heads), strongest first, as columns of q, k's projections and of g's (a value head takes its key
+    they decay over the batch `x` (`-sum g` over rows and every `order_stride(T)`-th token, summed over
+    the head's value heads), strongest first, as columns of q, k's projections and of g's (a value head takes its key
     head's order). Not differentiated. A key channel permutation within a head leaves the layer's
     output unchanged (every per-channel part of it, the convolutions and the gate included, moves with
     its channel; q . k and the l2 norms sum over them); the GPU's kda kernels give each half of a
     chunk's key channels its own form, and with the strongest first a trained chunk's strong channels
     share one half (NOTES.md v57, v59)."""
     H, Hv, K = self.num_heads, self.num_v_heads, self.head_dim
-    g = self.gates(x)[0]   # the op's per-row order of the batch's summed gates: one row's [1, H, K]
+    g = self.gates(x[:, ::order_stride(x.shape[1])])[0]   # an order only picks the kernels' forms
+    # the op's per-row order of the batch's summed gates: one row's [1, H, K]
     order = channel.channel_order(jnp.sum(g, axis=0, keepdims=True), H)[0][0]
     key = (jnp.arange(H, dtype=jnp.int32)[:, None] * K + order).reshape(-1)
     gate = (jnp.arange(Hv, dtype=jnp.int32)[:, None] * K + jnp.repeat(order, Hv // H, axis=0)).reshape(-1)
     return key, gate
+
+
+ORDER_TOKENS = 256
+
+
+def order_stride(T: int) -> int:
+  """The stride of the tokens whose gates `KimiDeltaAttention.channel_columns` sums: 1 up to
+  2 ORDER_TOKENS - 1 tokens, then whatever keeps at least ORDER_TOKENS of each row. A channel's decay
+  is its A and dt_bias scaled by a softplus of its low-rank projection, so a few hundred tokens a row
+  rank the channels as all of them do; the whole batch's gate cost a second projection as large as
+  the op's own f (0.24 ms of an H100's 40.9 ms K LM step at T = 4096, batch 8; NOTES.md v66)."""
+  return max(1, T // ORDER_TOKENS)
 
 
 def _gpu_kernels() -> bool:

@@ -61,6 +61,16 @@ def test_kda_layer_ordering_its_channels_changes_only_the_rounding(conv, bound, 
   decay = -g.sum(axis=(0, 1)).reshape(H, groups, K).sum(axis=1)
   np.testing.assert_array_equal(key.reshape(H, K) % K, np.argsort(-decay, axis=-1, kind="stable"))
   assert (key != np.arange(H * K)).any()   # the layer's initialisation decays its channels unequally
+  # a long batch: the gates of every order_stride(T)-th token, at least ORDER_TOKENS a row
+  T = 3 * kda_module.ORDER_TOKENS + 5
+  assert kda_module.order_stride(T) == 3 and kda_module.order_stride(2 * kda_module.ORDER_TOKENS - 1) == 1
+  long = np.random.default_rng(5).normal(size=(2, T, 64))
+  long[:, 1::3] *= 30   # the tokens left out, loud enough to change the whole batch's order
+  long = jnp.asarray(long, jnp.float32)
+  rank = lambda g: np.argsort(g.sum(axis=(0, 1)).reshape(H, groups, K).sum(axis=1), axis=-1, kind="stable")
+  every_third, whole = (rank(np.asarray(layer.gates(x)[0])) for x in (long[:, ::3], long))
+  assert (every_third != whole).any()
+  np.testing.assert_array_equal(np.asarray(layer.channel_columns(long)[0]).reshape(H, K) % K, every_third)
   # "layer" is the default, and the order is taken only where the GPU's kernels can run (not on this CPU)
   assert gpu.layers_order_channels() and not layer._orders_channels(None)
   orders = []
