@@ -135,10 +135,10 @@ class KimiDeltaAttention(LinearMixer):
     they decay over the batch `x` (`-sum g` over rows and every `order_stride(T)`-th token, summed
     over the head's value heads), strongest first, as columns of q, k's projections and of g's (a value
     head takes its key head's order). Not differentiated. A key channel permutation within a head
-    leaves the layer's output unchanged (every per-channel part of it, the convolutions and the gate included, moves with
-    its channel; q . k and the l2 norms sum over them); the GPU's kda kernels give each half of a
-    chunk's key channels its own form, and with the strongest first a trained chunk's strong channels
-    share one half (NOTES.md v57, v59)."""
+    leaves the layer's output unchanged (every per-channel part of it, the convolutions and the gate
+    included, moves with its channel; q . k and the l2 norms sum over them); the GPU's kda kernels give
+    each half of a chunk's key channels its own form, and with the strongest first a trained chunk's
+    strong channels share one half (NOTES.md v57, v59)."""
     H, Hv, K = self.num_heads, self.num_v_heads, self.head_dim
     g = self.gates(x[:, ::order_stride(x.shape[1])])[0]   # an order only picks the kernels' forms
     # the op's per-row order of the batch's summed gates: one row's [1, H, K]
