@@ -443,7 +443,8 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
   `grams`: `key_side`'s; the caller's `lax.cond` (`vjp.py`) takes "one" where every chunk's decay fits the
   one-reference bound, else "groups" (or XLA's vjp, for float16 beyond the groups' bound). `unit_bound`:
   `key_side`'s (q, k l2-normalised). `qk_l2norm`: the forward normalised q, k on load; the key side
-  does too, and XLA takes the norm's backward from its dq, dk and the raw q, k. `key_warpgroups=2`
+  does too, and XLA takes the norm's backward from its dq, dk and the raw q, k (the two-warpgroup key
+  side takes it in its epilogue). `key_warpgroups=2`
   (K = 128, `dg_cumsum="xla"`): the value side also forms the key side's products without a decayed
   gram, and `channel_delta_keys.key_side` takes the two halves of the key channels on two warpgroups.
   `gate` (a `gate.Gate`; g is its pre-activation f): the fourth is `(df, dA_log, ddt_bias)`
@@ -487,7 +488,7 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
                                      **keys, reverse_cumsum=summed)
     dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C, summed=summed, kernel=cumsums == "kernel",
                            interpret=interpret, gate=gate)
-    if qk_l2norm:
+    if qk_l2norm and not split:   # the two-warpgroup key side takes the norms' gradients itself
       dq, dk = (jax.vjp(common.l2_normalize, x)[1](dx)[0] for x, dx in ((q, dq), (k, dk)))
     dbeta = jnp.swapaxes(dbeta_v + dbeta_k, 1, 2)[:, :T].astype(beta.dtype)
     if gate is not None:   # the gate's cotangents vary as A_log and dt_bias do

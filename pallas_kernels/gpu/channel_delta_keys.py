@@ -14,7 +14,9 @@ dS already are, in 16-bit tiles): this program reads neither the states nor the 
 reference, the halves' or the groups' products), dq, dk and dG are the one-warpgroup kernel's, half by
 half; warpgroup 1 hands its part of dbeta to warpgroup 0, which writes the sum. With `qk_l2norm` each
 warpgroup reads both halves of q and k for the rows' norms and, after both have read them, scales its
-own half in place.
+own half in place; at the end each takes the norms' gradient for its half of dq and dk, `r (dy - y
+rowsum(y dy))`, the two halves' row sums exchanged through shared memory, so that XLA does not read q,
+k, dq and dk again for it (NOTES.md v67).
 
 Where each chunk takes its form (`grams="chunk"`) and half 0 takes the halves' or the groups' products
 while half 1 takes one reference (the strong channels in half 0, as the layers' order puts them), the
@@ -66,7 +68,7 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
     float32; dP, dM `[B, H_v, T_pad, C]`; dqg, dkd, dbk `[B, H_v, T_pad, K]` (`do S^T`, `u dS^T`,
     `dr S^T`) and s_ds `[B, H_v, NC, 2, 64]` (`value_side(..., key_products=True)`'s); masks None or
     `segment_vectors(...)`. grams, unit_bound, qk_l2norm: `channel_delta_grads.key_side`'s.
-  Returns: dq, dk `[B, T_pad, H_v, K]` in `dtype`; dG `[B, T_pad, H_v, K]` float32 with the last token's
+  Returns: dq, dk `[B, T_pad, H_v, K]` in `dtype` (with `qk_l2norm`, of the raw q, k); dG `[B, T_pad, H_v, K]` float32 with the last token's
     terms added; `rowsum(dB_k k E)` `[B, H_v, T_pad]` float32.
   """
   if grams not in ("one", "halves", "groups", "chunk"):
@@ -91,7 +93,9 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
       r_s=plgpu.SMEM((WARPGROUPS, rows_of_refs, HALF), F32), sds_s=plgpu.SMEM((WARPGROUPS, HALF), F32),
       b_s=plgpu.SMEM((C,), F32), form_s=plgpu.SMEM((C,), F32), vec_s=plgpu.SMEM((WARPGROUPS, C), F32),
       bar=plgpu.Barrier(num_arrivals=3 + 8 * WARPGROUPS + SEG_ROWS * has_seg + chunkwise),
-      normed=plgpu.Barrier(num_arrivals=WARPGROUPS, num_barriers=2), handed=plgpu.Barrier())
+      normed=plgpu.Barrier(num_arrivals=WARPGROUPS, num_barriers=2 + 2 * qk_l2norm), handed=plgpu.Barrier())
+  if qk_l2norm:   # each warpgroup's half of the rows' dot products for the norms' gradients (q's, k's)
+    scratch["dot_s"] = plgpu.SMEM((2, WARPGROUPS, C), F32)
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
   if chunkwise:   # warpgroup 1's share of half 0's products, handed over (module docstring)
@@ -102,7 +106,7 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
     raise ValueError(f"the two-warpgroup key side needs {need} bytes of shared memory (at most {SMEM_BYTES})")
 
   def body(*refs_, q_s, k_s, g_s, dqg_s, dkd_s, dbk_s, qr_s, kr_s, ar_s, dp_s, dm_s, r_s, sds_s, b_s, form_s,
-           vec_s, bar, normed, handed, m_s=None, hq_s=None, hs_s=None, hd_s=None, dealt=None):
+           vec_s, bar, normed, handed, dot_s=None, m_s=None, hq_s=None, hs_s=None, hd_s=None, dealt=None):
     q_r, k_r, g_r, ref_r, b_r, dp_r, dm_r, dqg_r, dkd_r, dbk_r, sds_r = refs_[:11]
     m_r = refs_[11] if has_seg else None
     fit_r = refs_[11 + has_seg] if chunkwise else None
@@ -149,6 +153,20 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
 
     colv = lambda row, half=w: lax.broadcast_in_dim(plgpu.load(r_s.at[half, row], layout=COLS), ck, [1])
     fresh = lax.optimization_barrier
+
+    def unnormalised(i, dy, y):
+      """The gradient of the raw rows from `dy`, that of their normalised rows `y` (this warpgroup's half;
+      i = 0 for q, 1 for k): `r (dy - y rowsum(y dy))`, the row sums over both halves through `dot_s`
+      (each warpgroup stores its half's, then both read both, in the same order)."""
+      if not qk_l2norm:
+        return dy
+      dot_s.at[i, w][...] = jnp.sum(y * dy, axis=1)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(normed.at[2 + i])
+      plgpu.barrier_wait(normed.at[2 + i])
+      dot = plgpu.load(dot_s.at[i, 0], layout=ROWS) + plgpu.load(dot_s.at[i, 1], layout=ROWS)
+      return rows(norms[i]) * (dy - y * rows(dot))
+
     clamp = lambda x: jnp.exp(jnp.minimum(x, bound))
     _, carry, to_last, carry_last = (None, None, None, 1.0) if m_s is None else segment_masks(m_s, None, C)
     last_row = plgpu.broadcasted_iota(jnp.int32, ck, 0, layout=WGMMA) == C - 1
@@ -243,8 +261,9 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
       Gt = fresh(load(g_w))
       e_q = jnp.exp(Gt) if carry is None else jnp.exp(Gt) * rows(carry)
       dq = e_q * load(dqg_s.at[w]) + dq_p
-      dG = load(q_w) * dq
-      q_w[...] = dq.astype(dtype)
+      qt = load(q_w)
+      dG = qt * dq
+      q_w[...] = unnormalised(0, dq, qt).astype(dtype)
     with phase("keys2.dk"):
       Gt, Gc = fresh(load(g_w)), colv(1)
       kt, dkd, dBk = load(k_w), load(dkd_s.at[w]), load(dbk_s.at[w])
@@ -269,7 +288,7 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
       term = colsum + lax.broadcast_in_dim(jnp.exp(s_decay) * carry_last * s_ds, ck, [1])
       dG = dG + jnp.where(last_row, term, 0.0)
     with phase("keys2.out"):
-      k_w[...] = (plus + minus).astype(dtype)
+      k_w[...] = unnormalised(1, plus + minus, load(k_w)).astype(dtype)
       g_w[...] = dG
       vec_s.at[w][...] = dbeta
       plgpu.commit_smem()

@@ -2,7 +2,8 @@
 preparation kernel writing the inverse, the forward walk keeping the chunk states, the reverse walk, the
 value-side and key-side kernels) against the float64 loop, with grouped heads, packed rows, sequence
 pieces and an initial state; strong decay within the bound; decay beyond it takes the XLA merge form's
-vjp; q, k l2-normalised on load (bfloat16, every form) against the float64 loop on the normalised q, k.
+vjp; q, k l2-normalised on load (bfloat16, every form; the two-warpgroup key side's norm gradients at
+K = 128) against the float64 loop on the normalised q, k.
 A spy checks that the kernels ran."""
 
 import dataclasses
@@ -13,8 +14,8 @@ import numpy as np
 import pytest
 
 from linear_attention_jax.pallas_kernels import gpu
-from linear_attention_jax.pallas_kernels.gpu import (call_plan, channel, channel_delta_grads, channel_prep,
-                                                     plan)
+from linear_attention_jax.pallas_kernels.gpu import (call_plan, channel, channel_delta_grads,
+                                                     channel_delta_keys, channel_prep, plan)
 from tests.ops.conftest import make_inputs, rel_rms
 from tests.ops.test_equivalence import _reference
 from tests.pallas_kernels.gpu.util import KERNELS, PARAMS, check, packed_runs
@@ -79,19 +80,24 @@ def test_kda_beyond_the_bound_takes_the_merge_form():
   check("kda", inp, seg=seg, config=KERNELS)
 
 
-def test_kda_normalises_q_and_k_on_load_and_matches_the_float64_loop(monkeypatch):
+@pytest.mark.parametrize("K, key_warpgroups", [(64, 1), (128, 2)])
+def test_kda_normalises_q_and_k_on_load_and_matches_the_float64_loop(monkeypatch, K, key_warpgroups):
   # qk_l2norm=True, bfloat16: the preparation and key-side kernels normalise the raw q, k (norms 5-64)
-  # as they load them, XLA takes the norm's backward from the kernels' dq, dk. Against the float64 loop
+  # as they load them; XLA takes the norm's backward from the one-warpgroup key side's dq, dk, the
+  # two-warpgroup key side (K = 128) takes it in its epilogue. Against the float64 loop
   # on the normalised q, k, dq and dk through the norm's float64 backward; grouped value heads, packed
   # rows, an initial state, and gates from mild to -20 a token (every chunk form), -inf on some channels
   # of one token (the floor: the kernels' cumsum floors g, their backward zeroes dg below it). Then
   # against the same kernels with q, k normalised by XLA before them (the plan's l2 "xla").
   seen = []
-  for module, name in ((channel_prep, "prepare"), (channel_delta_grads, "key_side")):
+  for module, name in ((channel_prep, "prepare"), (channel_delta_grads, "key_side"),
+                       (channel_delta_keys, "key_side")):
     original = getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **kw: seen.append(
+    tag = f"{module.__name__.rsplit('.', 1)[-1]}.{name}"
+    monkeypatch.setattr(module, name, lambda *a, _f=original, _n=tag, **kw: seen.append(
         (_n, kw.get("qk_l2norm"))) or _f(*a, **kw))
-  T, Hv, K, V = 150, 2, 64, 64
+  config = dataclasses.replace(KERNELS, key_warpgroups=key_warpgroups)
+  T, Hv, V = 150, 2, 64
   inp = make_inputs("kda", B=1, T=T, H=1, Hv=Hv, K=K, V=V, gates="normal", seed=44)
   r = np.random.default_rng(45)
   q, k = (np.asarray(jnp.asarray(x * r.uniform(1.0, 8.0, x.shape[:-1] + (1,)), jnp.bfloat16), np.float64)
@@ -110,15 +116,16 @@ def test_kda_normalises_q_and_k_on_load_and_matches_the_float64_loop(monkeypatch
     def f(q, k, v, g, beta, h0):
       return gpu.chunked_attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
                                    g, beta, initial_state=h0, segment_ids=jnp.asarray(seg), qk_l2norm=True,
-                                   config=KERNELS, interpret=PARAMS)
+                                   config=config, interpret=PARAMS)
     (o, hT), pull = jax.vjp(f, *a)
     return o, hT, pull((jnp.asarray(do, o.dtype), jnp.asarray(dhT)))
 
   o, hT, grads = run(*args)
   p = call_plan(*(x.astype(jnp.bfloat16) for x in args[:3]), args[3], args[4], qk_l2norm=True,
-                config=KERNELS)
-  assert (p.l2, p.gate_floor) == ("on_load", "stages")
-  assert {n for n, on in seen if on} == {"prepare", "key_side"}, seen
+                config=config)
+  assert (p.l2, p.gate_floor, p.key_warpgroups) == ("on_load", "stages", key_warpgroups)
+  keys = "channel_delta_keys" if key_warpgroups == 2 else "channel_delta_grads"
+  assert {n for n, on in seen if on} == {"channel_prep.prepare", f"{keys}.key_side"}, seen
   norm = lambda x: np.linalg.norm(x, axis=-1, keepdims=True)
   qn, kn = q / norm(q), k / norm(k)
   ref = dict(q=qn, k=kn, v=v, g=np.maximum(g, -20.0), beta=beta, h0=h0)
