@@ -9,11 +9,18 @@ writes `{workdir}/equivalence.json`.
 
 Example:
   python experiments/equivalence.py --variants=gla,kda --T=63,300 --dtype=bfloat16 --workdir=runs/eq
+
+`--interpret` runs `impl="pallas"` in the Mosaic GPU interpreter, so that the GPU kernels can be checked
+on any machine (a CPU: slow, for small shapes; `NPROC` is set to 12 if unset, for the multi-warpgroup
+kernels, before JAX starts):
+  python experiments/equivalence.py --variants=kda --T=130 --B=1 --H=1 --H_v=1 --K=128 --V=128 \
+    --dtype=bfloat16 --impls=recurrent,pallas --gates=bounded --gate_inputs --interpret
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import os
@@ -29,6 +36,7 @@ from absl import app, flags
 
 from experiments import common
 from linear_attention_jax import ops
+from linear_attention_jax.pallas_kernels import gpu as gpu_kernels
 
 # Columns of the table and keys of each row's "errors": o, the final state, then d<input>.
 QUANTITIES = ("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
@@ -64,6 +72,8 @@ class Config:
   # the GPU kernels' configuration while the impls trace: a suffix of layer_benchmark's mixers without
   # its colon (e.g. "k": kda's key side on two warpgroups, "o": the channel order); "": the defaults
   kernels: str = ""
+  # impl "pallas" in the Mosaic GPU interpreter (any backend; slow: small shapes)
+  interpret: bool = False
 
   def __post_init__(self):
     common.check_variants(self.variants)
@@ -94,9 +104,12 @@ def relative_rms(a, b) -> float:
 _CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def _forward_backward(inputs, cotangents, segment_ids, *, variant, impl, chunk_size, lower_bound=None):
+def _forward_backward(inputs, cotangents, segment_ids, *, variant, impl, chunk_size, lower_bound=None,
+                      interpret=False):
   """o, the final state and the gradient of every input under the given cotangents, keyed as QUANTITIES
-  (`lower_bound`: the bounded gate's, where kda takes its gate's pre-activation)."""
+  (`lower_bound`: the bounded gate's, where kda takes its gate's pre-activation; `interpret`: traced
+  inside `gpu_kernels.interpret_kernels()`, a static argument so that jit's cache tells the two apart)."""
+  del interpret
   bound = {} if lower_bound is None else dict(gate_lower_bound=lower_bound)
   fn = lambda x: common.call(variant, x, impl=impl, chunk_size=chunk_size, output_final_state=True,
                              segment_ids=segment_ids, **bound)
@@ -108,8 +121,8 @@ def _forward_backward(inputs, cotangents, segment_ids, *, variant, impl, chunk_s
 @functools.cache
 def _jitted_forward_backward():
   options = _CPU_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
-  return jax.jit(_forward_backward, static_argnames=("variant", "impl", "chunk_size", "lower_bound"),
-                 compiler_options=options)
+  return jax.jit(_forward_backward, static_argnames=("variant", "impl", "chunk_size", "lower_bound",
+                                                    "interpret"), compiler_options=options)
 
 
 def compare(config: Config, variant: str, T: int) -> list[dict]:
@@ -134,9 +147,11 @@ def compare(config: Config, variant: str, T: int) -> list[dict]:
   fb = _jitted_forward_backward()
   with jax.default_matmul_precision(config.matmul_precision):  # thread-local: set in this worker
     # (in this thread: the configuration is a context variable, and compare runs in a pool's threads)
-    with common.kernel_config(**common.suffix_options(config.kernels)):
+    interpreted = gpu_kernels.interpret_kernels() if config.interpret else contextlib.nullcontext()
+    with common.kernel_config(**common.suffix_options(config.kernels)), interpreted:
       outs = {impl: jax.device_get(fb(inputs, cotangents, segment_ids, variant=variant, impl=impl,
-                                      chunk_size=config.chunk_size, lower_bound=lower_bound))
+                                      chunk_size=config.chunk_size, lower_bound=lower_bound,
+                                      interpret=config.interpret))
               for impl in config.impls}
   ref = outs[config.impls[0]]
   return [{"variant": variant, "T": T, "impl": impl, "reference": config.impls[0],
@@ -162,7 +177,7 @@ def run_equivalence(config: Config, workdir: str) -> dict:
   print(f"relative RMS error against impl={config.impls[0]!r}, dtype={config.dtype}, B={config.B} "
         f"H={config.H} H_v={config.H_v} K={config.K} V={config.V} chunk_size={config.chunk_size} "
         f"matmul_precision={config.matmul_precision} packed={config.packed} gates={config.gates} "
-        f"on {jax.devices()[0].device_kind}")
+        f"on {jax.devices()[0].device_kind}" + (", the GPU kernels interpreted" if config.interpret else ""))
   fmt = lambda e: "-" if e is None else f"{e:.1e}"
   print(common.format_table(
       ("variant", "T", "impl") + QUANTITIES,
@@ -196,6 +211,8 @@ def _define_flags():
                     "--gates=layer or bounded.")
   flags.DEFINE_string("kernels", d.kernels, "The GPU kernels' configuration: a suffix of layer_benchmark's "
                       "mixers without its colon (e.g. k: kda's key side on two warpgroups); empty: defaults.")
+  flags.DEFINE_bool("interpret", d.interpret, "Run impl pallas in the Mosaic GPU interpreter (any backend, "
+                    "slow: small shapes; sets NPROC=12 if unset).")
   flags.DEFINE_string("workdir", "runs/equivalence", "Where equivalence.json is written.")
 
 
@@ -203,10 +220,12 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   f = flags.FLAGS
+  if f.interpret:   # before JAX starts its CPU pool: a warpgroup waiting on a barrier holds a thread
+    os.environ.setdefault("NPROC", "12")
   config = Config(variants=tuple(f.variants), T=tuple(int(t) for t in f.T), B=f.B, H=f.H, H_v=f.H_v,
                   K=f.K, V=f.V, dtype=f.dtype, seed=f.seed, impls=tuple(f.impls),
                   chunk_size=f.chunk_size, matmul_precision=f.matmul_precision, packed=f.packed,
-                  gates=f.gates, kernels=f.kernels, gate_inputs=f.gate_inputs)
+                  gates=f.gates, kernels=f.kernels, gate_inputs=f.gate_inputs, interpret=f.interpret)
   run_equivalence(config, f.workdir)
 
 
