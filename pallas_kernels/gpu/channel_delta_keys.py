@@ -94,8 +94,9 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
       b_s=plgpu.SMEM((C,), F32), form_s=plgpu.SMEM((C,), F32), vec_s=plgpu.SMEM((WARPGROUPS, C), F32),
       bar=plgpu.Barrier(num_arrivals=3 + 8 * WARPGROUPS + SEG_ROWS * has_seg + chunkwise),
       normed=plgpu.Barrier(num_arrivals=WARPGROUPS, num_barriers=2 + 2 * qk_l2norm), handed=plgpu.Barrier())
-  if qk_l2norm:   # each warpgroup's half of the rows' dot products for the norms' gradients (q's, k's)
-    scratch["dot_s"] = plgpu.SMEM((2, WARPGROUPS, C), F32)
+  if qk_l2norm:   # each warpgroup's rows' reciprocal norms and its half of the rows' dot products for the
+    # norms' gradients (q's, k's): kept here, not in registers across the products
+    scratch.update(norm_s=plgpu.SMEM((2, WARPGROUPS, C), F32), dot_s=plgpu.SMEM((2, WARPGROUPS, C), F32))
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
   if chunkwise:   # warpgroup 1's share of half 0's products, handed over (module docstring)
@@ -106,7 +107,7 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
     raise ValueError(f"the two-warpgroup key side needs {need} bytes of shared memory (at most {SMEM_BYTES})")
 
   def body(*refs_, q_s, k_s, g_s, dqg_s, dkd_s, dbk_s, qr_s, kr_s, ar_s, dp_s, dm_s, r_s, sds_s, b_s, form_s,
-           vec_s, bar, normed, handed, dot_s=None, m_s=None, hq_s=None, hs_s=None, hd_s=None, dealt=None):
+           vec_s, bar, normed, handed, norm_s=None, dot_s=None, m_s=None, hq_s=None, hs_s=None, hd_s=None, dealt=None):
     q_r, k_r, g_r, ref_r, b_r, dp_r, dm_r, dqg_r, dkd_r, dbk_r, sds_r = refs_[:11]
     m_r = refs_[11] if has_seg else None
     fit_r = refs_[11 + has_seg] if chunkwise else None
@@ -140,9 +141,10 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
     if qk_l2norm:   # `tiles.l2_normalize_halves`'s sums in its order; each warpgroup scales its own half
       with phase("keys2.l2"):
         norms = []
-        for tile in (q_s, k_s):
+        for i, tile in enumerate((q_s, k_s)):
           sums = jnp.sum(load(tile.at[0]) ** 2, axis=1) + jnp.sum(load(tile.at[1]) ** 2, axis=1)
           norms.append(lax.rsqrt(sums + L2_EPS))
+          norm_s.at[i, w][...] = norms[-1]
         plgpu.barrier_arrive(normed.at[0])   # both warpgroups have read both halves
         plgpu.barrier_wait(normed.at[0])
         for tile, r in zip((q_w, k_w), norms):
@@ -165,7 +167,7 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
       plgpu.barrier_arrive(normed.at[2 + i])
       plgpu.barrier_wait(normed.at[2 + i])
       dot = plgpu.load(dot_s.at[i, 0], layout=ROWS) + plgpu.load(dot_s.at[i, 1], layout=ROWS)
-      return rows(norms[i]) * (dy - y * rows(dot))
+      return rows(plgpu.load(norm_s.at[i, w], layout=ROWS)) * (dy - y * rows(dot))
 
     clamp = lambda x: jnp.exp(jnp.minimum(x, bound))
     _, carry, to_last, carry_last = (None, None, None, 1.0) if m_s is None else segment_masks(m_s, None, C)
