@@ -68,8 +68,9 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
     float32; dP, dM `[B, H_v, T_pad, C]`; dqg, dkd, dbk `[B, H_v, T_pad, K]` (`do S^T`, `u dS^T`,
     `dr S^T`) and s_ds `[B, H_v, NC, 2, 64]` (`value_side(..., key_products=True)`'s); masks None or
     `segment_vectors(...)`. grams, unit_bound, qk_l2norm: `channel_delta_grads.key_side`'s.
-  Returns: dq, dk `[B, T_pad, H_v, K]` in `dtype` (with `qk_l2norm`, of the raw q, k); dG `[B, T_pad, H_v, K]` float32 with the last token's
-    terms added; `rowsum(dB_k k E)` `[B, H_v, T_pad]` float32.
+  Returns: dq, dk `[B, T_pad, H_v, K]` in `dtype` (with `qk_l2norm`, of the raw q, k); dG
+    `[B, T_pad, H_v, K]` float32 with the last token's terms added; `rowsum(dB_k k E)` `[B, H_v, T_pad]`
+    float32.
   """
   if grams not in ("one", "halves", "groups", "chunk"):
     raise ValueError(f"grams must be 'one', 'halves', 'groups' or 'chunk'; got {grams!r}")
@@ -107,7 +108,8 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
     raise ValueError(f"the two-warpgroup key side needs {need} bytes of shared memory (at most {SMEM_BYTES})")
 
   def body(*refs_, q_s, k_s, g_s, dqg_s, dkd_s, dbk_s, qr_s, kr_s, ar_s, dp_s, dm_s, r_s, sds_s, b_s, form_s,
-           vec_s, bar, normed, handed, norm_s=None, dot_s=None, m_s=None, hq_s=None, hs_s=None, hd_s=None, dealt=None):
+           vec_s, bar, normed, handed, norm_s=None, dot_s=None, m_s=None, hq_s=None, hs_s=None, hd_s=None,
+           dealt=None):
     q_r, k_r, g_r, ref_r, b_r, dp_r, dm_r, dqg_r, dkd_r, dbk_r, sds_r = refs_[:11]
     m_r = refs_[11] if has_seg else None
     fit_r = refs_[11 + has_seg] if chunkwise else None
