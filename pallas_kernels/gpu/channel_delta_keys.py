@@ -16,8 +16,7 @@ half; warpgroup 1 hands its part of dbeta to warpgroup 0, which writes the sum. 
 warpgroup reads both halves of q and k for the rows' norms and, after both have read them, scales its
 own half in place; at the end each takes the norms' gradient for its half of dq and dk, `r (dy - y
 rowsum(y dy))`, the two halves' row sums exchanged through shared memory, so that XLA does not read q,
-k, dq and dk again for it (NOTES.md v67). dq and dk wait for it rounded, in the tiles of `do S^T` and
-`u dS^T` (read by then), as XLA's backward took them: one barrier for both, after dG (v68).
+k, dq and dk again for it (NOTES.md v67).
 
 Where each chunk takes its form (`grams="chunk"`) and half 0 takes the halves' or the groups' products
 while half 1 takes one reference (the strong channels in half 0, as the layers' order puts them), the
@@ -95,7 +94,7 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
       r_s=plgpu.SMEM((WARPGROUPS, rows_of_refs, HALF), F32), sds_s=plgpu.SMEM((WARPGROUPS, HALF), F32),
       b_s=plgpu.SMEM((C,), F32), form_s=plgpu.SMEM((C,), F32), vec_s=plgpu.SMEM((WARPGROUPS, C), F32),
       bar=plgpu.Barrier(num_arrivals=3 + 8 * WARPGROUPS + SEG_ROWS * has_seg + chunkwise),
-      normed=plgpu.Barrier(num_arrivals=WARPGROUPS, num_barriers=2 + qk_l2norm), handed=plgpu.Barrier())
+      normed=plgpu.Barrier(num_arrivals=WARPGROUPS, num_barriers=2 + 2 * qk_l2norm), handed=plgpu.Barrier())
   if qk_l2norm:   # each warpgroup's rows' reciprocal norms and its half of the rows' dot products for the
     # norms' gradients (q's, k's): kept here, not in registers across the products
     scratch.update(norm_s=plgpu.SMEM((2, WARPGROUPS, C), F32), dot_s=plgpu.SMEM((2, WARPGROUPS, C), F32))
@@ -159,15 +158,16 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
     colv = lambda row, half=w: lax.broadcast_in_dim(plgpu.load(r_s.at[half, row], layout=COLS), ck, [1])
     fresh = lax.optimization_barrier
 
-    def rowsum_half(i, dy, y):
-      """This warpgroup's half of `rowsum(y dy)` for the gradient of the raw rows (i = 0 for q, 1 for k),
-      stored in `dot_s` for `unnormalised`."""
-      dot_s.at[i, w][...] = jnp.sum(y * dy, axis=1)
-
     def unnormalised(i, dy, y):
       """The gradient of the raw rows from `dy`, that of their normalised rows `y` (this warpgroup's half;
-      i = 0 for q, 1 for k): `r (dy - y rowsum(y dy))`, the row sums over both halves from `dot_s`
-      (both read both halves in the same order, after `normed.at[2]`)."""
+      i = 0 for q, 1 for k): `r (dy - y rowsum(y dy))`, the row sums over both halves through `dot_s`
+      (each warpgroup stores its half's, then both read both, in the same order)."""
+      if not qk_l2norm:
+        return dy
+      dot_s.at[i, w][...] = jnp.sum(y * dy, axis=1)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(normed.at[2 + i])
+      plgpu.barrier_wait(normed.at[2 + i])
       dot = plgpu.load(dot_s.at[i, 0], layout=ROWS) + plgpu.load(dot_s.at[i, 1], layout=ROWS)
       return rows(plgpu.load(norm_s.at[i, w], layout=ROWS)) * (dy - y * rows(dot))
 
@@ -267,11 +267,7 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
       dq = e_q * load(dqg_s.at[w]) + dq_p
       qt = load(q_w)
       dG = qt * dq
-      if qk_l2norm:   # the norm's gradient waits for the end (keys2.out); dq, rounded, waits in dqg's tile
-        rowsum_half(0, dq, qt)
-        dqg_s.at[w][...] = dq.astype(dtype)
-      else:
-        q_w[...] = dq.astype(dtype)
+      q_w[...] = unnormalised(0, dq, qt).astype(dtype)
     with phase("keys2.dk"):
       Gt, Gc = fresh(load(g_w)), colv(1)
       kt, dkd, dBk = load(k_w), load(dkd_s.at[w]), load(dbk_s.at[w])
@@ -282,10 +278,6 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
       dbeta = -jnp.sum(dBk * (kt * e_q), axis=1)
       plus = plus - rows(fresh(plgpu.load(b_s, layout=ROWS))) * e_q * dBk
       dG = dG + kt * (plus - minus)
-      dk = plus + minus
-      if qk_l2norm:   # as dq: dk, rounded, waits in dkd's tile
-        rowsum_half(1, dk, kt)
-        dkd_s.at[w][...] = dk.astype(dtype)
     with phase("keys2.last"):   # the last token: colsum(kd (u dS^T)) + e^(G_C) colsum(S dS)
       # the column sums on the tensor cores (module docstring): ones^T (hi + lo), every row the sum, in
       # this warpgroup's staging tiles (its products have read them)
@@ -300,15 +292,8 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
       term = colsum + lax.broadcast_in_dim(jnp.exp(s_decay) * carry_last * s_ds, ck, [1])
       dG = dG + jnp.where(last_row, term, 0.0)
     with phase("keys2.out"):
+      k_w[...] = unnormalised(1, plus + minus, load(k_w)).astype(dtype)
       g_w[...] = dG
-      if qk_l2norm:   # both row sums' halves in: one barrier for q's and k's norms
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(normed.at[2])
-        plgpu.barrier_wait(normed.at[2])
-        q_w[...] = unnormalised(0, load(dqg_s.at[w]), load(q_w)).astype(dtype)
-        k_w[...] = unnormalised(1, load(dkd_s.at[w]), load(k_w)).astype(dtype)
-      else:
-        k_w[...] = dk.astype(dtype)
       vec_s.at[w][...] = dbeta
       plgpu.commit_smem()
       for i in range(WARPGROUPS):   # static column slices of the outputs: each warpgroup its own half
