@@ -214,7 +214,7 @@ def kernel_config(grads_programs: int = 0, unit_ref_bound: bool | None = None,
                   sequence_pieces: int | None = None, call_test: bool | None = None,
                   order_channels: str | None = None, dg_cumsum: str | None = None,
                   key_warpgroups: int | None = None, prep_warpgroups: int | None = None,
-                  cumsums: str | None = None, gate: str | None = None):
+                  cumsums: str | None = None, gate: str | None = None, l2_grads: str | None = None):
   """The GPU kernels' configuration for a benchmark's whole run (`pallas_kernels.gpu.default_config`):
   `grads_programs` > 0 runs the delta family's pair gradients in that many persistent programs (0: the
   library's default, one program a chunk); `unit_ref_bound` True or False sets the per-channel
@@ -228,13 +228,14 @@ def kernel_config(grads_programs: int = 0, unit_ref_bound: bool | None = None,
   `key_warpgroups`, `prep_warpgroups` 1 or 2: kda's key side, its preparation on one warpgroup or two
   (`GpuConfig.key_warpgroups`, `GpuConfig.prep_warpgroups`); `cumsums` "kernel" or "xla": the gates'
   chunk-local cumsums (`GpuConfig.cumsums`); `gate` "kernel" or "xla": where kda's gate is computed
-  (`GpuConfig.gate`)."""
+  (`GpuConfig.gate`); `l2_grads` "key_side", "kernel" or "xla": where kda's backward takes the l2
+  norms' gradients (`GpuConfig.l2_grads`)."""
   if grads_programs < 0:
     raise ValueError(f"grads_programs must be >= 0; got {grads_programs}")
   switches = (("unit_ref_bound", unit_ref_bound), ("call_test", call_test),
               ("order_channels", order_channels), ("dg_cumsum", dg_cumsum),
               ("key_warpgroups", key_warpgroups), ("prep_warpgroups", prep_warpgroups),
-              ("cumsums", cumsums), ("gate", gate))
+              ("cumsums", cumsums), ("gate", gate), ("l2_grads", l2_grads))
   if not grads_programs and sequence_pieces is None and all(value is None for _, value in switches):
     return contextlib.nullcontext()
   from linear_attention_jax.pallas_kernels import gpu

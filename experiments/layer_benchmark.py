@@ -61,8 +61,8 @@ def build(mixer: str, *, width: int, heads: int, impl: str, dtype):
   name, _, variant = mixer.partition(":")
   if variant != "xlaconv" and kernel_options(mixer) is None:
     raise ValueError(f"mixer suffix must be ':xlaconv', ':pN' or ':sN' (N > 0), ':u', ':n', ':c', ':o', "
-                     f"':l', ':w', ':r', ':k', ':f', ':x', ':g' (letters together: each), ':1' or none; "
-                     f"got {mixer!r}")
+                     f"':l', ':w', ':r', ':k', ':f', ':x', ':g', ':q', ':v' (letters together: each), "
+                     f"':1' or none; got {mixer!r}")
   layer = _build(name, width=width, heads=heads, impl=impl, dtype=dtype)
   for conv in getattr(layer, "convs", ()) if variant == "xlaconv" else ():
     conv.impl = "xla"
@@ -80,7 +80,9 @@ def kernel_options(mixer: str) -> dict | None:
   reverse cumsum in the per-channel gradient kernels), `key_warpgroups=2` for ':k' (kda's key side on
   two warpgroups), `prep_warpgroups=2` for ':f' (kda's preparation, the forward's kernel, on two),
   `cumsums="xla"` for ':x' (the gates' chunk-local cumsums as XLA's products), `gate="xla"` for ':g'
-  (kda's gate computed by XLA before the kernels, not in their cumsum walks); letters together set each
+  (kda's gate computed by XLA before the kernels, not in their cumsum walks), `l2_grads="kernel"` for
+  ':q' (kda's l2 norms' gradients in their own kernel, `l2_grads.py`) and "xla" for ':v' (XLA's vjp);
+  letters together set each
   (':kf' both), each field once; both at 1 for ':1' (the one-warpgroup kernels); None for any other suffix."""
   _, _, suffix = mixer.partition(":")
   if suffix in ("", "xlaconv"):
@@ -106,6 +108,8 @@ def kernel_options(mixer: str) -> dict | None:
     return dict(cumsums="xla")
   if suffix == "g":
     return dict(gate="xla")
+  if suffix in ("q", "v"):
+    return dict(l2_grads={"q": "kernel", "v": "xla"}[suffix])
   if suffix in ("u", "n"):
     return dict(unit_ref_bound=suffix == "u")
   match = re.fullmatch(r"([ps])([1-9][0-9]*)", suffix)

@@ -74,7 +74,9 @@ flags.DEFINE_list("patterns", ["A", "G", "GGGA", "K"], "LM patterns; A (the anch
                   "together set each (e.g. K:kf: the default at K = 128 with bfloat16), and ':1' (e.g. "
                   "K:1) runs both on one warpgroup, ':x' (e.g. K:x) the gates' chunk-local cumsums as XLA's "
                   "products (GpuConfig(cumsums='xla')), ':g' (e.g. K:g) kda's gate by XLA before the kernels "
-                  "(GpuConfig(gate='xla')); beside the default in the same process.")
+                  "(GpuConfig(gate='xla')), ':q' (e.g. K:q) kda's l2 norms' gradients in their own "
+                  "kernel (GpuConfig(l2_grads='kernel')), ':v' by XLA's vjp (l2_grads='xla'); beside the "
+                  "default in the same process.")
 flags.DEFINE_list("seq_lens", ["4096", "16384"], "Sequence lengths T.")
 flags.DEFINE_integer("tokens", 32768, "Tokens per step: batch = tokens / T (at least 1).")
 flags.DEFINE_list("breakdown", [], "Patterns whose steps are also timed part by part.")
@@ -172,7 +174,8 @@ def run(pattern: str, T: int, batch: int) -> dict:
   options = kernel_options(pattern)
   if suffix and not options:
     raise ValueError(f"patterns: the suffix must be ':pN' or ':sN' (N > 0), ':u', ':n', ':c', ':o', ':l', "
-                     f"':w', ':r', ':k', ':f', ':x', ':g' (letters together: each), ':1' or none; got "
+                     f"':w', ':r', ':k', ':f', ':x', ':g', ':q', ':v' (letters together: each), ':1' or "
+                     f"none; got "
                      f"{pattern!r}")
   with common.kernel_config(**options):
     return _run(pattern, base, T, batch)

@@ -200,7 +200,7 @@ def _backward(static: Static, q, k, v, g, beta, h0, segment_ids, saved, do, dfin
           q, k, v, g, beta, h0, do, dfinal, **kw, sequence_pieces=_sequence_pieces(static),
           scale=static.scale, saved=saved, grams=grams, unit_bound=plan.unit_bound,
           qk_l2norm=plan.l2 == "on_load", dg_cumsum=plan.dg_cumsum, key_warpgroups=plan.key_warpgroups,
-          cumsums=plan.cumsums, gate=gate)
+          l2_grads=plan.l2_grads, cumsums=plan.cumsums, gate=gate)
     case other:
       raise ValueError(f"no backward stage {other!r}")
   # the kernels sum their gradients over the mesh axes their primals do not vary over, as the per-head

@@ -49,6 +49,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from .. import common, prep
 from . import channel, channel_delta_keys, groups, walk
+from . import l2_grads as l2_kernel
 from .channel import HALF, fits, key_grads
 from .masks import SEG_ROWS, segment_masks, segment_vectors
 from .once import lowered_once
@@ -433,7 +434,7 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
 def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None,
              interpret=None, sequence_pieces=None, scale: float = 1.0, saved: Saved, grams: str = "one",
              unit_bound: bool = False, qk_l2norm: bool = False, dg_cumsum: str = "xla",
-             key_warpgroups: int = 1, cumsums: str = "xla", gate=None):
+             key_warpgroups: int = 1, cumsums: str = "xla", gate=None, l2_grads: str | None = None):
   """`(dq, dk, dv, dg, dbeta, dh0)` of kda's prepared forward (`o` scaled by `scale`; in q, k, v, g,
   beta's dtypes, dh0 float32) for `do: [B, T, H_v, V]` and `dfinal` None or `[B, H_v, K, V]`, from what
   the forward `saved`: the reverse walk over the saved tensors, then `value_side` and `key_side`; dG's
@@ -443,8 +444,10 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
   `grams`: `key_side`'s; the caller's `lax.cond` (`vjp.py`) takes "one" where every chunk's decay fits the
   one-reference bound, else "groups" (or XLA's vjp, for float16 beyond the groups' bound). `unit_bound`:
   `key_side`'s (q, k l2-normalised). `qk_l2norm`: the forward normalised q, k on load; the key side
-  does too, and XLA takes the norm's backward from its dq, dk and the raw q, k (the two-warpgroup key
-  side takes it in its epilogue). `key_warpgroups=2`
+  does too, and the norms' backward from its dq, dk and the raw q, k runs where `l2_grads` says
+  (`GpuConfig.l2_grads`: "key_side", the two-warpgroup key side's epilogue; "kernel", `l2_grads.py`
+  for 16-bit q, k, else XLA; "xla"; None or the plan's "none": "key_side" on two warpgroups, else
+  "xla"). `key_warpgroups=2`
   (K = 128, `dg_cumsum="xla"`): the value side also forms the key side's products without a decayed
   gram, and `channel_delta_keys.key_side` takes the two halves of the key channels on two warpgroups.
   `gate` (a `gate.Gate`; g is its pre-activation f): the fourth is `(df, dA_log, ddt_bias)`
@@ -452,6 +455,11 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
   if key_warpgroups not in (1, 2):
     raise ValueError(f"key_warpgroups must be 1 or 2; got {key_warpgroups!r}")
   split = key_warpgroups == 2
+  l2_grads = ("key_side" if split else "xla") if l2_grads in (None, "none") else l2_grads
+  if l2_grads not in ("key_side", "kernel", "xla") or (l2_grads == "key_side" and qk_l2norm and not split):
+    raise ValueError(f"l2_grads must be 'kernel', 'xla' or (on two warpgroups) 'key_side'; got {l2_grads!r} "
+                     f"with key_warpgroups={key_warpgroups}")
+  in_keys = qk_l2norm and l2_grads == "key_side"
   if split and (dg_cumsum != "xla" or not channel_delta_keys.serves(q.shape[-1])):
     raise ValueError(f"key_warpgroups=2 takes K = 128 and dg_cumsum='xla'; got K={q.shape[-1]}, "
                      f"dg_cumsum={dg_cumsum!r}")
@@ -481,15 +489,18 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
     if split:
       dqg, dkd, dbk, s_ds, dP, dM, dv, dbeta_v = sides
       dq, dk, dG, dbeta_k = channel_delta_keys.key_side(pad(q), pad(k), G, refs, b, dP, dM, dqg, dkd, dbk,
-                                                        s_ds, **keys)
+                                                        s_ds, **keys, norm_grads=in_keys)
     else:
       u, dr, dP, dM, dv, dbeta_v = sides
       dq, dk, dG, dbeta_k = key_side(pad(q), pad(k), G, refs, b, do_t, u, dr, dP, dM, saved.states, dstates,
                                      **keys, reverse_cumsum=summed)
     dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C, summed=summed, kernel=cumsums == "kernel",
                            interpret=interpret, gate=gate)
-    if qk_l2norm and not split:   # the two-warpgroup key side takes the norms' gradients itself
-      dq, dk = (jax.vjp(common.l2_normalize, x)[1](dx)[0] for x, dx in ((q, dq), (k, dk)))
+    if qk_l2norm and not in_keys:
+      if l2_grads == "kernel" and l2_kernel.serves(K, q.dtype) and q.dtype == k.dtype:
+        dq, dk = l2_kernel.backward(q, dq, k, dk, interpret=interpret)
+      else:
+        dq, dk = (jax.vjp(common.l2_normalize, x)[1](dx)[0] for x, dx in ((q, dq), (k, dk)))
     dbeta = jnp.swapaxes(dbeta_v + dbeta_k, 1, 2)[:, :T].astype(beta.dtype)
     if gate is not None:   # the gate's cotangents vary as A_log and dt_bias do
       dg = (common.sum_over_extra_axes(dg[0], g),) + common.summed_like(dg[1:], gate[:2])

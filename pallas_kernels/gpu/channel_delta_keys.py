@@ -60,15 +60,17 @@ def serves(K: int) -> bool:
 
 @lowered_once(arrays=("masks",))
 def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None, interpret=None,
-             grams: str = "one", unit_bound: bool = False, qk_l2norm: bool = False):
+             grams: str = "one", unit_bound: bool = False, qk_l2norm: bool = False, norm_grads: bool = True):
   """`channel_delta_grads.key_side` (without `reverse_cumsum`) on two warpgroups, from the value side's
   products.
 
   Args: q, k `[B, T_pad, H, K]`; G, refs as `channel.chunk_cumsum` returns them; b `[B, H_v, T_pad]`
     float32; dP, dM `[B, H_v, T_pad, C]`; dqg, dkd, dbk `[B, H_v, T_pad, K]` (`do S^T`, `u dS^T`,
     `dr S^T`) and s_ds `[B, H_v, NC, 2, 64]` (`value_side(..., key_products=True)`'s); masks None or
-    `segment_vectors(...)`. grams, unit_bound, qk_l2norm: `channel_delta_grads.key_side`'s.
-  Returns: dq, dk `[B, T_pad, H_v, K]` in `dtype` (with `qk_l2norm`, of the raw q, k); dG
+    `segment_vectors(...)`. grams, unit_bound, qk_l2norm: `channel_delta_grads.key_side`'s;
+    norm_grads (with `qk_l2norm`): the norms' gradients in the epilogue (else dq, dk are those of the
+    normalised q, k, for `l2_grads.py` or XLA).
+  Returns: dq, dk `[B, T_pad, H_v, K]` in `dtype` (with `qk_l2norm` and `norm_grads`, of the raw q, k); dG
     `[B, T_pad, H_v, K]` float32 with the last token's terms added; `rowsum(dB_k k E)` `[B, H_v, T_pad]`
     float32.
   """
@@ -84,6 +86,7 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
     raise ValueError(f"the key side stages [C, C] tiles (dP and dM's parts, the column sums' ones) in "
                      f"[C, {HALF}] tiles: C must be {HALF}; got {C}")
   chunkwise = grams == "chunk"
+  grads_in = qk_l2norm and norm_grads   # the norms' gradients in the epilogue
   bound = prep.ref_bound(dtype, unit=unit_bound and chunkwise)
   has_seg = masks is not None
   halves = lambda dt=dtype: smem((WARPGROUPS, C, HALF), dt)
@@ -94,8 +97,9 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
       r_s=plgpu.SMEM((WARPGROUPS, rows_of_refs, HALF), F32), sds_s=plgpu.SMEM((WARPGROUPS, HALF), F32),
       b_s=plgpu.SMEM((C,), F32), form_s=plgpu.SMEM((C,), F32), vec_s=plgpu.SMEM((WARPGROUPS, C), F32),
       bar=plgpu.Barrier(num_arrivals=3 + 8 * WARPGROUPS + SEG_ROWS * has_seg + chunkwise),
-      normed=plgpu.Barrier(num_arrivals=WARPGROUPS, num_barriers=2 + 2 * qk_l2norm), handed=plgpu.Barrier())
-  if qk_l2norm:   # each warpgroup's rows' reciprocal norms and its half of the rows' dot products for the
+      normed=plgpu.Barrier(num_arrivals=WARPGROUPS, num_barriers=2 + 2 * grads_in),
+      handed=plgpu.Barrier())
+  if grads_in:   # each warpgroup's rows' reciprocal norms and its half of the rows' dot products for the
     # norms' gradients (q's, k's): kept here, not in registers across the products
     scratch.update(norm_s=plgpu.SMEM((2, WARPGROUPS, C), F32), dot_s=plgpu.SMEM((2, WARPGROUPS, C), F32))
   if has_seg:
@@ -146,7 +150,8 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
         for i, tile in enumerate((q_s, k_s)):
           sums = jnp.sum(load(tile.at[0]) ** 2, axis=1) + jnp.sum(load(tile.at[1]) ** 2, axis=1)
           norms.append(lax.rsqrt(sums + L2_EPS))
-          norm_s.at[i, w][...] = norms[-1]
+          if grads_in:
+            norm_s.at[i, w][...] = norms[-1]
         plgpu.barrier_arrive(normed.at[0])   # both warpgroups have read both halves
         plgpu.barrier_wait(normed.at[0])
         for tile, r in zip((q_w, k_w), norms):
@@ -162,7 +167,7 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
       """The gradient of the raw rows from `dy`, that of their normalised rows `y` (this warpgroup's half;
       i = 0 for q, 1 for k): `r (dy - y rowsum(y dy))`, the row sums over both halves through `dot_s`
       (each warpgroup stores its half's, then both read both, in the same order)."""
-      if not qk_l2norm:
+      if not grads_in:
         return dy
       dot_s.at[i, w][...] = jnp.sum(y * dy, axis=1)
       plgpu.commit_smem()

@@ -81,6 +81,7 @@ BACKWARDS = ("kernel", "xla_vjp")
 DG_CUMSUMS = ("xla", "kernel")
 CUMSUMS = ("kernel", "xla")
 CHANNEL_ORDERS = ("none", "op", "layer", "ordered")
+L2_GRADS = ("key_side", "kernel", "xla")
 VARIANTS = {   # variant -> (delta family, decay kind)
     "linear_attention": (False, "none"), "retention": (False, "scalar"), "simple_gla": (False, "scalar"),
     "gla": (False, "channel"), "delta_rule": (True, "none"), "gated_delta_rule": (True, "scalar"),
@@ -168,6 +169,12 @@ class GpuConfig:
     one). None (default): 2 at K = 128 with bfloat16 operands, C = 64 and dG's cumsum in XLA, else 1.
     With both at 2 the trained K LM steps ~10% faster on an H100 and trains as with one warpgroup
     (NOTES.md v62-v63).
+  l2_grads: where kda's backward takes the l2 norms' gradients of q and k when its kernels normalise
+    them on load: "key_side" (the default: the two-warpgroup key side's epilogue, NOTES.md v67; after
+    the one-warpgroup key side, XLA's vjp), "kernel" (`l2_grads.py`: one pass over q, k, dq, dk after
+    the key side, either key side; 16-bit q, k, else XLA's vjp) or "xla" (XLA's vjp after either key
+    side). On an H100 the trained KDA LM stepped in 39.8 ms with the epilogue and 39.9 with XLA's vjp
+    (NOTES.md v68): the epilogue cost the key side what it saved XLA.
   gram_method: XLA's per-channel decayed grams (`prep.GRAM_METHODS`) where XLA prepares: "auto" (one
     product about a per-channel reference within the bound, else the merge form) or "merge" (NOTES.md
     v25: a third form, whole-tile levels, was slower on the H200 and is gone).
@@ -193,13 +200,14 @@ class GpuConfig:
   gate: str = "kernel"
   key_warpgroups: int | None = None
   prep_warpgroups: int | None = None
+  l2_grads: str = "key_side"
 
   def __post_init__(self):
     for name, allowed in (("forward", FORWARDS), ("backward", BACKWARDS), ("forward_warpgroups", (1, 3)),
                           ("delta_warpgroups", (1, 2)), ("key_warpgroups", (None, 1, 2)),
                           ("prep_warpgroups", (None, 1, 2)), ("gram_method", prep.GRAM_METHODS),
                           ("dg_cumsum", DG_CUMSUMS), ("cumsums", CUMSUMS), ("gate", CUMSUMS),
-                          ("order_channels", CHANNEL_ORDERS)):
+                          ("order_channels", CHANNEL_ORDERS), ("l2_grads", L2_GRADS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"GpuConfig.{name} must be one of {allowed}; got {getattr(self, name)!r}")
     for name in ("unit_ref_bound", "call_test"):
@@ -245,6 +253,7 @@ class Plan:
   gate: str = "xla"            # GpuConfig.gate for kda's per-channel stages
   key_warpgroups: int = 1      # of kda's key-side programs (GpuConfig.key_warpgroups where K = 128)
   prep_warpgroups: int = 1     # of kda's preparation programs (GpuConfig.prep_warpgroups where K = 128)
+  l2_grads: str = "none"       # kda's norms' gradients: "key_side" | "kernel" | "xla" where l2 is on_load
 
   def row(self) -> tuple[str, ...]:
     """The module table's columns from plan.forward on."""
@@ -315,6 +324,8 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
       backward == "channel_delta_grads" or (backward == "channel_grads" and chunk_size == 64)) else "xla"
   # kda's two-warpgroup kernels where their option is left to the plan (GpuConfig's docstring)
   two = jnp.dtype(dtype) == jnp.bfloat16 and chunk_size == 64
+  key_warpgroups = (config.key_warpgroups or (2 if two and dg_cumsum == "xla" else 1)
+                    if backward == "channel_delta_grads" and K == 128 else 1)
   return Plan(cell=c, forward=forward, keeps=_KEEPS.get((forward, backward), "inputs"), backward=backward,
               forward_beyond=forward_beyond, backward_beyond=backward_beyond,
               l2="none" if not qk_l2norm else "on_load" if on_load else "xla",
@@ -333,10 +344,21 @@ def select(*, delta: bool, decay: str, config: GpuConfig, packing: str = "none",
               dg_cumsum=dg_cumsum,
               cumsums=config.cumsums if per_channel else "xla",
               gate=config.gate if per_channel and delta else "xla",
-              key_warpgroups=(config.key_warpgroups or (2 if two and dg_cumsum == "xla" else 1)
-                              if backward == "channel_delta_grads" and K == 128 else 1),
+              key_warpgroups=key_warpgroups,
               prep_warpgroups=(config.prep_warpgroups or (2 if two else 1)
-                               if forward == "channel_prep" and delta and K == 128 else 1))
+                               if forward == "channel_prep" and delta and K == 128 else 1),
+              l2_grads=_l2_grads(config, qk_l2norm and on_load and backward == "channel_delta_grads",
+                                 key_warpgroups))
+
+
+def _l2_grads(config: GpuConfig, on_load: bool, key_warpgroups: int) -> str:
+  """Plan.l2_grads: "none" unless kda's kernels normalise q, k on load; the epilogue only on two
+  warpgroups (GpuConfig.l2_grads)."""
+  if not on_load:
+    return "none"
+  if config.l2_grads == "key_side":
+    return "key_side" if key_warpgroups == 2 else "xla"
+  return config.l2_grads
 
 
 def hopper_reason(backend: str | None = None) -> str | None:

@@ -412,14 +412,14 @@ def test_layer_benchmark_reads_the_kernel_option_suffixes():
   assert options("K:o") == dict(order_channels="op") and options("K:l") == dict(order_channels="layer")
   assert options("K:w") == dict(order_channels="none") and options("K:g") == dict(gate="xla")
   assert options("K:r") == dict(dg_cumsum="kernel") and options("K:k") == dict(key_warpgroups=2)
-  assert options("K:f") == dict(prep_warpgroups=2)
+  assert options("K:f") == dict(prep_warpgroups=2) and options("K:q") == dict(l2_grads="kernel")
   assert options("K:kf") == dict(key_warpgroups=2, prep_warpgroups=2)
   assert options("K:1") == dict(key_warpgroups=1, prep_warpgroups=1)
   assert options("K:kw") == dict(key_warpgroups=2, order_channels="none")
-  assert options("K:x") == dict(cumsums="xla") and options("K:kx") == dict(key_warpgroups=2, cumsums="xla")
+  assert options("K:x") == dict(cumsums="xla") and options("K:v") == dict(l2_grads="xla")
   assert options("G") == {} and options("G:xlaconv") == {}
   for bad in ("G:p0", "G:p", "G:q4", "G:p4x", "K:uu", "K:nu", "G:s0", "G:s", "K:cc", "K:oo", "K:rr", "K:kk",
-              "K:ol", "K:kq", "K:xx", "K:kp4", "K:2", "K:k1"):
+              "K:ol", "K:qv", "K:xx", "K:kp4", "K:2", "K:k1"):
     with pytest.raises(ValueError, match="suffix"):
       layer_benchmark.build(bad, width=32, heads=2, impl="chunk", dtype=jnp.float32)
 
