@@ -24,7 +24,7 @@ NEWEST_TESTS ?= tests/ops/test_checks.py tests/ops/test_edges_and_traced.py test
   tests/pallas_kernels/test_imports.py tests/pallas_kernels/test_prep.py \
   tests/pallas_kernels/tpu/test_lowering.py tests/pallas_kernels/gpu/test_lowering.py \
   tests/pallas_kernels/gpu/test_conv.py tests/pallas_kernels/gpu/test_cumsum.py \
-  tests/pallas_kernels/gpu/test_gate.py \
+  tests/pallas_kernels/gpu/test_gate.py tests/pallas_kernels/gpu/test_l2_grads.py \
   tests/pallas_kernels/gpu/test_once.py \
   tests/pallas_kernels/gpu/test_shared_compiles.py tests/pallas_kernels/gpu/test_races.py \
   tests/pallas_kernels/gpu/test_channel_delta_keys.py tests/pallas_kernels/gpu/test_channel_prep_split.py \

@@ -114,6 +114,8 @@ def test_the_kda_layer_takes_both_two_warpgroup_kernels_by_default(monkeypatch):
       runs.append(jax.jit(nnx.value_and_grad(loss))(layer))
   assert sorted(set(calls)) == ["kernel", "key_side"], calls
   (l1, g1), (l2, g2) = runs
-  assert abs(float(l2) - float(l1)) <= 1e-5 * abs(float(l1))
+  # the two preparations round their bfloat16 tiles apart (6.5e-5 of the loss under jax 0.12.1's
+  # interpreter, within 1e-5 under 0.11.2's)
+  assert abs(float(l2) - float(l1)) <= 2e-4 * abs(float(l1))
   for a, b in zip(jax.tree.leaves(nnx.state(g1)), jax.tree.leaves(nnx.state(g2))):
     assert np.isfinite(np.asarray(b)).all() and rel_rms(np.asarray(b), np.asarray(a)) < 2e-2
