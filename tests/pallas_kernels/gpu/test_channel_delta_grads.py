@@ -17,8 +17,7 @@ from linear_attention_jax.pallas_kernels import gpu
 from linear_attention_jax.pallas_kernels.gpu import (call_plan, channel, channel_delta_grads,
                                                      channel_delta_keys, channel_prep, plan)
 from tests.ops.conftest import make_inputs, rel_rms
-from tests.ops.test_equivalence import _reference
-from tests.pallas_kernels.gpu.util import KERNELS, PARAMS, check, packed_runs
+from tests.pallas_kernels.gpu.util import KERNELS, PARAMS, check, normalised_kda_reference, packed_runs
 
 
 def _spy(monkeypatch):
@@ -126,14 +125,8 @@ def test_kda_normalises_q_and_k_on_load_and_matches_the_float64_loop(monkeypatch
   assert (p.l2, p.gate_floor, p.key_warpgroups) == ("on_load", "stages", key_warpgroups)
   keys = "channel_delta_keys" if key_warpgroups == 2 else "channel_delta_grads"
   assert {n for n, on in seen if on} == {"channel_prep.prepare", f"{keys}.key_side"}, seen
-  norm = lambda x: np.linalg.norm(x, axis=-1, keepdims=True)
-  qn, kn = q / norm(q), k / norm(k)
-  ref = dict(q=qn, k=kn, v=v, g=np.maximum(g, -20.0), beta=beta, h0=h0)
-  ro, rhT, rgrads = _reference("kda", ref, do, dhT, segment_ids=seg)
+  ro, rhT, rgrads = normalised_kda_reference(q, k, v, np.maximum(g, -20.0), beta, h0, do, dhT, seg)
   rgrads["g"] = np.where(g >= -20.0, rgrads["g"], 0.0)
-  for n, x, y in (("q", q, qn), ("k", k, kn)):   # the norm's backward, float64
-    dy = rgrads[n]
-    rgrads[n] = (dy - y * np.sum(y * dy, axis=-1, keepdims=True)) / norm(x)
   errors = {"o": rel_rms(o, ro), "state": rel_rms(hT, rhT)}
   errors.update({f"d{n}": rel_rms(a, rgrads[n]) for n, a in zip("q k v g beta".split(), grads)})
   print(errors)

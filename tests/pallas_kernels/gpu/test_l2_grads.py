@@ -15,8 +15,7 @@ from jax.sharding import AbstractMesh
 from linear_attention_jax.pallas_kernels import common, gpu
 from linear_attention_jax.pallas_kernels.gpu import call_plan, channel_delta_keys, l2_grads
 from tests.ops.conftest import make_inputs, rel_rms
-from tests.ops.test_equivalence import _reference
-from tests.pallas_kernels.gpu.util import KERNELS, PARAMS, packed_runs
+from tests.pallas_kernels.gpu.util import KERNELS, PARAMS, normalised_kda_reference, packed_runs
 
 
 def _float64_grad(x, dy):
@@ -104,12 +103,7 @@ def test_kda_with_the_norms_gradients_in_the_kernel_matches_the_float64_loop(mon
 
   o, hT, grads = run(*(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta, h0)))
   assert ("backward", None) in seen and ("key_side", False) in seen, seen
-  norm = lambda x: np.linalg.norm(x, axis=-1, keepdims=True)
-  qn, kn = q / norm(q), k / norm(k)
-  ro, rhT, rgrads = _reference("kda", dict(q=qn, k=kn, v=v, g=g, beta=beta, h0=h0), do, dhT, segment_ids=seg)
-  for n, x, y in (("q", q, qn), ("k", k, kn)):   # the norm's backward, float64
-    dy = rgrads[n]
-    rgrads[n] = (dy - y * np.sum(y * dy, axis=-1, keepdims=True)) / norm(x)
+  ro, rhT, rgrads = normalised_kda_reference(q, k, v, g, beta, h0, do, dhT, seg)
   errors = {"o": rel_rms(o, ro), "state": rel_rms(hT, rhT)}
   errors.update({f"d{n}": rel_rms(a, rgrads[n]) for n, a in zip("q k v g beta h0".split(), grads)})
   print(errors)

@@ -93,3 +93,15 @@ def packed_runs(T):
   seg = np.zeros((1, T), np.int32)
   seg[0, 40:64], seg[0, 64:110], seg[0, 110:] = 3, 1, 2
   return seg
+
+
+def normalised_kda_reference(q, k, v, g, beta, h0, do, dhT, seg):
+  """The float64 loop of kda on l2-normalised q, k (the raw float64 q, k given), dq and dk through the
+  norm's float64 backward: `(o, final state, {name: gradient})`."""
+  norm = lambda x: np.linalg.norm(x, axis=-1, keepdims=True)
+  qn, kn = q / norm(q), k / norm(k)
+  ro, rhT, rgrads = _reference("kda", dict(q=qn, k=kn, v=v, g=g, beta=beta, h0=h0), do, dhT, segment_ids=seg)
+  for n, x, y in (("q", q, qn), ("k", k, kn)):
+    dy = rgrads[n]
+    rgrads[n] = (dy - y * np.sum(y * dy, axis=-1, keepdims=True)) / norm(x)
+  return ro, rhT, rgrads
