@@ -175,8 +175,7 @@ def run(pattern: str, T: int, batch: int) -> dict:
   if suffix and not options:
     raise ValueError(f"patterns: the suffix must be ':pN' or ':sN' (N > 0), ':u', ':n', ':c', ':o', ':l', "
                      f"':w', ':r', ':k', ':f', ':x', ':g', ':q', ':v' (letters together: each), ':1' or "
-                     f"none; got "
-                     f"{pattern!r}")
+                     f"none; got {pattern!r}")
   with common.kernel_config(**options):
     return _run(pattern, base, T, batch)
 
