@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linear_attention_jax import ops
-from linear_attention_jax.layers.base import LinearMixer, joint_dense, linear
+from linear_attention_jax.layers.base import LinearMixer, linear
 from linear_attention_jax.layers.cache import LinearCache
 from linear_attention_jax.layers.norm import GatedRMSNorm
 
@@ -61,15 +61,11 @@ class DeltaNet(LinearMixer):
     T > 1 runs the full op from the cached state (the convolutions continue from the cached windows).
     """
     B, T = self._check_input(x, cache)
-    Hv = self.num_v_heads
+    Hv, V = self.num_v_heads, self.head_v_dim
     q, k, v, windows = self._project(x, cache)
-    if self.g_proj is None:
-      gate, b = None, self.b_proj(x)
-    else:   # the output gate and beta a head in one product: [B, T, H_v, V + 1]
-      gate, b = joint_dense(x, (self.g_proj, self.b_proj), Hv)
-      b = b[..., 0]
-    beta = jax.nn.sigmoid(b.astype(jnp.float32))  # [B, T, H_v]
+    beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))  # [B, T, H_v]
     o, state = self._recur(ops.delta_rule, ops.delta_rule_step, q, k, v, (beta,), cache,
                            use_qk_l2norm=True)
+    gate = None if self.g_proj is None else self.g_proj(x).reshape(B, T, Hv, V)
     y = self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))
     return y, self._advance(cache, state, windows, T)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linear_attention_jax import ops
-from linear_attention_jax.layers.base import LinearMixer, a_log_init, dt_bias_init, joint_dense, linear
+from linear_attention_jax.layers.base import LinearMixer, a_log_init, dt_bias_init, linear
 from linear_attention_jax.layers.cache import LinearCache
 from linear_attention_jax.layers.norm import GatedRMSNorm
 from linear_attention_jax.sharding.rules import axes
@@ -67,12 +67,11 @@ class GatedDeltaNet(LinearMixer):
 
   def gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`(g, beta)`, each `[B, T, H_v]` float32, for `x: [B, T, width]`."""
-    return self._gates(*(y[..., 0] for y in joint_dense(x, (self.a_proj, self.b_proj), self.num_v_heads)))
-
-  def _gates(self, a, b):
+    a = self.a_proj(x).astype(jnp.float32)
     A = jnp.exp(self.A_log[...].astype(jnp.float32))
-    g = -A * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
-    return g, jax.nn.sigmoid(b.astype(jnp.float32))
+    g = -A * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
+    beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+    return g, beta
 
   def __call__(self, x: jax.Array, cache: LinearCache | None = None):
     """Mixes `x: [B, T, width]` along T.
@@ -81,13 +80,11 @@ class GatedDeltaNet(LinearMixer):
     T > 1 runs the full op from the cached state (the convolutions continue from the cached windows).
     """
     B, T = self._check_input(x, cache)
-    Hv = self.num_v_heads
+    Hv, V = self.num_v_heads, self.head_v_dim
     q, k, v, windows = self._project(x, cache)
-    # the output gate and both gates a head in one product: [B, T, H_v, V + 2]
-    gate, a, b = joint_dense(x, (self.g_proj, self.a_proj, self.b_proj), Hv)
-    g, beta = self._gates(a[..., 0], b[..., 0])
+    g, beta = self.gates(x)
     o, state = self._recur(ops.gated_delta_rule, ops.gated_delta_rule_step, q, k, v, (g, beta), cache,
                            use_qk_l2norm=True)
-    o = self.o_norm(o, gate)
+    o = self.o_norm(o, self.g_proj(x).reshape(B, T, Hv, V))
     y = self.o_proj(o.reshape(B, T, -1))
     return y, self._advance(cache, state, windows, T)

@@ -23,8 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linear_attention_jax import ops
-from linear_attention_jax.layers.base import (LinearMixer, a_log_init, dense_columns, dt_bias_init, joint_dense,
-                                              linear)
+from linear_attention_jax.layers.base import LinearMixer, a_log_init, dense_columns, dt_bias_init, linear
 from linear_attention_jax.layers.cache import LinearCache
 from linear_attention_jax.layers.norm import GatedRMSNorm
 from linear_attention_jax.pallas_kernels import gate as kernel_gate
@@ -90,18 +89,14 @@ class KimiDeltaAttention(LinearMixer):
   def gate_inputs(self, x: jax.Array, columns: jax.Array | None = None):
     """`(f [B, T, H_v, K] in the layer's dtype, dt_bias [H_v * K], beta [B, T, H_v] float32)`: the gate's
     pre-activation (its low-rank projection) and bias, each in `columns`' order (as `gates`), and beta."""
-    down, b = (y[..., 0, :] for y in joint_dense(x, (self.f_down, self.b_proj)))
-    return self._gate_inputs(down, b, columns)
-
-  def _gate_inputs(self, down, b, columns):
-    """`gate_inputs` from f's down projection `[B, T, V]` and beta's pre-activation `[B, T, H_v]`."""
-    B, T, _ = down.shape
+    B, T, _ = x.shape
     Hv, K = self.num_v_heads, self.head_dim
+    down = self.f_down(x)
     if columns is None:
       f, dt_bias = self.f_up(down), self.dt_bias[...]
     else:
       f, dt_bias = dense_columns(self.f_up, down, columns), jnp.take(self.dt_bias[...], columns)
-    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
     return f.reshape(B, T, Hv, K), dt_bias, beta
 
   def _gate_kind(self):
@@ -118,14 +113,12 @@ class KimiDeltaAttention(LinearMixer):
     ordered = self._orders_channels(cache)
     key_columns, gate_columns = self.channel_columns(x) if ordered else (None, None)
     q, k, v, windows = self._project(x, cache, key_columns)
-    # both gates' down projections and beta's pre-activation in one product: [B, T, 1, 2V + H_v]
-    f_down, g_down, b = (y[..., 0, :] for y in joint_dense(x, (self.f_down, self.g_down, self.b_proj)))
     # the op and its step take the gate's pre-activation (the GPU's kernels compute the gate)
-    f, dt_bias, beta = self._gate_inputs(f_down, b, gate_columns)
+    f, dt_bias, beta = self.gate_inputs(x, gate_columns)
     gate = dict(A_log=self.A_log[...], dt_bias=dt_bias, gate_lower_bound=self.gate_lower_bound)
     with gpu.ordered_channels() if ordered else contextlib.nullcontext():
       o, state = self._recur(ops.kda, ops.kda_step, q, k, v, (f, beta), cache, use_qk_l2norm=True, **gate)
-    o = self.o_norm(o, self.g_up(g_down).reshape(B, T, Hv, V))
+    o = self.o_norm(o, self.g_up(self.g_down(x)).reshape(B, T, Hv, V))
     y = self.o_proj(o.reshape(B, T, -1))
     return y, self._advance(cache, state, windows, T)
 
