@@ -15,7 +15,6 @@ layer dtype.
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import jax
@@ -64,43 +63,6 @@ def dense_columns(layer: nnx.Linear, x, columns):
         else dict(preferred_element_type=layer.preferred_element_type))
   y = layer.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=layer.precision, **kw)
   return y if bias is None else y + bias
-
-
-def joint_dense(x, layers, heads: int = 1):
-  """`[layer(x) for layer in layers]` as one product, each output `[..., heads, n_i]`.
-
-  The layers (`nnx.Linear` of one input width and dtypes) keep their own parameters, so checkpoints
-  and sharding rules see them as before; their kernels are joined for the call, each split in `heads`
-  equal groups of its outputs and the groups put side by side (`[width, heads, sum of n_i]`), so that
-  a projection sharded over heads stays so. One gemm reads x once where several would, and a gate a
-  head (a few columns wide, a gemm that only reads x) rides along with a wide projection; the products
-  are the same ones, in the first layer's dtype and precision. A layer without a bias adds zeros.
-  """
-  first = layers[0]
-  for layer in layers:
-    if layer.in_features != x.shape[-1] or layer.out_features % heads:
-      raise ValueError(f"joint_dense: each layer must take x's last axis ({x.shape[-1]}) and have a "
-                       f"multiple of heads={heads} outputs; got {layer.in_features} -> "
-                       f"{layer.out_features}")
-    if (layer.dtype, layer.precision, layer.preferred_element_type) != (
-        first.dtype, first.precision, first.preferred_element_type):
-      raise ValueError("joint_dense: the layers must share dtype, precision and preferred_element_type")
-  width = x.shape[-1]
-  kernels = [layer.kernel[...].reshape(width, heads, -1) for layer in layers]
-  sizes = [k.shape[-1] for k in kernels]
-  bias = None
-  if any(layer.bias is not None for layer in layers):
-    bias = jnp.concatenate(
-        [(jnp.zeros((layer.out_features,), k.dtype) if layer.bias is None else layer.bias[...])
-         .reshape(heads, -1) for layer, k in zip(layers, kernels)], axis=-1)
-  x, kernel, bias = first.promote_dtype((x, jnp.concatenate(kernels, axis=-1), bias),
-                                        dtype=first.dtype)
-  kw = ({} if first.preferred_element_type is None
-        else dict(preferred_element_type=first.preferred_element_type))
-  y = first.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=first.precision, **kw)
-  if bias is not None:
-    y = y + bias
-  return jnp.split(y, list(itertools.accumulate(sizes[:-1])), axis=-1)
 
 
 _NO_CONV_ACTIVATIONS = {"identity": lambda x: x, "silu": jax.nn.silu}

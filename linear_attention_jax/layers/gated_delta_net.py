@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linear_attention_jax import ops
-from linear_attention_jax.layers.base import LinearMixer, a_log_init, dt_bias_init, joint_dense, linear
+from linear_attention_jax.layers.base import LinearMixer, a_log_init, dt_bias_init, linear
 from linear_attention_jax.layers.cache import LinearCache
 from linear_attention_jax.layers.norm import GatedRMSNorm
 from linear_attention_jax.sharding.rules import axes
@@ -67,13 +67,11 @@ class GatedDeltaNet(LinearMixer):
 
   def gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`(g, beta)`, each `[B, T, H_v]` float32, for `x: [B, T, width]`."""
-    # a and b (one column a head each) in one product, `[B, T, H_v, 2]`: one gemm reads x, and one
-    # writes x's cotangent, where two would
-    a, b = (y[..., 0].astype(jnp.float32)
-            for y in joint_dense(x, (self.a_proj, self.b_proj), self.num_v_heads))
+    a = self.a_proj(x).astype(jnp.float32)
     A = jnp.exp(self.A_log[...].astype(jnp.float32))
     g = -A * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
-    return g, jax.nn.sigmoid(b)
+    beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+    return g, beta
 
   def __call__(self, x: jax.Array, cache: LinearCache | None = None):
     """Mixes `x: [B, T, width]` along T.
