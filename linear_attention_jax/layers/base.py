@@ -23,7 +23,7 @@ from flax import nnx
 
 from linear_attention_jax import ops
 from linear_attention_jax.layers.cache import LinearCache
-from linear_attention_jax.layers.conv import ShortConvolution
+from linear_attention_jax.layers.conv import ShortConvolution, joined_kernel_call
 from linear_attention_jax.sharding import for_current_rules
 from linear_attention_jax.sharding.rules import axes as logical_axes
 
@@ -56,12 +56,28 @@ def linear(width_in, width_out, *, use_bias=False, axes=None, dtype, param_dtype
 def dense_columns(layer: nnx.Linear, x, columns):
   """`layer(x)[..., columns]`, computed as the projection onto those columns of its kernel (and bias):
   the same products, in the layer's dtypes and precision, with gradients to the whole kernel."""
-  kernel = jnp.take(layer.kernel[...], columns, axis=1)
-  bias = None if layer.bias is None else jnp.take(layer.bias[...], columns)
-  x, kernel, bias = layer.promote_dtype((x, kernel, bias), dtype=layer.dtype)
-  kw = ({} if layer.preferred_element_type is None
-        else dict(preferred_element_type=layer.preferred_element_type))
-  y = layer.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=layer.precision, **kw)
+  return dense_joined((layer,), x, (columns,))
+
+
+def dense_joined(layers: tuple[nnx.Linear, ...], x, columns=None):
+  """`concatenate([layer(x)[..., cols] for layer, cols in zip(layers, columns)], -1)` as one product
+  onto the layers' kernels side by side (columns: None for all of each, or per layer None or `[n]`
+  int32), in the first layer's dtypes, precision and dot_general (the layers must agree in them);
+  gradients reach every kernel (and bias)."""
+  first = layers[0]
+  columns = (None,) * len(layers) if columns is None else columns
+  take = lambda p, c: p if c is None else jnp.take(p, c, axis=-1)
+  kernels = [take(layer.kernel[...], c) for layer, c in zip(layers, columns)]
+  biases = [None if layer.bias is None else take(layer.bias[...], c) for layer, c in zip(layers, columns)]
+  if any(b is not None for b in biases):   # a layer without one adds zeros for its columns
+    biases = [jnp.zeros((k.shape[1],), k.dtype) if b is None else b for k, b in zip(kernels, biases)]
+  x, *params = first.promote_dtype((x, *kernels, *biases), dtype=first.dtype)
+  kernels, biases = params[:len(layers)], params[len(layers):]
+  kernel = kernels[0] if len(kernels) == 1 else jnp.concatenate(kernels, axis=1)
+  bias = None if biases[0] is None else (biases[0] if len(biases) == 1 else jnp.concatenate(biases))
+  kw = ({} if first.preferred_element_type is None
+        else dict(preferred_element_type=first.preferred_element_type))
+  y = first.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=first.precision, **kw)
   return y if bias is None else y + bias
 
 
@@ -79,8 +95,12 @@ class LinearMixer(nnx.Module):
   Class attribute a subclass may set:
     no_conv_activation: applied to q, k, v when the short convolutions are off ("silu" for the delta
       family, whose convolutions end in SiLU).
+    join_projections: with short convolutions on the kernels and no cache, q, k and v come from one
+      product onto their kernels side by side and one convolution call (`_project_joined`); False
+      (on a class or an instance) keeps three of each. The same sums either way.
   """
   no_conv_activation: str = "identity"
+  join_projections: bool = True
 
   def __init__(self, width: int, num_heads: int, *, num_v_heads: int | None, head_dim: int | None,
                head_v_dim: int | None, use_short_conv: bool, conv_size: int, impl: str,
@@ -154,6 +174,12 @@ class LinearMixer(nnx.Module):
     channels taken in that order; only without a cache).
     """
     B, T, _ = x.shape
+    H, Hv = self.num_heads, self.num_v_heads
+    joined = self._project_joined(x, key_columns) if cache is None else None
+    if joined is not None:
+      q, k, v = joined
+      return (q.reshape(B, T, H, self.head_dim), k.reshape(B, T, H, self.head_dim),
+              v.reshape(B, T, Hv, self.head_v_dim), (None, None, None))
     if key_columns is None:
       q, k = self.q_proj(x), self.k_proj(x)
     else:
@@ -169,9 +195,34 @@ class LinearMixer(nnx.Module):
     else:
       act = _NO_CONV_ACTIVATIONS[self.no_conv_activation]
       q, k, v = act(q), act(k), act(v)
-    H, Hv = self.num_heads, self.num_v_heads
     return (q.reshape(B, T, H, self.head_dim), k.reshape(B, T, H, self.head_dim),
             v.reshape(B, T, Hv, self.head_v_dim), windows)
+
+  def _project_joined(self, x, key_columns):
+    """`(q, k, v)`, each `[B, T, channels]`, from one projection onto q's, k's and v's kernels side by
+    side and one call of the convolutions' kernels that writes each apart (`joined_kernel_call`; its
+    backward gives the projection's cotangent joined, so x's gradient is one product, not three
+    added); None where that call cannot serve (no convolutions, `join_projections` off, or see
+    `joined_kernel_call`), and `_project` runs them one by one. Without a cache only: the same sums."""
+    projections = (self.q_proj, self.k_proj, self.v_proj)
+    like = lambda p: (p.dtype, p.precision, p.dot_general, p.preferred_element_type)
+    if (not self.join_projections or self.q_conv is None
+        or any(like(p) != like(self.q_proj) for p in projections)):
+      return None
+    dtype = self.q_proj.dtype
+    dtype = jnp.dtype(jnp.result_type(x.dtype, self.q_proj.kernel.dtype) if dtype is None else dtype)
+    call = joined_kernel_call(self.convs, (*x.shape[:2], sum(c.features for c in self.convs)), dtype)
+    if call is None:
+      return None
+    columns = (key_columns, key_columns, None)
+    y = dense_joined(projections, x, columns)
+    take = lambda p, c: p if c is None else jnp.take(p, c, axis=-1)
+    kernel = jnp.concatenate([take(c.kernel[...].astype(jnp.float32), cols)
+                              for c, cols in zip(self.convs, columns)], axis=1)
+    bias = jnp.concatenate([jnp.zeros((c.features,), jnp.float32) if c.bias is None
+                            else take(c.bias[...].astype(jnp.float32), cols)
+                            for c, cols in zip(self.convs, columns)])
+    return call(y, kernel, bias)
 
   def _recur(self, op, step, q, k, v, gates, cache, **kwargs):
     """Runs the op (training, prefill) or its step (decode; see the module docstring).

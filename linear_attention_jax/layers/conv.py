@@ -15,6 +15,9 @@ not serve the call, saying why) or "auto" (the kernels where they serve the call
 The mixers pass "auto" when their own impl is "pallas" or "auto", else "xla". Under
 `sharding.use_rules` the kernels run per device (`jax.shard_map` over batch rows and channels); a
 sequence split takes the shifted sum, which XLA partitions.
+
+`joined_kernel_call`: a mixer's q, k and v convolutions as one kernel call over their inputs laid side
+by side (one joined projection), each output its own array.
 """
 
 from __future__ import annotations
@@ -153,3 +156,41 @@ class ShortConvolution(nnx.Module):
     return jax.shard_map(call, mesh=mesh, out_specs=rows,
                          in_specs=(rows, jax.sharding.PartitionSpec(None, d),
                                    jax.sharding.PartitionSpec(d), rows))
+
+
+def joined_kernel_call(convs: tuple[ShortConvolution, ...], x_shape, dtype):
+  """One kernel call for the convolutions `convs` (a mixer's q, k, v) on their inputs laid side by side,
+  x `[B, T, sum of features]` of `dtype`: `(x, kernel [W, sum], bias [sum]) -> (y_i [B, T, features_i]
+  in the convs' dtype, ...)`, from zeros before the sequence; its backward gives x's gradient joined.
+  None where it cannot serve the call: any conv's impl "xla", convs unlike in taps, activation, dtype
+  or sharding axis, no kernel for the shape (`conv_kernels.reason` with the splits), or the channels
+  or the sequence split over devices; the convolutions then run one by one, as the same sums."""
+  first = convs[0]
+  like = lambda c: (c.kernel_size, c.activation, jnp.dtype(c.dtype), c.axis)
+  if any(c.impl == "xla" or like(c) != like(first) for c in convs):
+    return None
+  splits = tuple(c.features for c in convs)
+  shape = tuple(x_shape)
+  if len(shape) != 3 or shape[2] != sum(splits):
+    return None
+  split = first._split()
+  if split is not None:
+    mesh, b, s, d = split
+    if axis_size(mesh, s) > 1 or axis_size(mesh, d) > 1:
+      return None
+    shape = (shape[0] // axis_size(mesh, b), shape[1], shape[2])
+  W = first.kernel_size
+  if conv_kernels.reason(shape, W, first._kernel_activation, dtype, splits=splits) is not None:
+    return None
+
+  def call(x, kernel, bias):
+    head = jnp.zeros((x.shape[0], W - 1, x.shape[2]), jnp.float32)
+    return conv_kernels.short_conv(x, kernel, bias, head, activation=first._kernel_activation,
+                                   out_dtype=first.dtype, splits=splits)
+
+  if split is None:
+    return call
+  P = jax.sharding.PartitionSpec
+  rows = P(split[1], None, None)
+  return jax.shard_map(call, mesh=split[0], out_specs=(rows,) * len(convs),
+                       in_specs=(rows, P(None, None), P(None)))

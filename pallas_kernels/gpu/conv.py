@@ -20,6 +20,11 @@ window before the sequence.
 
 Everything is float32 in registers (x, the window, pre, dpre), rounded once to the output dtype, as the
 XLA form computes it; the sum over taps runs in the same order (w = 0 first).
+
+`splits`: one call convolves several arrays whose channels lie side by side in x (a mixer's q, k and v
+from one joined projection): y comes out as one array a split, and the backward reads one dy a split and
+writes dx joined, the layout of the projection's output, so the projection's backward is one product.
+A channel block never straddles two splits (each a multiple of the block).
 """
 
 from __future__ import annotations
@@ -45,31 +50,41 @@ UNROLL = 4                    # tokens a loop iteration (8: twice the kernels' l
 ACTIVATIONS = ("silu", "identity")
 
 
-def blocks(T: int, D: int, block_t: int | None = None, block_d: int | None = None):
-  """`(bt, bd)` for a `[B, T, D]` input (the largest of BLOCK_T, BLOCK_D that divide T and D, or the
-  sizes given), or None where none divides it."""
+def blocks(T: int, D: int, block_t: int | None = None, block_d: int | None = None,
+           splits: tuple[int, ...] | None = None):
+  """`(bt, bd)` for a `[B, T, D]` input (the largest of BLOCK_T, BLOCK_D that divide T and D, and every
+  split of D, or the sizes given), or None where none divides them."""
+  sizes = (D,) if splits is None else tuple(splits)
+  if sum(sizes) != D or min(sizes) < 1:
+    raise ValueError(f"splits={splits} must be positive sizes summing to D={D}")
   bt = next((b for b in BLOCK_T if T % b == 0), None) if block_t is None else block_t
-  bd = next((b for b in BLOCK_D if D % b == 0), None) if block_d is None else block_d
+  bd = (next((b for b in BLOCK_D if all(d % b == 0 for d in sizes)), None) if block_d is None
+        else block_d)
   if bt is None or bd is None:
     return None
-  if T % bt or D % bd or bt % UNROLL or bt < HALO or bd % 128:
+  if T % bt or any(d % bd for d in sizes) or bt % UNROLL or bt < HALO or bd % 128:
     raise ValueError(f"block_t={bt} must divide T={T}, be a multiple of {UNROLL} and >= {HALO}; "
-                     f"block_d={bd} must divide D={D} and be a multiple of 128")
+                     f"block_d={bd} must divide D={D} and each of splits={splits}, and be a multiple "
+                     f"of 128")
   return bt, bd
 
 
-def reason(x_shape, kernel_size: int, activation: str, dtype, backend: str | None = None) -> str | None:
+def reason(x_shape, kernel_size: int, activation: str, dtype, backend: str | None = None,
+           splits: tuple[int, ...] | None = None) -> str | None:
   """None if the kernels serve a convolution of `x: [B, T, D]` (dtype `dtype`) with `kernel_size` taps
-  and `activation`, else why not."""
+  and `activation` (split into arrays of `splits` channels, if given), else why not."""
   why = hopper_reason(backend)
   if why is not None:
     return why
   if len(x_shape) != 3:
     return f"x must be [B, T, D]; got shape {tuple(x_shape)}"
   _, T, D = x_shape
-  if blocks(T, D) is None:
-    return (f"the kernels need T a multiple of {BLOCK_T[-1]} and D a multiple of {BLOCK_D[-1]}; "
-            f"got T={T}, D={D}")
+  if splits is not None and (sum(splits) != D or min(splits) < 1):
+    return f"splits={tuple(splits)} must be positive sizes summing to D={D}"
+  if blocks(T, D, splits=splits) is None:
+    what = "D" if splits is None else "each split of D"
+    return (f"the kernels need T a multiple of {BLOCK_T[-1]} and {what} a multiple of {BLOCK_D[-1]}; "
+            f"got T={T}, D={D}" + ("" if splits is None else f", splits={tuple(splits)}"))
   if not 1 <= kernel_size <= HALO + 1:
     return f"the kernels serve 1 <= kernel_size <= {HALO + 1}; got {kernel_size}"
   if activation not in ACTIVATIONS:
@@ -105,11 +120,24 @@ def _staged(kernel, bias, head):
   return params, jnp.pad(head.astype(F32), [(0, 0), (HALO - (W - 1), 0), (0, 0)])
 
 
-def _geometry(x, kernel, block_t, block_d):
+def _geometry(x, kernel, block_t, block_d, splits):
   """`(B, T, D, W, bt, bd, NT, ND)`: the call's sizes, its program blocks and the grid."""
   B, T, D = x.shape
-  bt, bd = blocks(T, D, block_t, block_d)
+  bt, bd = blocks(T, D, block_t, block_d, splits)
   return B, T, D, kernel.shape[0], bt, bd, T // bt, D // bd
+
+
+def _in_split(c, splits, bd, fn):
+  """`fn(i, cc)` for the split i that holds channel block `c` (its block cc within split i); with one
+  split, unconditionally."""
+  if len(splits) == 1:
+    fn(0, c)
+    return
+  start = 0
+  for i, d in enumerate(splits):
+    lo, hi = start // bd, (start + d) // bd
+    pl.when((c >= lo) & (c < hi))(functools.partial(fn, i, c - lo))
+    start += d
 
 
 def _copy_rows_before(x_r, x_s, b, n, bt, cols, bar):
@@ -138,10 +166,12 @@ def _pre(taps, rows):
 # traced and lowered once for every call at the same shapes (a model's q, k, v convolutions in every
 # layer): each kernel's lowering costs seconds (NOTES v47, once.py)
 @lowered_once()
-def _forward(x, kernel, bias, head, *, activation: str, out_dtype, block_t=None, block_d=None,
-             interpret=None):
-  """y `[B, T, D]` in `out_dtype`; `kernel [W, D]`, `bias [D]`, `head [B, W - 1, D]` float32."""
-  B, T, D, W, bt, bd, NT, ND = _geometry(x, kernel, block_t, block_d)
+def _forward(x, kernel, bias, head, *, activation: str, out_dtype, splits: tuple[int, ...] | None = None,
+             block_t=None, block_d=None, interpret=None):
+  """ys: one `[B, T, D_i]` in `out_dtype` for each of `splits` (default `(D,)`); `kernel [W, D]`,
+  `bias [D]`, `head [B, W - 1, D]` float32."""
+  B, T, D, W, bt, bd, NT, ND = _geometry(x, kernel, block_t, block_d, splits)
+  splits = (D,) if splits is None else tuple(splits)
   back = W - 1
   params, head_rows = _staged(kernel, bias, head)
   in_place = jnp.dtype(out_dtype) == x.dtype   # y of token i overwrites x of token i, once read
@@ -151,11 +181,12 @@ def _forward(x, kernel, bias, head, *, activation: str, out_dtype, block_t=None,
   if not in_place:
     scratch["y_s"] = plgpu.SMEM((bt, bd), out_dtype)
 
-  def body(x_r, p_r, h_r, y_r, x_s, p_s, h_s, bar, bar_halo, y_s=None):
+  def body(x_r, p_r, h_r, *y_rs, x_s, p_s, h_s, bar, bar_halo, y_s=None):
     b, n, c = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("c")
     cols = pl.ds(c * bd, bd)
+    rows_t = pl.ds(n * bt, bt)
     out = x_s.at[pl.ds(HALO, bt)] if in_place else y_s
-    plgpu.copy_gmem_to_smem(x_r.at[b, pl.ds(n * bt, bt), cols], x_s.at[pl.ds(HALO, bt)], bar)
+    plgpu.copy_gmem_to_smem(x_r.at[b, rows_t, cols], x_s.at[pl.ds(HALO, bt)], bar)
     plgpu.copy_gmem_to_smem(p_r.at[:, cols], p_s, bar)
     plgpu.copy_gmem_to_smem(h_r.at[b, :, cols], h_s, bar)
 
@@ -178,24 +209,32 @@ def _forward(x, kernel, bias, head, *, activation: str, out_dtype, block_t=None,
 
     lax.fori_loop(0, bt // UNROLL, unrolled, window)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out, y_r.at[b, pl.ds(n * bt, bt), cols])
+    _in_split(c, splits, bd, lambda i, cc: plgpu.copy_smem_to_gmem(
+        out, y_rs[i].at[b, rows_t, pl.ds(cc * bd, bd)]))
     plgpu.wait_smem_to_gmem(0)
 
   args = (x, params, head_rows)
-  (y,) = vary_like([plgpu.kernel(
-      body, out_type=(jax.ShapeDtypeStruct((B, T, D), out_dtype),), scratch_types=scratch,
+  out_type = tuple(jax.ShapeDtypeStruct((B, T, d), out_dtype) for d in splits)
+  return tuple(vary_like(plgpu.kernel(
+      body, out_type=out_type, scratch_types=scratch,
       grid=(B, NT, ND), grid_names=("b", "n", "c"), compiler_params=_params(),
-      interpret=interpret, kernel_name="short_conv_fwd")(*args)[0]], args)
-  return y
+      interpret=interpret, kernel_name="short_conv_fwd")(*args), args))
 
 
 @lowered_once()
-def _backward(x, kernel, bias, head, dy, *, activation: str, block_t=None, block_d=None,
-              interpret=None):
-  """`(dx [B, T, D] in x's dtype, dkernel [W, D], dbias [D], dhead [B, W - 1, D])`, float32 but dx."""
-  B, T, D, W, bt, bd, NT, ND = _geometry(x, kernel, block_t, block_d)
+def _backward(x, kernel, bias, head, dys, *, activation: str, splits: tuple[int, ...] | None = None,
+              block_t=None, block_d=None, interpret=None):
+  """`(dx [B, T, D] in x's dtype, dkernel [W, D], dbias [D], dhead [B, W - 1, D])`, float32 but dx, from
+  `dys`, one `[B, T, D_i]` for each of `splits` (default `(D,)`), all of one dtype."""
+  B, T, D, W, bt, bd, NT, ND = _geometry(x, kernel, block_t, block_d, splits)
+  splits = (D,) if splits is None else tuple(splits)
   back = W - 1
   params, head_rows = _staged(kernel, bias, head)
+  dy = dys[0]
+  if len(dys) != len(splits) or any(d.shape != (B, T, n) or d.dtype != dy.dtype
+                                    for d, n in zip(dys, splits)):
+    raise ValueError(f"dys must be one [B, T, D_i] array of one dtype for each of splits={splits}; got "
+                     f"{[(d.shape, d.dtype) for d in dys]}")
   # dx of token i - W + 1 is complete after token i (whose dy is read): it overwrites that token's dy
   in_place = dy.dtype == x.dtype
   scratch = dict(x_s=plgpu.SMEM((HALO + bt + HALO, bd), x.dtype),
@@ -206,14 +245,15 @@ def _backward(x, kernel, bias, head, dy, *, activation: str, block_t=None, block
   if not in_place:
     scratch["dx_s"] = plgpu.SMEM((bt, bd), x.dtype)
 
-  def body(x_r, dy_r, p_r, h_r, dx_r, g_r, dh_r, x_s, dy_s, p_s, h_s, bar, bar_before, bar_after,
-           dx_s=None):
+  def body(x_r, *refs, x_s, dy_s, p_s, h_s, bar, bar_before, bar_after, dx_s=None):
+    dy_rs, (p_r, h_r, dx_r, g_r, dh_r) = refs[:len(splits)], refs[len(splits):]
     b, n, c = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("c")
     cols = pl.ds(c * bd, bd)
     rows_t = pl.ds(n * bt, bt)
     out = dy_s if in_place else dx_s
     plgpu.copy_gmem_to_smem(x_r.at[b, rows_t, cols], x_s.at[pl.ds(HALO, bt)], bar)
-    plgpu.copy_gmem_to_smem(dy_r.at[b, rows_t, cols], dy_s.at[pl.ds(0, bt)], bar)
+    _in_split(c, splits, bd, lambda i, cc: plgpu.copy_gmem_to_smem(
+        dy_rs[i].at[b, rows_t, pl.ds(cc * bd, bd)], dy_s.at[pl.ds(0, bt)], bar))
     plgpu.copy_gmem_to_smem(p_r.at[:, cols], p_s, bar)
     plgpu.copy_gmem_to_smem(h_r.at[b, :, cols], h_s, bar)
     first, last = n == 0, n == NT - 1
@@ -225,7 +265,8 @@ def _backward(x, kernel, bias, head, dy, *, activation: str, block_t=None, block
     def _():
       after = pl.ds((n + 1) * bt, HALO)
       plgpu.copy_gmem_to_smem(x_r.at[b, after, cols], x_s.at[pl.ds(HALO + bt, HALO)], bar_after)
-      plgpu.copy_gmem_to_smem(dy_r.at[b, after, cols], dy_s.at[pl.ds(bt, HALO)], bar_after)
+      _in_split(c, splits, bd, lambda i, cc: plgpu.copy_gmem_to_smem(
+          dy_rs[i].at[b, after, pl.ds(cc * bd, bd)], dy_s.at[pl.ds(bt, HALO)], bar_after))
       plgpu.barrier_wait(bar_after)
 
     plgpu.barrier_wait(bar)
@@ -287,7 +328,7 @@ def _backward(x, kernel, bias, head, dy, *, activation: str, block_t=None, block
 
     plgpu.wait_smem_to_gmem(0)
 
-  args = (x, dy, params, head_rows)
+  args = (x, *dys, params, head_rows)
   out_type = (jax.ShapeDtypeStruct((B, T, D), x.dtype), jax.ShapeDtypeStruct((B, NT, W + 1, D), F32),
               jax.ShapeDtypeStruct((B, HALO, D), F32))
   dx, partial, dhead = vary_like(plgpu.kernel(
@@ -299,31 +340,38 @@ def _backward(x, kernel, bias, head, dy, *, activation: str, block_t=None, block
 
 
 def short_conv(x, kernel, bias, head, *, activation: str = "silu", out_dtype=None,
-               block_t: int | None = None, block_d: int | None = None):
+               splits: tuple[int, ...] | None = None, block_t: int | None = None,
+               block_d: int | None = None):
   """The module docstring's y for x `[B, T, D]`, kernel `[W, D]`, bias `[D]` and head `[B, W - 1, D]`
-  (the inputs before x), in `out_dtype` (default x's); differentiable in all four. block_t, block_d:
-  the tokens and channels of a program (default `blocks`). Callers check `reason(...)` first."""
+  (the inputs before x), in `out_dtype` (default x's); differentiable in all four. `splits`: None (y
+  one `[B, T, D]` array) or channel counts summing to D (y a tuple, one `[B, T, D_i]` each; the
+  backward takes their cotangents apart and gives x's joined). block_t, block_d: the tokens and
+  channels of a program (default `blocks`). Callers check `reason(...)` first."""
   out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
+  parts = None if splits is None else tuple(int(d) for d in splits)
   # the interpreter switch is read here: the jitted kernels' caches key on it
-  return _short_conv(x, kernel, bias, head, (activation, out_dtype, block_t, block_d, interpreting()))
+  ys = _short_conv(x, kernel, bias, head, (activation, out_dtype, parts, block_t, block_d,
+                                           interpreting()))
+  return ys[0] if splits is None else ys
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _short_conv(x, kernel, bias, head, static):
-  activation, out_dtype, block_t, block_d, interpret = static
-  return _forward(x, kernel, bias, head, activation=activation, out_dtype=out_dtype, block_t=block_t,
-                  block_d=block_d, interpret=interpret)
+  activation, out_dtype, splits, block_t, block_d, interpret = static
+  return _forward(x, kernel, bias, head, activation=activation, out_dtype=out_dtype, splits=splits,
+                  block_t=block_t, block_d=block_d, interpret=interpret)
 
 
 def _fwd(x, kernel, bias, head, static):
   return _short_conv(x, kernel, bias, head, static), (x, kernel, bias, head)
 
 
-def _bwd(static, res, dy):
-  activation, _, block_t, block_d, interpret = static
+def _bwd(static, res, dys):
+  activation, _, splits, block_t, block_d, interpret = static
   x, kernel, bias, head = res
-  dx, dkernel, dbias, dhead = _backward(x, kernel, bias, head, dy, activation=activation,
-                                        block_t=block_t, block_d=block_d, interpret=interpret)
+  dx, dkernel, dbias, dhead = _backward(x, kernel, bias, head, tuple(dys), activation=activation,
+                                        splits=splits, block_t=block_t, block_d=block_d,
+                                        interpret=interpret)
   # under shard_map, the taps' and bias' sums are this shard's rows only: add the other rows' shards
   grads = (dx, dkernel.astype(kernel.dtype), dbias.astype(bias.dtype), dhead.astype(head.dtype))
   return tuple(common.sum_over_extra_axes(g, p) for g, p in zip(grads, res))

@@ -177,3 +177,38 @@ def test_layer_runs_the_kernels_per_shard_under_sharding_rules(monkeypatch):
   seq_mesh = AbstractMesh((2, 2), ("data", "seq"), axis_types=(AxisType.Auto,) * 2)
   with use_rules(seq_mesh, "cp"):
     assert "sequence is split" in layer.kernel_reason((4, 1024, 1024), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("splits", [(128, 256), (128, 128, 128)])
+def test_one_call_over_joined_channels_matches_the_float64_loop(splits):
+  # Given q, k, v's channels side by side in one x (a joined projection), three token blocks
+  B, T, W = 2, 24, 4
+  D = sum(splits)
+  ks = jax.random.split(jax.random.key(len(splits)), 5)
+  x = jax.random.normal(ks[0], (B, T, D))
+  kernel = jax.random.uniform(ks[1], (W, D), minval=-1, maxval=1)
+  bias = 0.3 * jax.random.normal(ks[2], (D,))
+  head = jax.random.normal(ks[3], (B, W - 1, D))
+  dy = jax.random.normal(ks[4], (B, T, D))
+  edges = np.cumsum((0,) + splits)
+  dys = tuple(dy[..., a:b] for a, b in zip(edges[:-1], edges[1:]))
+  # When one call convolves them and returns one array a split
+  with gpu.interpret_kernels():
+    ys, pull = jax.vjp(lambda *a: conv.short_conv(*a, splits=splits, block_t=8), x, kernel, bias, head)
+    grads = pull(dys)
+  # Then each split is its channels of the joined convolution, and x's gradient comes back joined
+  want = loop(x, kernel, bias, head, dy, "silu")
+  assert isinstance(ys, tuple) and [y.shape[-1] for y in ys] == list(splits)
+  for name, got, ref in zip(("y", "dx", "dkernel", "dbias", "dhead"),
+                            (jnp.concatenate(ys, axis=-1), *grads), want):
+    got = np.asarray(got, np.float64)
+    assert got.shape == ref.shape, name
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5 * np.max(np.abs(ref)), err_msg=name)
+
+
+def test_a_split_call_says_why_it_cannot_serve():
+  assert "each split of D a multiple of 128" in conv.reason((1, 16, 384), 4, "silu", jnp.float32,
+                                                            backend="hopper", splits=(64, 320))
+  assert "summing to D=384" in conv.reason((1, 16, 384), 4, "silu", jnp.float32, backend="hopper",
+                                           splits=(128, 128))
+  assert conv.reason((1, 16, 384), 4, "silu", jnp.float32, backend="hopper", splits=(128, 256)) is None

@@ -137,12 +137,15 @@ def test_no_multi_warpgroup_program_sums_over_a_tiles_rows(variant, D, config, g
   assert variant != "kda" or any(_row_sums(body) for _, threads, body in programs if threads == 1)
 
 
-def test_the_short_convolutions_kernels_have_no_races(capfd):
+@pytest.mark.parametrize("splits", [None, (128, 128)])
+def test_the_short_convolutions_kernels_have_no_races(capfd, splits):
+  # one array, and two split apart (each program writes and reads the split its channels are in)
   r = np.random.default_rng(73)
   x = jnp.asarray(r.normal(size=(2, 256, 256)), jnp.bfloat16)
   w, b = jnp.asarray(r.normal(size=(4, 256)), jnp.float32), jnp.asarray(r.normal(size=(256,)), jnp.float32)
   head = jnp.asarray(r.normal(size=(2, 3, 256)), jnp.bfloat16)
-  loss = lambda x, w, b: jnp.sum(conv.short_conv(x, w, b, head, activation="silu").astype(jnp.float32) ** 2)
+  total = lambda ys: sum(jnp.sum(y.astype(jnp.float32) ** 2) for y in (ys if splits else (ys,)))
+  loss = lambda x, w, b: total(conv.short_conv(x, w, b, head, activation="silu", splits=splits))
   with interpret_kernels(RACES):
     jax.block_until_ready(jax.grad(loss, argnums=(0, 1, 2))(x, w, b))
   _no_races(capfd)

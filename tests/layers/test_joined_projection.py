@@ -1,0 +1,92 @@
+"""A mixer's q, k and v from one product and one convolution call (`LinearMixer._project_joined`,
+`layers.conv.joined_kernel_call`) against three of each, in the Mosaic GPU interpreter: the same
+outputs and every gradient in float32, KDA's channel order included; and where the joined call
+declines (channels split over devices), saying so by returning None."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax._src.mesh import AbstractDevice
+from jax.sharding import AbstractMesh, AxisType
+
+from linear_attention_jax.layers import GatedDeltaNet, KimiDeltaAttention, base
+from linear_attention_jax.layers.conv import joined_kernel_call
+from linear_attention_jax.pallas_kernels import gpu
+from linear_attention_jax.sharding import use_rules
+
+
+def _convs_on_kernels(layer):
+  # the op in XLA's chunked form (quick in the interpreter), the convolutions on their kernels
+  for conv in layer.convs:
+    conv.impl = "auto"
+  return layer
+
+
+def _relative(a, b):
+  return float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
+
+
+def test_gated_delta_net_joined_equals_three_projections(monkeypatch):
+  # Given a Gated DeltaNet layer whose convolutions run on the kernels, V = 2K (splits 256, 256, 512)
+  layer = _convs_on_kernels(GatedDeltaNet(256, 2, head_v_dim=256, impl="chunk", chunk_size=16,
+                                          rngs=nnx.Rngs(0)))
+  served = []
+  monkeypatch.setattr(base, "joined_kernel_call", lambda *a: served.append(joined_kernel_call(*a))
+                      or served[-1])
+  x = jax.random.normal(jax.random.key(1), (2, 32, 256))
+
+  def loss(model, x):
+    return jnp.sum(jnp.sin(model(x)[0]))
+
+  # When it runs joined and then, switched off, as three projections and convolutions
+  with gpu.interpret_kernels():
+    joined = nnx.value_and_grad(loss, argnums=(0, 1))(layer, x)
+    layer.join_projections = False
+    apart = nnx.value_and_grad(loss, argnums=(0, 1))(layer, x)
+  # Then the joined call served it, and the loss and every gradient agree to float32 rounding
+  assert len(served) == 1 and served[0] is not None
+  np.testing.assert_allclose(joined[0], apart[0], rtol=1e-6)
+  paths = jax.tree_util.tree_leaves_with_path(joined[1])
+  assert len(paths) == len(jax.tree.leaves(apart[1]))
+  for (path, a), b in zip(paths, jax.tree.leaves(apart[1])):
+    assert _relative(a, b) < 1e-5, (jax.tree_util.keystr(path), _relative(a, b))
+
+
+def test_kda_joined_projection_takes_the_channel_order():
+  # Given a KDA layer and a permutation of each key head's channels (the layer's channel order)
+  layer = _convs_on_kernels(KimiDeltaAttention(256, 2, impl="chunk", rngs=nnx.Rngs(0)))
+  perm = np.concatenate([np.random.default_rng(h).permutation(128) + 128 * h for h in range(2)])
+  perm = jnp.asarray(perm, jnp.int32)
+  x = jax.random.normal(jax.random.key(1), (2, 32, 256))
+
+  def loss(model, x):
+    q, k, v, _ = model._project(x, None, perm)
+    return jnp.sum(jnp.sin(q)) + jnp.sum(2 * jnp.cos(k)) + jnp.sum(v ** 2)
+
+  # When q, k, v are projected joined and apart
+  with gpu.interpret_kernels():
+    assert layer._project_joined(x, perm) is not None
+    joined = nnx.value_and_grad(loss, argnums=(0, 1))(layer, x)
+    layer.join_projections = False
+    apart = nnx.value_and_grad(loss, argnums=(0, 1))(layer, x)
+  # Then they agree, the projections' and convolutions' gradients in the modules' own channel order
+  np.testing.assert_allclose(joined[0], apart[0], rtol=1e-6)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(joined[1]), jax.tree.leaves(apart[1])):
+    assert _relative(a, b) < 1e-5, (jax.tree_util.keystr(path), _relative(a, b))
+
+
+def test_joined_call_declines_split_channels_and_unlike_convolutions():
+  layer = _convs_on_kernels(GatedDeltaNet(256, 2, impl="chunk", rngs=nnx.Rngs(0)))
+  shape = (4, 64, 768)
+  device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  with gpu.interpret_kernels():
+    assert joined_kernel_call(layer.convs, shape, jnp.bfloat16) is not None
+    # rows over "data" keep one call per device; channels over "tensor" would mix q's, k's and v's
+    for sizes, joined in (((2, 1), True), ((1, 2), False)):
+      mesh = AbstractMesh(sizes, ("data", "tensor"), axis_types=(AxisType.Auto,) * 2,
+                          abstract_device=device)
+      with use_rules(mesh, "tp"):
+        assert (joined_kernel_call(layer.convs, shape, jnp.bfloat16) is not None) == joined, sizes
+    layer.v_conv.impl = "xla"
+    assert joined_kernel_call(layer.convs, shape, jnp.bfloat16) is None
