@@ -20,8 +20,11 @@ name when XLA names the kernel after its fusion) and so to the `source_file:sour
 - kernel time per call (the sum of the kernels' durations; gaps between kernels are not in it) next to
   the wall time per call of the same calls, and the device's timeline: the span from the first kernel
   to the last, the time with a kernel running, the idle gaps between kernels and the longest of them
-  (a wall time above the span is dispatch and host time the device never saw), and the host's time
+  (a wall time above the span is dispatch and host time the device never saw), of the idle time what
+  lies in short gaps (at most `SHORT_GAP_US`: one kernel's launch after another's), and the host's time
   issuing a call's work, recording XLA's command buffers and launching them;
+- how the compiled step launches (`launches`): its command buffers (CUDA graphs) and what its entry
+  computation launches one by one beside them, by kind;
 - that time by part of the step (`PARTS`: the Mosaic kernels, cuDNN attention, the gemms, the short
   convolutions, the norms, ...), from each kernel's name and source line;
 - the time of each source line (the innermost frame in this project's code), forward and backward apart (an `op_name` holding `transpose(` is the
@@ -184,12 +187,14 @@ def timeline(kernels: list[dict], calls: int) -> dict:
   spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]) for e in kernels)
   if not spans:
     return dict(span_ms=0.0, busy_ms=0.0, idle_ms=0.0, longest_idle_ms=0.0, longest_idle_before="")
-  busy, longest, before = 0.0, 0.0, ""
+  busy, longest, before, short, shorts = 0.0, 0.0, "", 0.0, 0
   start, end = spans[0][0], spans[0][1]
   for s, e, name in spans[1:]:
     if s > end:   # an idle interval: close the running busy interval
       if s - end > longest:
         longest, before = s - end, name
+      if s - end <= SHORT_GAP_US:
+        short, shorts = short + s - end, shorts + 1
       busy += end - start
       start = s
     end = max(end, e)
@@ -197,7 +202,45 @@ def timeline(kernels: list[dict], calls: int) -> dict:
   span = end - spans[0][0]
   per_call = lambda us: us / 1e3 / calls
   return dict(span_ms=per_call(span), busy_ms=per_call(busy), idle_ms=per_call(span - busy),
-              longest_idle_ms=longest / 1e3, longest_idle_before=before[:80])
+              longest_idle_ms=longest / 1e3, longest_idle_before=before[:80],
+              short_gaps_ms=per_call(short), short_gaps=shorts / calls)
+
+
+SHORT_GAP_US = 50.0   # a gap between kernels up to this long: a launch's, not the host falling behind
+
+
+def launches(hlo_text: str) -> dict:
+  """How the compiled step is launched: `command_buffers`, the entry computation's calls of XLA's
+  command buffers (CUDA graphs: their kernels launch as one), and `outside`, what the entry launches
+  one by one, counted by kind (a fusion, a gemm's or another custom call's target, a copy, ...): each
+  pays a launch of its own. Zero command buffers on a backend without them (a CPU)."""
+  entry, depth = [], 0
+  for line in hlo_text.splitlines():
+    if not depth and line.startswith("ENTRY"):
+      depth = 1
+      continue
+    if depth:
+      if line.strip() == "}":
+        break
+      entry.append(line)
+  buffers, outside = 0, collections.Counter()
+  for line in entry:
+    m = _OPCODE.search(line)
+    if not m or m.group(1) in _NOT_LAUNCHED:
+      continue
+    op = m.group(1)
+    if op == "call" and re.search(r"to_apply=%?command_buffer", line):
+      buffers += 1
+      continue
+    target = re.search(r'custom_call_target="([^"]+)"', line)
+    outside[f"custom-call {target.group(1)}" if op == "custom-call" and target else op] += 1
+  return dict(command_buffers=buffers, outside=sum(outside.values()),
+              outside_kinds=dict(outside.most_common(12)))
+
+
+_OPCODE = re.compile(r"=\s.*?\s([a-z][a-z0-9-]*)\(")
+_NOT_LAUNCHED = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
+                 "opt-barrier", "partition-id", "replica-id", "add-dependency"}
 
 
 # the host's side of a call, from XLA's own trace annotations (absent on other backends: 0)
@@ -239,6 +282,7 @@ def summarize(trace: dict, hlo_text: str, calls: int, top: int) -> dict:
     by_name[e["name"][:80]] += dur
   return dict(
       kernel_ms=total, kernels_per_call=len(kernels) / calls, **timeline(kernels, calls),
+      **launches(hlo_text),
       **host_side(trace, calls),
       parts=[dict(part=p, ms=ms) for p, ms in by_part.most_common()],
       lines=[dict(where=w, direction=d, ms=ms) for (w, d), ms in by_line.most_common(top)],
@@ -333,7 +377,10 @@ def table(row) -> list[str]:
            f"Device timeline a call: span {row['span_ms']:.3f} ms (first kernel's start to last one's end), "
            f"busy {row['busy_ms']:.3f}, idle between kernels {row['idle_ms']:.3f} (longest "
            f"{row['longest_idle_ms']:.3f} ms, before `{row['longest_idle_before']}`); the wall's "
-           f"{max(row['wall_ms'] - row['span_ms'], 0):.3f} ms beyond the span is time the device did not see. "
+           f"{max(row['wall_ms'] - row['span_ms'], 0):.3f} ms beyond the span is time the device did not see; "
+           f"of the idle time {row['short_gaps_ms']:.3f} ms in {row['short_gaps']:.0f} gaps of at most "
+           f"{SHORT_GAP_US:.0f} us (launches). Launched: {row['command_buffers']} command buffers and "
+           f"{row['outside']} instructions one by one ({row['outside_kinds']}). "
            f"Host a call: {row['host_execute_ms']:.3f} ms issuing the work, of which "
            f"{row['host_command_buffer_update_ms']:.3f} recording command buffers and "
            f"{row['host_command_buffer_launch_ms']:.3f} launching them.", "",
