@@ -23,8 +23,7 @@ name when XLA names the kernel after its fusion) and so to the `source_file:sour
   (a wall time above the span is dispatch and host time the device never saw), of the idle time what
   lies in short gaps (at most `SHORT_GAP_US`: one kernel's launch after another's), and the host's time
   issuing a call's work, recording XLA's command buffers and launching them;
-- how the compiled step launches (`launches`): its command buffers (CUDA graphs) and what its entry
-  computation launches one by one beside them, by kind;
+- what the compiled step's entry computation launches (`launches`), by kind;
 - that time by part of the step (`PARTS`: the Mosaic kernels, cuDNN attention, the gemms, the short
   convolutions, the norms, ...), from each kernel's name and source line;
 - the time of each source line (the innermost frame in this project's code), forward and backward apart (an `op_name` holding `transpose(` is the
@@ -210,10 +209,11 @@ SHORT_GAP_US = 50.0   # a gap between kernels up to this long: a launch's, not t
 
 
 def launches(hlo_text: str) -> dict:
-  """How the compiled step is launched: `command_buffers`, the entry computation's calls of XLA's
-  command buffers (CUDA graphs: their kernels launch as one), and `outside`, what the entry launches
-  one by one, counted by kind (a fusion, a gemm's or another custom call's target, a copy, ...): each
-  pays a launch of its own. Zero command buffers on a backend without them (a CPU)."""
+  """What the compiled step's entry computation launches: `launched`, its instructions that run as
+  kernels (parameters, tuples and the like left out), and `launched_kinds` by kind (a fusion, a gemm's or
+  another custom call's target, a copy, ...). Which of them XLA then records into command buffers
+  (CUDA graphs) is decided on its thunks, not in this text (the host side's `command_buffer` times
+  show they are there)."""
   entry, depth = [], 0
   for line in hlo_text.splitlines():
     if not depth and line.startswith("ENTRY"):
@@ -223,19 +223,15 @@ def launches(hlo_text: str) -> dict:
       if line.strip() == "}":
         break
       entry.append(line)
-  buffers, outside = 0, collections.Counter()
+  kinds = collections.Counter()
   for line in entry:
     m = _OPCODE.search(line)
     if not m or m.group(1) in _NOT_LAUNCHED:
       continue
     op = m.group(1)
-    if op == "call" and re.search(r"to_apply=%?command_buffer", line):
-      buffers += 1
-      continue
     target = re.search(r'custom_call_target="([^"]+)"', line)
-    outside[f"custom-call {target.group(1)}" if op == "custom-call" and target else op] += 1
-  return dict(command_buffers=buffers, outside=sum(outside.values()),
-              outside_kinds=dict(outside.most_common(12)))
+    kinds[f"custom-call {target.group(1)}" if op == "custom-call" and target else op] += 1
+  return dict(launched=sum(kinds.values()), launched_kinds=dict(kinds.most_common(12)))
 
 
 _OPCODE = re.compile(r"=\s.*?\s([a-z][a-z0-9-]*)\(")
@@ -379,8 +375,8 @@ def table(row) -> list[str]:
            f"{row['longest_idle_ms']:.3f} ms, before `{row['longest_idle_before']}`); the wall's "
            f"{max(row['wall_ms'] - row['span_ms'], 0):.3f} ms beyond the span is time the device did not see; "
            f"of the idle time {row['short_gaps_ms']:.3f} ms in {row['short_gaps']:.0f} gaps of at most "
-           f"{SHORT_GAP_US:.0f} us (launches). Launched: {row['command_buffers']} command buffers and "
-           f"{row['outside']} instructions one by one ({row['outside_kinds']}). "
+           f"{SHORT_GAP_US:.0f} us (launches). The entry launches {row['launched']} instructions "
+           f"({row['launched_kinds']}). "
            f"Host a call: {row['host_execute_ms']:.3f} ms issuing the work, of which "
            f"{row['host_command_buffer_update_ms']:.3f} recording command buffers and "
            f"{row['host_command_buffer_launch_ms']:.3f} launching them.", "",

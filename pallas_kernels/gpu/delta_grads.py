@@ -67,7 +67,7 @@ def _scratch(C, K, bv, dtype, partial_dtype, dv_dtype, slots, has_seg):
 @lowered_once(arrays=("masks",))
 def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, interpret=None,
                 block_v: int = BLOCK_V, dv_dtype=F32, partial_dtype=F32, blocks_per_program: int = 1,
-                qk_l2norm: bool = False, dv_scale: float = 1.0):
+                qk_l2norm: bool = False):
   """Per-chunk gradients (module docstring). q, k `[B, T_pad, H, K]`, v `[B, T_pad, H_v, V]` (operand
   dtype); G, b `[B, H_v, T_pad]` float32 (chunk-local cumulative log-decay, beta); X `[B, H_v, T_pad, C]`,
   states, dstates `[B, H_v, NC, V, K]`, do `[B, T_pad, H_v, V]` (gradient of the unscaled o, in o's
@@ -78,8 +78,7 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
   `sum(dkd * kd) + e^(G_C) sum(S * dS)` (per-token terms of the first, row sums of the block's S * dS
   for the second). blocks_per_program: value blocks per program (a divisor of NVB). qk_l2norm: q and k
   are l2-normalised on load (as `delta_prep.prepare(..., qk_l2norm=True)`) and dq, dk are the gradients
-  of the raw q, k (the norm's gradient applied to each partial sum: it is linear). dv_scale: dv times it
-  before it is rounded (see `backward`; the caller scales the float32 partial sums as it adds them)."""
+  of the raw q, k (the norm's gradient applied to each partial sum: it is linear)."""
   B, T_pad, H, K = q.shape
   Hv, V = v.shape[2:]
   NC = states.shape[2]
@@ -216,8 +215,7 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
       dbv_s[...] = dBv.astype(dtype)
       plgpu.commit_smem()
       beta, _, _ = vectors()
-      emit(dBv * rows(beta if dv_scale == 1.0 else beta * dv_scale, cv), out_v,
-           dv_r.at[bi, rows_t, h, pl.ds(vb * bv, bv)])
+      emit(dBv * rows(beta, cv), out_v, dv_r.at[bi, rows_t, h, pl.ds(vb * bv, bv)])
       dbeta = jnp.sum(dBv * plgpu.load(v_b, layout=WGMMA).astype(F32), axis=1)
       dBk, beta, e_q, r = dbk_term(dbv_s, st_b, k_s, vectors, ck)
       dk = dk + dBk * rows(beta * e_q, ck)
@@ -302,14 +300,9 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
                                              return_transitions=True)
   else:
     t, X, states, transitions = saved
-  # o's cotangent as it comes (the operand dtype, o's token layout: the kernels read it there) and the
-  # final state's divided by `scale`: every gradient is linear in the two, so the kernels' would be the
-  # op's divided by `scale`; the pair kernel scales its outputs before rounding them, `chunk_grads` its
-  # dv (XLA the partial sums it adds). No pass over do to scale it (a token-sized read and write).
+  # the cotangent of the unscaled o in the operand dtype, in o's token layout: the kernels read it there
   pad = lambda x: jnp.pad(x.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
-  do_t = pad(do)
-  unscale = lambda x: x if x is None or scale == 1.0 else x * scale
-  dfinal = None if dfinal is None or scale == 1.0 else dfinal / scale
+  do_t = pad(do.astype(F32) * scale)
   dstates, dh0 = walk.backward_states(t, do_t, dfinal, interpret=interpret, sequence_pieces=sequence_pieces,
                                       transitions=transitions, token_do=True)
   G = local_cumsum(g, B, T_pad, Hv, C)
@@ -321,21 +314,20 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
   grads_args = (pad(q), pad(k), pad(v), G, b, flat(X), states, dstates, do_t)
   if warpgroups == 2 and pair_serves(V, C, v.dtype, dtype):
     dq, dk, dv, dG, dbeta, kdv = chunk_grads_pair(*grads_args, dtype=dtype, masks=masks, interpret=interpret,
-                                                  qk_l2norm=qk_l2norm, programs=programs, out_scale=scale)
+                                                  qk_l2norm=qk_l2norm, programs=programs)
     # each program's pair summed in the kernel; V = 256: two pairs' partial sums
     dq, dk, dG, dbeta, kdv = (x[0] if x.shape[0] == 1 else x.astype(F32).sum(0)
                               for x in (dq, dk, dG, dbeta, kdv))
   else:
     dq, dk, dv, dG, dbeta, kdv = chunk_grads(*grads_args, dtype=dtype, masks=masks, interpret=interpret,
-                                             dv_dtype=v.dtype, partial_dtype=dtype, qk_l2norm=qk_l2norm,
-                                             dv_scale=scale)
-    dq, dk, dG, dbeta, kdv = (unscale(x.astype(F32).sum(0)) for x in (dq, dk, dG, dbeta, kdv))
+                                             dv_dtype=v.dtype, partial_dtype=dtype, qk_l2norm=qk_l2norm)
+    dq, dk, dG, dbeta, kdv = (x.astype(F32).sum(0) for x in (dq, dk, dG, dbeta, kdv))
   last = jnp.sum(kdv.reshape(B, Hv, NC, C), axis=-1)   # with e^(G_C) sum(S dS) (chunk_grads)
   dG = dG.reshape(B, Hv, NC, C).at[..., -1].add(last)
   dg = jnp.flip(jnp.cumsum(jnp.flip(dG, -1), -1), -1).reshape(B, Hv, T_pad)   # G = cumsum(g) per chunk
   per_head = lambda x: x.astype(F32).reshape(B, T_pad, H, group, K).sum(3)[:, :T] if group > 1 else x[:, :T]
   return (per_head(dq).astype(q.dtype), per_head(dk).astype(k.dtype), dv[:, :T].astype(v.dtype),
           None if g is None else jnp.swapaxes(dg, 1, 2)[:, :T].astype(g.dtype),
-          jnp.swapaxes(dbeta, 1, 2)[:, :T].astype(beta.dtype), unscale(dh0))
+          jnp.swapaxes(dbeta, 1, 2)[:, :T].astype(beta.dtype), dh0)
 
 

@@ -46,7 +46,7 @@ def _pair_scratch(C, K, bv, dtype, has_seg):
 
 @lowered_once(arrays=("masks",))
 def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, interpret=None,
-                     qk_l2norm: bool = False, programs: int | None = None, out_scale: float = 1.0):
+                     qk_l2norm: bool = False, programs: int | None = None):
   """`delta_grads.chunk_grads` for two value blocks (V = 2 x 64) in one program of two warpgroups, one
   per block, sharing q, k and X: while one warpgroup waits on its tensor-core products or shared-memory
   fences the other computes (one warpgroup alone leaves half of an SM's registers unused, and
@@ -54,13 +54,8 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
   inside the program (warpgroup 1 stages its partial, warpgroup 0 adds its own and writes the sum), so
   no partial sums reach device memory. V = 256 (V = 4 x 64): one program per pair of blocks, each
   writing its pair's partial sums (the leading dimension, V / 128: the caller adds them). Same inputs
-  and outputs as `chunk_grads` otherwise; dv in the operand dtype. The column sums of `A = dP P + dM M`
-  come from transposed products (as rows), not cross-warp reductions, whose scratch the two warpgroups
-  would share.
-
-  out_scale: every output (dq, dk, dv, dG, dbeta, kdv) times it, before it is rounded: the gradients are
-  linear in (do, dstates), so a caller whose do and dstates are the op's divided by its read-out scale
-  passes that scale here rather than scaling do in a pass of its own.
+  and outputs as `chunk_grads` otherwise; dv in the operand dtype. The column sums of `A = dP P + dM M` come from
+  transposed products (as rows), not cross-warp reductions, whose scratch the two warpgroups would share.
 
   programs: None (one program a chunk and pair of blocks: the grid) or that many persistent programs,
   program p taking the items p, p + P, ... in turn (the items in the grid's order, its pair fastest):
@@ -72,7 +67,6 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
   core unless the environment variable `NPROC` says otherwise, so a 2-core machine hangs without
   `NPROC >= 3`, set before JAX's CPU backend starts (tests/conftest.py sets 12)."""
   B, T_pad, H, K = q.shape
-  scaled = (lambda x: x) if out_scale == 1.0 else (lambda x: x * out_scale)
   Hv, V = v.shape[2:]
   NC = states.shape[2]
   C = T_pad // NC
@@ -218,7 +212,7 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
         if qk_l2norm:
           dq = l2_normalize_grad(dq, q_s, fresh(plgpu.load(norm_s.at[0], layout=ROWS)))
       with phase("pair.dq_out"):
-        write_sum(scaled(dq), DQ_STAGED, dq_r.at[pv, bi, rows_t, h])
+        write_sum(dq, DQ_STAGED, dq_r.at[pv, bi, rows_t, h])
       with phase("pair.du"):
         # du = P^T do + kd dS; dkd = u dS^T only through its row sums with k, rowsum(u (k dS^T)), and as
         # dk's term (e^(G_C - G) u) dS, whose first operand replaces do in do's tile
@@ -241,7 +235,7 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
         beta, e_q, _ = vectors()
         dbeta = jnp.sum(dBv * plgpu.load(v_b, layout=WGMMA).astype(F32), axis=1)
         r = -e_q * jnp.sum(dBv * ks, axis=1)
-        v_b[...] = (dBv * rows(scaled(beta), cv)).astype(dtype)        # dv, staged in v's tile
+        v_b[...] = (dBv * rows(beta, cv)).astype(dtype)        # dv, staged in v's tile
         buf[...] = (dBv * rows(-beta * e_q, cv)).astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(v_b, dv_r.at[bi, rows_t, h, vs])
@@ -270,13 +264,13 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
         if qk_l2norm:
           dk = l2_normalize_grad(dk, k_s, fresh(plgpu.load(norm_s.at[1], layout=ROWS)))
       with phase("pair.dk_out"):
-        write_sum(scaled(dk), DK_STAGED, dk_r.at[pv, bi, rows_t, h], done=OUT_FREE)
+        write_sum(dk, DK_STAGED, dk_r.at[pv, bi, rows_t, h], done=OUT_FREE)
       with phase("pair.vectors_out"):
         # the vectors: warpgroup 1 stages its own, warpgroup 0 adds them to its own and writes the sums
         @pl.when(second)
         def _():
           for idx, x in enumerate((dG, dbeta, kdv)):
-            vec_s.at[1, idx][...] = scaled(x)
+            vec_s.at[1, idx][...] = x
           plgpu.commit_smem()
           plgpu.barrier_arrive(sync.at[VEC_STAGED])
 
@@ -284,7 +278,7 @@ def chunk_grads_pair(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None
         def _():
           plgpu.barrier_wait(sync.at[VEC_STAGED])
           for idx, x in enumerate((dG, dbeta, kdv)):
-            vec_s.at[0, idx][...] = scaled(x) + plgpu.load(vec_s.at[1, idx], layout=ROWS)
+            vec_s.at[0, idx][...] = x + plgpu.load(vec_s.at[1, idx], layout=ROWS)
           plgpu.commit_smem()
           for idx, dst in enumerate((dg_r, db_r, kdv_r)):
             plgpu.copy_smem_to_gmem(vec_s.at[0, idx], dst.at[pv, bi, h, rows_t])
