@@ -31,7 +31,7 @@ def _relative(a, b):
 @pytest.mark.parametrize("mixer", ["G", "K"])
 def test_layer_joined_equals_separate_projections(monkeypatch, mixer):
   # Given a layer whose convolutions run on the kernels: Gated DeltaNet with V = 2K (splits 256, 256,
-  # 512), KDA (its narrow gate projections f_down, g_down, b_proj joined too)
+  # 512), KDA
   if mixer == "G":
     layer = GatedDeltaNet(256, 2, head_v_dim=256, impl="chunk", chunk_size=16, rngs=nnx.Rngs(0))
   else:
