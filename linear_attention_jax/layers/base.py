@@ -215,14 +215,7 @@ class LinearMixer(nnx.Module):
     if call is None:
       return None
     columns = (key_columns, key_columns, None)
-    y = dense_joined(projections, x, columns)
-    take = lambda p, c: p if c is None else jnp.take(p, c, axis=-1)
-    kernel = jnp.concatenate([take(c.kernel[...].astype(jnp.float32), cols)
-                              for c, cols in zip(self.convs, columns)], axis=1)
-    bias = jnp.concatenate([jnp.zeros((c.features,), jnp.float32) if c.bias is None
-                            else take(c.bias[...].astype(jnp.float32), cols)
-                            for c, cols in zip(self.convs, columns)])
-    return call(y, kernel, bias)
+    return call(dense_joined(projections, x, columns), columns)
 
   def _recur(self, op, step, q, k, v, gates, cache, **kwargs):
     """Runs the op (training, prefill) or its step (decode; see the module docstring).

@@ -94,10 +94,8 @@ class ShortConvolution(nnx.Module):
     if channels is not None and (cache is not None or jnp.shape(channels) != (D,)):
       raise ValueError(f"channels must be None or a permutation of shape [D] = [{D}], and only without a "
                        f"cache; got shape {jnp.shape(channels)} with cache={cache is not None}")
-    take = (lambda p: p) if channels is None else (lambda p: jnp.take(p, channels, axis=-1))
     history = jnp.zeros((B, W - 1, D), jnp.float32) if cache is None else cache.astype(jnp.float32)
-    kernel = take(self.kernel[...].astype(jnp.float32))
-    bias = None if self.bias is None else take(self.bias[...].astype(jnp.float32))
+    kernel, bias = self.taps(channels)
     kernel_call = self._kernel_call(x)
     if kernel_call is not None:
       y = kernel_call(x, kernel, jnp.zeros((D,), jnp.float32) if bias is None else bias, history)
@@ -111,6 +109,13 @@ class ShortConvolution(nnx.Module):
       y = y + bias
     y = ACTIVATIONS[self.activation](y).astype(self.dtype)
     return y, (None if cache is None else padded[:, T:])
+
+  def taps(self, channels: jax.Array | None = None):
+    """`(kernel [W, D], bias [D] or None)` in float32, the channels in `channels`' order (None: as
+    they are; see `__call__`)."""
+    take = (lambda p: p) if channels is None else (lambda p: jnp.take(p, channels, axis=-1))
+    return take(self.kernel[...].astype(jnp.float32)), (None if self.bias is None
+                                                        else take(self.bias[...].astype(jnp.float32)))
 
   def kernel_reason(self, x_shape, dtype) -> str | None:
     """None if the Mosaic GPU kernels serve a call on `x: [B, T, D]` of `dtype` (on this backend, per
@@ -160,8 +165,9 @@ class ShortConvolution(nnx.Module):
 
 def joined_kernel_call(convs: tuple[ShortConvolution, ...], x_shape, dtype):
   """One kernel call for the convolutions `convs` (a mixer's q, k, v) on their inputs laid side by side,
-  x `[B, T, sum of features]` of `dtype`: `(x, kernel [W, sum], bias [sum]) -> (y_i [B, T, features_i]
-  in the convs' dtype, ...)`, from zeros before the sequence; its backward gives x's gradient joined.
+  x `[B, T, sum of features]` of `dtype`: `(x, channels) -> (y_i [B, T, features_i] in the convs'
+  dtype, ...)`, `channels` one permutation or None a conv (as `ShortConvolution.__call__` takes it),
+  from zeros before the sequence, each conv with its own taps; its backward gives x's gradient joined.
   None where it cannot serve the call: any conv's impl "xla", convs unlike in taps, activation, dtype
   or sharding axis, no kernel for the shape (`conv_kernels.reason` with the splits), or the channels
   or the sequence split over devices; the convolutions then run one by one, as the same sums."""
@@ -183,14 +189,20 @@ def joined_kernel_call(convs: tuple[ShortConvolution, ...], x_shape, dtype):
   if conv_kernels.reason(shape, W, first._kernel_activation, dtype, splits=splits) is not None:
     return None
 
-  def call(x, kernel, bias):
+  def kernels(x, kernel, bias):
     head = jnp.zeros((x.shape[0], W - 1, x.shape[2]), jnp.float32)
     return conv_kernels.short_conv(x, kernel, bias, head, activation=first._kernel_activation,
                                    out_dtype=first.dtype, splits=splits)
 
-  if split is None:
-    return call
-  P = jax.sharding.PartitionSpec
-  rows = P(split[1], None, None)
-  return jax.shard_map(call, mesh=split[0], out_specs=(rows,) * len(convs),
-                       in_specs=(rows, P(None, None), P(None)))
+  if split is not None:
+    P = jax.sharding.PartitionSpec
+    rows = P(split[1], None, None)
+    kernels = jax.shard_map(kernels, mesh=split[0], out_specs=(rows,) * len(convs),
+                            in_specs=(rows, P(None, None), P(None)))
+
+  def call(x, channels):
+    taps = [c.taps(ch) for c, ch in zip(convs, channels)]
+    bias = [jnp.zeros((c.features,), jnp.float32) if b is None else b for c, (_, b) in zip(convs, taps)]
+    return kernels(x, jnp.concatenate([k for k, _ in taps], axis=1), jnp.concatenate(bias))
+
+  return call
