@@ -133,18 +133,12 @@ class LinearMixer(nnx.Module):
     self.k_proj = linear(width, H * head_dim, axes=("embed", "heads"), **kw)
     self.v_proj = linear(width, Hv * head_v_dim, axes=("embed", "heads"), **kw)
     if use_short_conv:   # the convolutions' kernels where the op's kernels are wanted
-      kw["impl"] = self.parts_impl
+      kw["impl"] = "auto" if impl in ("pallas", "auto") else "xla"
       self.q_conv = ShortConvolution(H * head_dim, conv_size, axis="heads", **kw)
       self.k_conv = ShortConvolution(H * head_dim, conv_size, axis="heads", **kw)
       self.v_conv = ShortConvolution(Hv * head_v_dim, conv_size, axis="heads", **kw)
     else:
       self.q_conv = self.k_conv = self.v_conv = None
-
-  @property
-  def parts_impl(self) -> str:
-    """The impl of the layer's short convolutions and output norm: their kernels ("auto") where the
-    op's kernels are wanted (impl "pallas" or "auto"), else "xla"."""
-    return "auto" if self.impl in ("pallas", "auto") else "xla"
 
   @property
   def convs(self) -> tuple[ShortConvolution, ...]:

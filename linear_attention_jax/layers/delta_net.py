@@ -51,7 +51,7 @@ class DeltaNet(LinearMixer):
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.b_proj = linear(width, Hv, axes=("embed", "heads"), **kw)
     self.g_proj = linear(width, Hv * V, axes=("embed", "heads"), **kw) if use_output_gate else None
-    self.o_norm = GatedRMSNorm(V, eps=norm_eps, activation="swish", impl=self.parts_impl, **kw)
+    self.o_norm = GatedRMSNorm(V, eps=norm_eps, activation="swish", **kw)
     self.o_proj = linear(Hv * V, width, axes=("heads", "embed"), **kw)
 
   def __call__(self, x: jax.Array, cache: LinearCache | None = None):

@@ -62,7 +62,7 @@ class GatedDeltaNet(LinearMixer):
     self.A_log = nnx.Param(a_log_init(rngs.params(), (Hv,), param_dtype), **axes("heads"))
     self.dt_bias = nnx.Param(dt_bias_init(rngs.params(), (Hv,), param_dtype), **axes("heads"))
     self.g_proj = linear(width, Hv * V, axes=("embed", "heads"), **kw)
-    self.o_norm = GatedRMSNorm(V, eps=norm_eps, activation="swish", impl=self.parts_impl, **kw)
+    self.o_norm = GatedRMSNorm(V, eps=norm_eps, activation="swish", **kw)
     self.o_proj = linear(Hv * V, width, axes=("heads", "embed"), **kw)
 
   def gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -56,7 +56,7 @@ class GatedLinearAttention(LinearMixer):
     self.gk_down = linear(width, gate_low_rank_dim, axes=("embed", None), **kw)
     self.gk_up = linear(gate_low_rank_dim, Hv * K, use_bias=True, axes=(None, "heads"), **kw)
     self.g_proj = linear(width, Hv * V, axes=("embed", "heads"), **kw)
-    self.o_norm = GatedRMSNorm(V, eps=norm_eps, activation="swish", impl=self.parts_impl, **kw)
+    self.o_norm = GatedRMSNorm(V, eps=norm_eps, activation="swish", **kw)
     self.o_proj = linear(Hv * V, width, axes=("heads", "embed"), **kw)
 
   def __call__(self, x: jax.Array, cache: LinearCache | None = None):

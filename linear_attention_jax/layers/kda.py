@@ -76,7 +76,7 @@ class KimiDeltaAttention(LinearMixer):
     self.dt_bias = nnx.Param(dt_bias_init(rngs.params(), (Hv * K,), param_dtype), **axes("heads"))
     self.g_down = linear(width, V, axes=("embed", None), **kw)
     self.g_up = linear(V, Hv * V, use_bias=gate_bias, axes=(None, "heads"), **kw)
-    self.o_norm = GatedRMSNorm(V, eps=norm_eps, activation="sigmoid", impl=self.parts_impl, **kw)
+    self.o_norm = GatedRMSNorm(V, eps=norm_eps, activation="sigmoid", **kw)
     self.o_proj = linear(Hv * V, width, axes=("heads", "embed"), **kw)
 
   def gates(self, x: jax.Array, columns: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
