@@ -28,6 +28,21 @@ _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 
+# JAX's CPU client runs the computations it is given in order, asynchronously. An eager test dispatches
+# an interpreted kernel, goes on, and enqueues its next eager op behind it; inside the kernel the
+# interpreter's callbacks evaluate jax ops of their own (`wait_smem_to_gmem` compares a jax array), which
+# are enqueued behind that eager op, which waits for the kernel: each waits for the other. A run of the
+# suite hung so (the watchdog's dump: the main thread in `dispatch.apply_primitive` under a layer's
+# backward, an XLA thread in the interpreter's `shared_memory.wait_smem_to_gmem` at a jax `<`), in
+# test_joined_projection's KDA test; the l2 test's hang the docstring notes (a worker at 0% CPU in
+# an eager dispatch) fits the same shape. Synchronous dispatch runs each computation to completion
+# before the call returns (the interpreter's warpgroups still run side by side on the CPU pool), so
+# nothing is enqueued behind a running kernel. (A flag read when the CPU backend starts, which no test
+# has done yet; it has no environment variable.)
+import jax  # noqa: E402
+
+jax.config.update("jax_cpu_enable_async_dispatch", False)
+
 import faulthandler
 import gc
 import tempfile
