@@ -8,10 +8,11 @@ has one thread per core (the `NPROC` environment variable overrides the count). 
 the launcher and one blocked warpgroup fill the pool. The warpgroup the blocked one waits for then
 never starts, and the suite hangs.
 
-Twelve threads leave room for the launcher and three warpgroups of two kernel calls in flight at once:
-an eager test dispatches its kernels asynchronously. With six, one run of the suite hung: a worker sat
-at 0% CPU in an eager dispatch inside test_chunked_attention's l2 test, as a pool whose threads all
-wait on barriers would leave it (the cause is inferred, not traced). The environment variable also
+Twelve threads leave room for the launcher and three warpgroups of two kernel calls in flight at once,
+as asynchronous dispatch allowed. With six, one run of the suite hung: a worker sat at 0% CPU in an
+eager dispatch inside test_chunked_attention's l2 test, which was read as a pool whose threads all
+wait on barriers (inferred, not traced); the dispatch deadlock described below, traced later, fits it
+as well, and the suite now dispatches synchronously. The environment variable also
 reaches the scripts that tests run as subprocesses. It is set here, before any test initialises JAX's CPU
 backend.
 """
