@@ -33,14 +33,15 @@ PREPARED = Plan(cell="prepared", forward="xla_prep", keeps="inputs", backward="x
                 backward_beyond=None, l2="xla", forward_warpgroups=1, grads_warpgroups=1)
 
 
-def _walk(static: Static, t, h0, *, with_states: bool):
+def _walk(static: Static, t, h0, *, with_states: bool, with_last_start: bool = False):
   """The GPU walk over prepared tensors writing o scaled in the token layout: `(o [B, T_pad, H_v, V],
-  (states, transitions) or None, final)`."""
-  o, states, final, transitions = walk.forward(
+  (states, transitions) or None, final)`; with `with_last_start`, the second is `(states, transitions,
+  the last chunk's float32 start)` (`walk.forward`'s)."""
+  o, states, final, transitions, *last = walk.forward(
       t, h0, with_o=True, with_states=with_states, out_dtype=static.out_dtype,
       interpret=static.options.interpret, sequence_pieces=static.plan.sequence_pieces,
-      return_transitions=True, token_o=True, scale=static.scale)
-  return o, (states, transitions) if with_states else None, final
+      return_transitions=True, token_o=True, scale=static.scale, with_last_start=with_last_start)
+  return o, (states, transitions, *last) if with_states else None, final
 
 
 def _pieces(static: Static) -> int:
@@ -154,11 +155,14 @@ def _forward(static: Static, q, k, v, g, beta, h0, segment_ids, gate_arrays=None
                             half_forms=plan.half_forms, qk_l2norm=plan.l2 == "on_load",
                             warpgroups=plan.prep_warpgroups)
       t, X, M = out if inverse else (out, None, None)
-      o, states, final = _walk(static, t, h0, with_states=saves)
+      # the delta kernels' last-chunk term of dg reads the state entering the last chunk in float32
+      o, states, final = _walk(static, t, h0, with_states=saves, with_last_start=inverse)
       if not saves:
         saved = None
       elif inverse:
-        saved = channel_delta_grads.Saved(t, X, *states, G=cumsum[0], refs=cumsum[1], M=M)
+        states, transitions, last_start = states
+        saved = channel_delta_grads.Saved(t, X, states, transitions, G=cumsum[0], refs=cumsum[1], M=M,
+                                          last_start=last_start)
       else:
         saved = channel_grads.Saved(*states, qg=t.qg, decay=t.decay, G=cumsum[0], refs=cumsum[1])
     case other:

@@ -73,6 +73,7 @@ class Saved(NamedTuple):
   G: jax.Array                 # channel.chunk_cumsum(g, T_pad, C)
   refs: jax.Array
   M: jax.Array                 # [B, H_v, NC, C, C], the strict decayed gram of k (channel_prep's)
+  last_start: Any = None       # [B, H_v, V, K] float32, the state entering the last chunk (transposed)
 
 
 def _masks_of(m_s, C):
@@ -431,6 +432,23 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
   return vary_like(outs, args)
 
 
+def exact_last_term(dG, last_start, states, dstates, dfinal, refs, masks, C: int, summed: bool):
+  """dG `[B, T_pad, H_v, K]` with the last chunk's `e^(G_C) colsum(S dS)` taken in float32: the key
+  side forms every chunk's from the 16-bit copies of S (the state entering the chunk, `states`) and dS
+  (the gradient of the state leaving it, `dstates`); in the last chunk dS is the final state's
+  cotangent, which a caller draws independent of o's, and with S the largest state of the walk that
+  one term's rounding is most of the gate parameters' error (the sum over every token and channel).
+  `last_start`: S in float32 `[B, H_v, V, K]`; masks: None or `segment_vectors`' (the term is zero
+  where a run starts inside the chunk); `summed`: dG is already reverse-summed within the chunks."""
+  exact = jnp.sum(last_start * jnp.swapaxes(dfinal.astype(F32), -1, -2), axis=-2)
+  rounded = jnp.sum(states[:, :, -1].astype(F32) * dstates[:, :, -1].astype(F32), axis=-2)
+  decay = jnp.exp(refs[:, -1, 1])                                   # e^(G_C) [B, H_v, K]
+  if masks is not None:
+    decay = decay * masks[:, 2, -1][:, None, None]                  # carry of the last token
+  fix = decay * (exact - rounded)
+  return dG.at[:, -C:].add(fix[:, None]) if summed else dG.at[:, -1].add(fix)
+
+
 def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None,
              interpret=None, sequence_pieces=None, scale: float = 1.0, saved: Saved, grams: str = "one",
              unit_bound: bool = False, qk_l2norm: bool = False, dg_cumsum: str = "xla",
@@ -494,6 +512,8 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
       u, dr, dP, dM, dv, dbeta_v = sides
       dq, dk, dG, dbeta_k = key_side(pad(q), pad(k), G, refs, b, do_t, u, dr, dP, dM, saved.states, dstates,
                                      **keys, reverse_cumsum=summed)
+    if saved.last_start is not None and dfinal is not None:
+      dG = exact_last_term(dG, saved.last_start, saved.states, dstates, dfinal, refs, masks, C, summed)
     dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C, summed=summed, kernel=cumsums == "kernel",
                            interpret=interpret, gate=gate)
     if qk_l2norm and not in_keys:

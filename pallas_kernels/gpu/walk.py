@@ -46,7 +46,8 @@ from ..prep import ChunkTensors
 
 def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = False, out_dtype=F32,
             interpret=None, block_v: int = BLOCK_V, sequence_pieces: int | None = None,
-            return_transitions: bool = False, token_o: bool = False, scale: float = 1.0):
+            return_transitions: bool = False, token_o: bool = False, scale: float = 1.0,
+            with_last_start: bool = False):
   """The forward walk.
 
   Args:
@@ -61,10 +62,12 @@ def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = Fal
       `backward_states` can reuse.
     token_o: write o as `[B, NC * C, H, V]` (the op's token layout; no transpose after the walk) and
       times `scale`, instead of chunk layout and unscaled.
+    with_last_start: also return the (transposed) state entering the last chunk in float32,
+      `[B, H, V, K]` (`states` holds it in the operand dtype).
 
   Returns:
     `(o [B, H, NC, C, V] out_dtype or None (token_o: [B, NC * C, H, V]), states [B, H, NC, V, K] or None, final [B, H, K, V] f32)`
-    (and the transitions with `return_transitions`).
+    (and the transitions with `return_transitions`, then the last chunk's start with `with_last_start`).
   """
   B, H, NC, C, K = t.qg.shape
   V = t.u.shape[-1]
@@ -79,11 +82,12 @@ def forward(t: ChunkTensors, h0, *, with_o: bool = True, with_states: bool = Fal
     mm = functools.partial(jnp.einsum, "bhkj,bhjv->bhkv", precision=lax.Precision.HIGHEST)
     h_in = chain_pieces(h0, F, lambda x, p: mm(A[:, :, p], x))
   h_in = None if h_in is None else jnp.swapaxes(h_in, -1, -2)
-  o, states, finals = _forward_kernel(t, h_in, S=S, with_o=with_o, with_states=with_states,
-                                      out_dtype=out_dtype, interpret=interpret, bv=bv, token_o=token_o,
-                                      scale=scale)
+  o, states, finals, last = _forward_kernel(t, h_in, S=S, with_o=with_o, with_states=with_states,
+                                            out_dtype=out_dtype, interpret=interpret, bv=bv, token_o=token_o,
+                                            scale=scale, with_last_start=with_last_start)
   out = (o, states, jnp.swapaxes(finals[:, :, -1], -1, -2))
-  return out + (A,) if return_transitions else out
+  out = out + (A,) if return_transitions else out
+  return out + (last,) if with_last_start else out
 
 
 def piece_maps(t: ChunkTensors, S: int, *, interpret=None, block_v: int = BLOCK_V, with_offsets=True):
@@ -108,7 +112,7 @@ def piece_maps(t: ChunkTensors, S: int, *, interpret=None, block_v: int = BLOCK_
     eye = jnp.eye(K, dtype=F32)
     start = jnp.concatenate([jnp.zeros((K, V), F32), eye], axis=-1) if with_offsets else eye
     start = jnp.broadcast_to(start.T, (B, H, S, cols, K))
-  _, _, ends = _forward_kernel(t, start, S=S, with_o=False, with_states=False, out_dtype=F32,
+  _, _, ends, _ = _forward_kernel(t, start, S=S, with_o=False, with_states=False, out_dtype=F32,
                                interpret=interpret, bv=bv, state_cols=cols,
                                u_blocks=V // bv if with_offsets else 0)
   ends = jnp.swapaxes(ends, -1, -2)                                  # [B, H, S, K, cols]
@@ -119,10 +123,11 @@ def piece_maps(t: ChunkTensors, S: int, *, interpret=None, block_v: int = BLOCK_
 @lowered_once()
 def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, interpret, bv,
                     token_o: bool = False, scale: float = 1.0,
-                    state_cols: int | None = None, u_blocks: int | None = None):
+                    state_cols: int | None = None, u_blocks: int | None = None, with_last_start=False):
   """The forward walk of `S` pieces of every sequence in parallel; `h0`: None or the transposed state
   entering each piece `[B, H, S, V, K]`. Returns `(o | None, states | None, the transposed state
-  leaving each piece [B, H, S, V, K])`.
+  leaving each piece [B, H, S, V, K], the transposed float32 state entering the last chunk [B, H, V, K]
+  or None)`.
 
   state_cols, u_blocks (the pieces' maps, delta family): the state has `state_cols` columns (default V),
   of which the first `u_blocks` blocks of `bv` take their u from `t.u` and the rest walk with u = 0."""
@@ -145,6 +150,8 @@ def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, i
   if with_states:
     out_type.append(jax.ShapeDtypeStruct((B, H, NC, V, K), dtype))
   out_type.append(jax.ShapeDtypeStruct((B, H, S, V, K), F32))
+  if with_last_start:
+    out_type.append(jax.ShapeDtypeStruct((B, H, V, K), F32))
 
   n_in = 3 + delta + 2 * with_o  # kd, u, decay, [w], [qg, p]
   scratch = dict(
@@ -166,7 +173,7 @@ def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, i
     take = lambda present=True: refs.pop(0) if present else None
     qg_r, kd_r, w_r, u_r, p_r, decay_r, h0_r = (
         take(with_o), take(), take(delta), take(), take(with_o), take(), take(has_h0))
-    o_r, states_r, final_r = take(with_o), take(with_states), take()
+    o_r, states_r, final_r, last_r = take(with_o), take(with_states), take(), take(with_last_start)
     b, h, vs = program(bv)
     u_vs, u_keep = u_block(bv, u_blocks, V // bv)
     piece = lax.axis_index("s")
@@ -180,6 +187,13 @@ def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, i
       # The state is the left operand of the matmuls below, from shared memory (`s_lo`); this slot's
       # staging tiles were last read by the stores issued two chunks ago.
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      if with_last_start:   # the last chunk's start in float32, through state_s (free until store_last)
+        @pl.when(n == NC - 1)
+        def _():
+          state_s[...] = s_t
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(state_s, last_r.at[b, h, vs])
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       s_lo = h_s.at[slot]
       s_lo[...] = s_t.astype(dtype)
       plgpu.commit_smem()
@@ -220,7 +234,8 @@ def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, i
     o = outs.pop(0)
     o = o if token_o else o.reshape(B, H, NC, C, V)
   states = outs.pop(0) if with_states else None
-  return o, states, outs.pop(0)
+  final = outs.pop(0)
+  return o, states, final, outs.pop(0) if with_last_start else None
 
 
 def backward_states(t: ChunkTensors, do, dfinal, *, interpret=None, block_v: int = BLOCK_V,

@@ -17,7 +17,8 @@ from linear_attention_jax.pallas_kernels import gpu
 from linear_attention_jax.pallas_kernels.gpu import (call_plan, channel, channel_delta_grads,
                                                      channel_delta_keys, channel_prep, plan)
 from tests.ops.conftest import make_inputs, rel_rms
-from tests.pallas_kernels.gpu.util import KERNELS, PARAMS, check, normalised_kda_reference, packed_runs
+from tests.pallas_kernels.gpu.util import (KERNELS, PARAMS, check, normalised_kda_reference, packed_runs,
+                                         run_with_grads)
 
 
 def _spy(monkeypatch):
@@ -144,3 +145,55 @@ def test_kda_normalises_q_and_k_on_load_and_matches_the_float64_loop(monkeypatch
   # only the norm's rounding differs (the sums' order); dq, dk also through its backward's cancellation
   for name, a, b in [("o", o, o2), ("state", hT, hT2)] + list(zip("q k v g beta h0".split(), grads, grads2)):
     assert rel_rms(a, b) < (6e-3 if name in "qk" else 1e-3), (name, rel_rms(a, b))
+
+
+@pytest.mark.parametrize("dg_cumsum", ["xla", "kernel"])
+def test_kda_takes_the_last_chunks_state_term_in_float32(monkeypatch, dg_cumsum):
+  # bfloat16 operands: the key side forms each chunk's e^(G_C) colsum(S dS) from the bfloat16 copies
+  # of S (entering the chunk) and dS (leaving it); for the last chunk, where dS is the final state's
+  # cotangent, `exact_last_term` adds the difference to the float32 S and cotangent. Row 0 has no run
+  # start in its last chunk, row 1 has one (the carried state does not reach the chunk's end: no term)
+  T = 150
+  inp = make_inputs("kda", B=2, T=T, H=1, Hv=1, K=64, V=64, gates="normal", seed=46)
+  seg = np.zeros((2, T), np.int32)
+  seg[:, 70:], seg[1, 140:] = 1, 2
+  names = [n for n in ("q", "k", "v", "g", "beta", "h0") if inp.get(n) is not None]
+  rng = np.random.default_rng(47)
+  do = rng.normal(size=inp["v"].shape).astype(np.float32)
+  dhT = rng.normal(size=(2, 1, 64, 64)).astype(np.float32)
+  config = dataclasses.replace(KERNELS, dg_cumsum=dg_cumsum)
+  seen = {}
+  exact_last_term = channel_delta_grads.exact_last_term
+
+  def spy(dG, last_start, states, dstates, dfinal, refs, masks, C, summed):
+    jax.debug.callback(lambda *xs: seen.update(zip(("S", "Sb", "dSb", "dF", "G_C", "carry"), xs)),
+                       last_start, states[:, :, -1], dstates[:, :, -1], dfinal, refs[:, -1, 1],
+                       masks[:, 2, -1])
+    return exact_last_term(dG, last_start, states, dstates, dfinal, refs, masks, C, summed)
+
+  def dg(term):
+    monkeypatch.setattr(channel_delta_grads, "exact_last_term", term)
+
+    @jax.jit
+    def run(inp, do, dhT, seg):   # a new function: a fresh trace
+      return run_with_grads.__wrapped__(inp, do, dhT, seg, params=PARAMS, dtype=jnp.bfloat16, config=config)
+
+    return np.asarray(run(inp, do, dhT, jnp.asarray(seg))[2]["g"], np.float64)
+
+  with_term, without = dg(spy), dg(lambda dG, *a, **kw: dG)
+  assert set(seen) == {"S", "Sb", "dSb", "dF", "G_C", "carry"}, "the term was not taken"
+  S, Sb, dSb = (np.asarray(seen[n], np.float32) for n in ("S", "Sb", "dSb"))
+  dF = np.swapaxes(np.asarray(seen["dF"], np.float32), -1, -2)
+  # the walk's bfloat16 copies are these float32 tensors rounded; the float32 S holds more than them
+  np.testing.assert_array_equal(Sb, S.astype(jnp.bfloat16).astype(np.float32))
+  np.testing.assert_array_equal(dSb, dF.astype(jnp.bfloat16).astype(np.float32))
+  np.testing.assert_array_equal(dF, np.swapaxes(dhT, -1, -2))
+  assert (S != Sb).mean() > 0.5
+  np.testing.assert_array_equal(np.asarray(seen["carry"]), [1.0, 0.0])
+  fix = np.exp(np.asarray(seen["G_C"], np.float64)) * (
+      np.sum(S.astype(np.float64) * dF - Sb.astype(np.float64) * dSb, axis=-2))   # [B, H_v, K]
+  # every token of row 0's last chunk (128 .. T) moves by the term's rounding; nothing else moves
+  expected = np.zeros_like(with_term)
+  expected[0, 128:] = fix[0][None]
+  assert np.abs(fix[0]).max() > 1e-4 * np.abs(with_term[0, 128:]).max()
+  np.testing.assert_allclose(with_term - without, expected, rtol=1e-3, atol=1e-6 * np.abs(with_term).max())

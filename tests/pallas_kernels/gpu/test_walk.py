@@ -70,3 +70,23 @@ def test_zeroed_u_only_in_the_maps_walk():
   with pytest.raises(ValueError, match="u_blocks"):
     walk._forward_kernel(t, None, S=1, with_o=True, with_states=False, out_dtype=F32, interpret=PARAMS,
                          bv=64, state_cols=128, u_blocks=1)
+
+
+@pytest.mark.parametrize("S", [1, 2])
+def test_the_walk_keeps_the_last_chunks_start_in_float32(S):
+  # kda's gradient kernels read it (`channel_delta_grads.exact_last_term`): the state entering the last
+  # chunk in float32, of which the last saved state is the operand-dtype copy; with sequence pieces,
+  # the last piece's (its start chained in XLA)
+  t = _tensors("gated_delta_rule", 64 * 2 * S, 64, 128, seed=7)
+  o, states, final, _, last = walk.forward(t, None, with_states=True, interpret=PARAMS, sequence_pieces=S,
+                                           return_transitions=True, with_last_start=True)
+  last = np.asarray(last)
+  np.testing.assert_array_equal(np.asarray(states[:, :, -1]).astype(np.float32),
+                                last.astype(jnp.bfloat16).astype(np.float32))
+  assert (last != last.astype(jnp.bfloat16).astype(np.float32)).mean() > 0.5
+  plain = walk.forward(t, None, with_states=True, interpret=PARAMS, sequence_pieces=S)
+  for a, b in zip(plain, (o, states, final)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  NC = t.qg.shape[2]
+  _, F = _loop(t._replace(**{n: getattr(t, n)[:, :, :NC - 1] for n in ("kd", "w", "u", "decay")}), 1)
+  assert rel_rms(np.swapaxes(last, -1, -2), F[:, :, 0]) < 1e-2
