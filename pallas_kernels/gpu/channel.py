@@ -1,6 +1,7 @@
 """Per-channel decay's pieces in XLA that its preparation and gradient kernels share: the
 chunk-local cumulative log-decay with each chunk's reference (`chunk_cumsum`), the one-reference
-bound (`fits`), the key channels per pass (`HALF`) and the gradients' last steps (`key_grads`).
+bound (`fits`), the key channels per pass (`HALF`) and the gradients' last steps (`key_grads`, and
+`exact_last_term` for the delta kernels' last chunk).
 """
 
 from __future__ import annotations
@@ -236,3 +237,20 @@ def key_grads(dq, dk, dG, q, k, g, C: int, summed: bool = False, *, kernel: bool
     dg = prep.local_cumsum(dG, 2, reverse=True, method="matmul").reshape(B, T_pad, Hv, K)[:, :T]
   dg = jnp.where(g >= prep.LOG_DECAY_FLOOR, dg, 0.0)   # the floor's gradient (chunk_cumsum)
   return key() + ((gate.vjp(f, dg) if gate is not None else dg.astype(g.dtype)),)
+
+
+def exact_last_term(dG, last_start, states, dstates, dfinal, refs, masks, C: int, summed: bool):
+  """dG `[B, T_pad, H_v, K]` with the last chunk's `e^(G_C) colsum(S dS)` taken in float32: the key
+  side forms every chunk's from the 16-bit copies of S (the state entering the chunk, `states`) and dS
+  (the gradient of the state leaving it, `dstates`); in the last chunk dS is the final state's
+  cotangent, which a caller may draw independent of o's and large, and that one term's rounding is
+  a large share of the gate parameters' error then (their gradients sum every token and channel).
+  `last_start`: S in float32 `[B, H_v, V, K]`; masks: None or `segment_vectors`' (the term is zero
+  where a run starts inside the chunk); `summed`: dG is already reverse-summed within the chunks."""
+  exact = jnp.sum(last_start * jnp.swapaxes(dfinal.astype(F32), -1, -2), axis=-2)
+  rounded = jnp.sum(states[:, :, -1].astype(F32) * dstates[:, :, -1].astype(F32), axis=-2)
+  decay = jnp.exp(refs[:, -1, 1])                                   # e^(G_C) [B, H_v, K]
+  if masks is not None:
+    decay = decay * masks[:, 2, -1][:, None, None]                  # carry of the last token
+  fix = decay * (exact - rounded)
+  return dG.at[:, -C:].add(fix[:, None]) if summed else dG.at[:, -1].add(fix)

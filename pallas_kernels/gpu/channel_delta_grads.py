@@ -50,7 +50,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from .. import common, prep
 from . import channel, channel_delta_keys, groups, walk
 from . import l2_grads as l2_kernel
-from .channel import HALF, fits, key_grads
+from .channel import HALF, exact_last_term, fits, key_grads
 from .masks import SEG_ROWS, segment_masks, segment_vectors
 from .once import lowered_once
 from .tiles import (COLS, F32, ROWS, WGMMA, compiler_params, flat, l2_normalize_halves, matmul, matmuls,
@@ -430,23 +430,6 @@ def key_side(q, k, G, refs, b, do, u, dr, dP, dM, states, dstates, *, dtype, mas
       compiler_params=compiler_params(approx_math=True), interpret=interpret,
       kernel_name="chunk_grads_channel_delta_k" + ("" if grams == "one" else "_" + grams))(*args)
   return vary_like(outs, args)
-
-
-def exact_last_term(dG, last_start, states, dstates, dfinal, refs, masks, C: int, summed: bool):
-  """dG `[B, T_pad, H_v, K]` with the last chunk's `e^(G_C) colsum(S dS)` taken in float32: the key
-  side forms every chunk's from the 16-bit copies of S (the state entering the chunk, `states`) and dS
-  (the gradient of the state leaving it, `dstates`); in the last chunk dS is the final state's
-  cotangent, which a caller draws independent of o's, and with S the largest state of the walk that
-  one term's rounding is most of the gate parameters' error (the sum over every token and channel).
-  `last_start`: S in float32 `[B, H_v, V, K]`; masks: None or `segment_vectors`' (the term is zero
-  where a run starts inside the chunk); `summed`: dG is already reverse-summed within the chunks."""
-  exact = jnp.sum(last_start * jnp.swapaxes(dfinal.astype(F32), -1, -2), axis=-2)
-  rounded = jnp.sum(states[:, :, -1].astype(F32) * dstates[:, :, -1].astype(F32), axis=-2)
-  decay = jnp.exp(refs[:, -1, 1])                                   # e^(G_C) [B, H_v, K]
-  if masks is not None:
-    decay = decay * masks[:, 2, -1][:, None, None]                  # carry of the last token
-  fix = decay * (exact - rounded)
-  return dG.at[:, -C:].add(fix[:, None]) if summed else dG.at[:, -1].add(fix)
 
 
 def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segment_ids=None,
