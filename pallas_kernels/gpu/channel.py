@@ -1,7 +1,7 @@
 """Per-channel decay's pieces in XLA that its preparation and gradient kernels share: the
 chunk-local cumulative log-decay with each chunk's reference (`chunk_cumsum`), the one-reference
 bound (`fits`), the key channels per pass (`HALF`) and the gradients' last steps (`key_grads`, and
-`exact_last_term` for the delta kernels' last chunk).
+`final_state_grads`: the final state's cotangent through the delta kernels' last chunk, in float32).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .. import prep
+from .. import common, prep
 from ..gate import Gate
 from . import cumsum, groups
 from .tiles import F32
@@ -239,18 +239,56 @@ def key_grads(dq, dk, dG, q, k, g, C: int, summed: bool = False, *, kernel: bool
   return key() + ((gate.vjp(f, dg) if gate is not None else dg.astype(g.dtype)),)
 
 
-def exact_last_term(dG, last_start, states, dstates, dfinal, refs, masks, C: int, summed: bool):
-  """dG `[B, T_pad, H_v, K]` with the last chunk's `e^(G_C) colsum(S dS)` taken in float32: the key
-  side forms every chunk's from the 16-bit copies of S (the state entering the chunk, `states`) and dS
-  (the gradient of the state leaving it, `dstates`); in the last chunk dS is the final state's
-  cotangent, which a caller may draw independent of o's and large, and that one term's rounding is
-  a large share of the gate parameters' error then (their gradients sum every token and channel).
-  `last_start`: S in float32 `[B, H_v, V, K]`; masks: None or `segment_vectors`' (the term is zero
-  where a run starts inside the chunk); `summed`: dG is already reverse-summed within the chunks."""
-  exact = jnp.sum(last_start * jnp.swapaxes(dfinal.astype(F32), -1, -2), axis=-2)
-  rounded = jnp.sum(states[:, :, -1].astype(F32) * dstates[:, :, -1].astype(F32), axis=-2)
-  decay = jnp.exp(refs[:, -1, 1])                                   # e^(G_C) [B, H_v, K]
-  if masks is not None:
-    decay = decay * masks[:, 2, -1][:, None, None]                  # carry of the last token
-  fix = decay * (exact - rounded)
-  return dG.at[:, -C:].add(fix[:, None]) if summed else dG.at[:, -1].add(fix)
+
+def final_state_grads(dfinal, last_start, G, k, v, b, seg=None, seg_before=None, *, normalise: bool = False,
+                      operand_dtype=jnp.bfloat16):
+  """The last chunk's `(dk, dv, dbeta, dG)` of the final state's cotangent `dfinal` `[B, H_v, K, V]`
+  alone, in float32: the vjp of the chunk's map from its inputs to the final state (`prep.chunk_tensors`'
+  exact form, float32 operands) at the float32 state entering it (`last_start`, `[B, H_v, V, K]`). The
+  backward is linear in its cotangents: the kernels take o's and the chunks before, these add to theirs.
+  k `[B, C, H_v, K]` in the kernels' basis (raw with `normalise`: the kernels normalised it and took the
+  rows in `operand_dtype`), v `[B, C, H_v, V]`, b `[B, H_v, C]`, G the chunk-local cumulative log-decay
+  `[B, C, H_v, K]`; seg None or the chunk's canonical segment ids `[B, C]` and `[B]` the one of the
+  state entering it. dG is in G's basis (not reverse-summed)."""
+  S0 = jnp.swapaxes(last_start.astype(F32), -1, -2)                 # [B, H_v, K, V]
+  hi = lax.Precision.HIGHEST
+  chunked = lambda x: jnp.moveaxis(x, 2, 1)[:, :, None]            # [B, C, H, ...] -> [B, H, 1, C, ...]
+
+  def final(k, v, b, G):
+    if normalise:   # the rows the kernels' products took: rounded to their operand dtype
+      k = common.l2_normalize(k)
+      k = k + lax.stop_gradient(k.astype(operand_dtype).astype(F32) - k)
+    g = G - jnp.concatenate([jnp.zeros_like(G[:, :1]), G[:, :-1]], axis=1)
+    kc = chunked(k)
+    t = prep.chunk_tensors(jnp.zeros_like(kc), kc, chunked(v), chunked(g), b[:, :, None], seg, seg_before,
+                           dtype=F32)
+    u = t.u[:, :, 0] - jnp.einsum("bhck,bhkv->bhcv", t.w[:, :, 0], S0, precision=hi)
+    return t.decay[:, :, 0, :, None] * S0 + jnp.einsum("bhck,bhcv->bhkv", t.kd[:, :, 0], u, precision=hi)
+
+  args = tuple(x.astype(F32) for x in (k, v, b, G))
+  return jax.vjp(final, *args)[1](dfinal.astype(F32))
+
+
+def add_final_state_grads(grads, dfinal, last_start, G, k, v, b, segment_ids, C: int, *, summed: bool,
+                          k_basis: str):
+  """The kernels' `(dk [B, T_pad, H_v, K], dv [B, T_pad, H_v, V], dbeta [B, H_v, T_pad], dG)` with the
+  last chunk's `final_state_grads` added (float32): k, v `[B, T_pad, H, K]`, `[B, T_pad, H_v, V]` as
+  the kernels took them, b `[B, H_v, T_pad]`; `k_basis`: the kernels' dk is of k "as_given", of its
+  l2-normalised rows ("normalised") or of the raw k they normalised ("raw"); `summed`: dG is already
+  reverse-summed within the chunks."""
+  dk, dv, db, dG = grads
+  B, T_pad, H = k.shape[:3]
+  k_last = jnp.repeat(k[:, -C:], dG.shape[2] // H, axis=2)
+  if k_basis == "normalised":   # rounded to k's dtype, as the kernels took it
+    k_last = common.l2_normalize(k_last)
+  seg = seg_before = None
+  if segment_ids is not None:
+    T = segment_ids.shape[1]
+    seg = jnp.pad(prep.canonical_segments(segment_ids), [(0, 0), (0, T_pad - T)], mode="edge")
+    seg, seg_before = seg[:, -C:], seg[:, -C - 1 if T_pad > C else 0]
+  dk_f, dv_f, db_f, dG_f = final_state_grads(dfinal, last_start, G[:, -C:], k_last, v[:, -C:], b[:, :, -C:],
+                                             seg, seg_before, normalise=k_basis == "raw",
+                                             operand_dtype=k.dtype)
+  dG_f = jnp.cumsum(dG_f[:, ::-1], axis=1)[:, ::-1] if summed else dG_f
+  return (dk.astype(F32).at[:, -C:].add(dk_f), dv.astype(F32).at[:, -C:].add(dv_f),
+          db.at[:, :, -C:].add(db_f), dG.at[:, -C:].add(dG_f))

@@ -34,7 +34,8 @@ value side reads it for dbeta, and no program forms it again (NOTES.md v52).
 Like channel_grads.py, a call where some chunk's decay does not fit the one-reference bound takes the
 8-token groups' products in the key side (`grams="groups"`, groups.py); the value side has no decayed
 gram. With `qk_l2norm` the key side normalises the q, k it loads (as the preparation kernel did) and
-XLA takes the norm's backward after it; the value side reads neither.
+XLA takes the norm's backward after it; the value side reads neither. The final state's cotangent reaches
+the last chunk's inputs in float32 (`channel.add_final_state_grads`; the kernels' dS there is zero).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from .. import common, prep
 from . import channel, channel_delta_keys, groups, walk
 from . import l2_grads as l2_kernel
-from .channel import HALF, exact_last_term, fits, key_grads
+from .channel import HALF, fits, key_grads
 from .masks import SEG_ROWS, segment_masks, segment_vectors
 from .once import lowered_once
 from .tiles import (COLS, F32, ROWS, WGMMA, compiler_params, flat, l2_normalize_halves, matmul, matmuls,
@@ -472,6 +473,7 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
   T_pad = NC * C
   G, refs = saved.G, saved.refs
   pad = lambda x: jnp.pad(x.astype(dtype), [(0, 0), (0, T_pad - T), (0, 0), (0, 0)])
+  exact_last = saved.last_start is not None and dfinal is not None
 
   def kernels():
     # the cotangent of the unscaled o, rounded to the operand dtype (as the prepared path's), in o's
@@ -481,6 +483,8 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
                                         sequence_pieces=sequence_pieces, transitions=saved.transitions,
                                         token_do=True)
     masks = None if segment_ids is None else segment_vectors(segment_ids, C, T_pad)
+    if exact_last:   # the final state's cotangent reaches the last chunk's inputs in float32 below
+      dstates = dstates.at[:, :, -1].set(0)
     b = jnp.swapaxes(jnp.pad(beta.astype(F32), [(0, 0), (0, T_pad - T), (0, 0)]), 1, 2)
     sides = value_side(saved.t, saved.X, saved.M, saved.states, dstates, do_t, pad(v), b, dtype=dtype,
                        masks=masks, interpret=interpret, key_products=split)
@@ -495,8 +499,10 @@ def backward(q, k, v, g, beta, h0, do, dfinal, *, chunk_size: int, dtype, segmen
       u, dr, dP, dM, dv, dbeta_v = sides
       dq, dk, dG, dbeta_k = key_side(pad(q), pad(k), G, refs, b, do_t, u, dr, dP, dM, saved.states, dstates,
                                      **keys, reverse_cumsum=summed)
-    if saved.last_start is not None and dfinal is not None:
-      dG = exact_last_term(dG, saved.last_start, saved.states, dstates, dfinal, refs, masks, C, summed)
+    if exact_last:
+      dk, dv, dbeta_k, dG = channel.add_final_state_grads(
+          (dk, dv, dbeta_k, dG), dfinal, saved.last_start, G, pad(k), pad(v), b, segment_ids, C,
+          summed=summed, k_basis="raw" if in_keys else ("normalised" if qk_l2norm else "as_given"))
     dq, dk, dg = key_grads(dq, dk, dG, q, k, g, C, summed=summed, kernel=cumsums == "kernel",
                            interpret=interpret, gate=gate)
     if qk_l2norm and not in_keys:

@@ -17,6 +17,7 @@ from linear_attention_jax.pallas_kernels import gpu
 from linear_attention_jax.pallas_kernels.gpu import (call_plan, channel, channel_delta_grads,
                                                      channel_delta_keys, channel_prep, plan)
 from tests.ops.conftest import make_inputs, rel_rms
+from tests.ops.test_equivalence import _reference
 from tests.pallas_kernels.gpu.util import (KERNELS, PARAMS, check, normalised_kda_reference, packed_runs,
                                          run_with_grads)
 
@@ -148,52 +149,69 @@ def test_kda_normalises_q_and_k_on_load_and_matches_the_float64_loop(monkeypatch
 
 
 @pytest.mark.parametrize("dg_cumsum", ["xla", "kernel"])
-def test_kda_takes_the_last_chunks_state_term_in_float32(monkeypatch, dg_cumsum):
-  # bfloat16 operands: the key side forms each chunk's e^(G_C) colsum(S dS) from the bfloat16 copies
-  # of S (entering the chunk) and dS (leaving it); for the last chunk, where dS is the final state's
-  # cotangent, `exact_last_term` adds the difference to the float32 S and cotangent. Row 0 has no run
-  # start in its last chunk, row 1 has one (the carried state does not reach the chunk's end: no term)
+def test_kda_takes_the_final_states_cotangent_on_the_last_chunk_in_float32(monkeypatch, dg_cumsum):
+  # bfloat16 operands, no cotangent on o: every gradient comes from the final state's cotangent. The
+  # kernels would form the last chunk's terms with it as a bfloat16 operand; `channel.final_state_grads`
+  # forms them in float32 from the float32 state entering the chunk, and the kernels take none of them.
+  # Row 0's last chunk (tokens 128 .. T) is one run; row 1's has a run start (140) inside it.
   T = 150
   inp = make_inputs("kda", B=2, T=T, H=1, Hv=1, K=64, V=64, gates="normal", seed=46)
+  inp = {n: None if x is None else (np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+                                    if n in ("q", "k", "v") else np.asarray(x, np.float32))
+         for n, x in inp.items()}
+  inp["h0"] = None
   seg = np.zeros((2, T), np.int32)
   seg[:, 70:], seg[1, 140:] = 1, 2
-  names = [n for n in ("q", "k", "v", "g", "beta", "h0") if inp.get(n) is not None]
-  rng = np.random.default_rng(47)
-  do = rng.normal(size=inp["v"].shape).astype(np.float32)
-  dhT = rng.normal(size=(2, 1, 64, 64)).astype(np.float32)
+  do = np.zeros(inp["v"].shape, np.float32)
+  dhT = np.random.default_rng(47).normal(size=(2, 1, 64, 64)).astype(np.float32)
   config = dataclasses.replace(KERNELS, dg_cumsum=dg_cumsum)
   seen = {}
-  exact_last_term = channel_delta_grads.exact_last_term
+  final_state_grads = channel.final_state_grads
 
-  def spy(dG, last_start, states, dstates, dfinal, refs, masks, C, summed):
-    jax.debug.callback(lambda *xs: seen.update(zip(("S", "Sb", "dSb", "dF", "G_C", "carry"), xs)),
-                       last_start, states[:, :, -1], dstates[:, :, -1], dfinal, refs[:, -1, 1],
-                       masks[:, 2, -1])
-    return exact_last_term(dG, last_start, states, dstates, dfinal, refs, masks, C, summed)
+  def spy(dfinal, last_start, *a, **kw):
+    jax.debug.callback(lambda S: seen.update(S=S), last_start)
+    return final_state_grads(dfinal, last_start, *a, **kw)
 
-  def dg(term):
-    monkeypatch.setattr(channel_delta_grads, "exact_last_term", term)
+  monkeypatch.setattr(channel, "final_state_grads", spy)
 
-    @jax.jit
-    def run(inp, do, dhT, seg):   # a new function: a fresh trace
-      return run_with_grads.__wrapped__(inp, do, dhT, seg, params=PARAMS, dtype=jnp.bfloat16, config=config)
+  @jax.jit
+  def run(inp, do, dhT, seg):   # a new function: a fresh trace
+    return run_with_grads.__wrapped__(inp, do, dhT, seg, params=PARAMS, dtype=jnp.bfloat16, config=config)
 
-    return np.asarray(run(inp, do, dhT, jnp.asarray(seg))[2]["g"], np.float64)
+  _, _, grads = run(inp, do, dhT, jnp.asarray(seg))
+  assert "S" in seen, "the last chunk's terms were not taken in float32"
+  # the float64 loop over the last chunk alone, from the float32 state the forward walk left there
+  last = {n: None if x is None else x[:, 128:] for n, x in inp.items()}
+  last["h0"] = np.swapaxes(np.asarray(seen["S"], np.float64), -1, -2)
+  _, _, ref_last = _reference("kda", last, do[:, 128:], dhT, segment_ids=seg[:, 128:])
+  for n in ("g", "beta"):   # float32 gradients: float32's rounding, not bfloat16's
+    assert rel_rms(grads[n][:, 128:], ref_last[n]) < 1e-5, (n, rel_rms(grads[n][:, 128:], ref_last[n]))
+  for n in ("k", "v"):      # bfloat16 gradients: their own rounding
+    assert rel_rms(grads[n][:, 128:], ref_last[n]) < 4e-3, n
+  # row 1's tokens before its run start do not reach the final state
+  assert np.abs(np.asarray(grads["g"][1, 128:140])).max() < 1e-6 * np.abs(np.asarray(grads["g"])).max()
+  # the chunks before: the kernels' bfloat16 operands, against the float64 loop over the whole rows
+  _, _, ref = _reference("kda", dict(inp, h0=np.zeros((2, 1, 64, 64), np.float32)), do, dhT, segment_ids=seg)
+  for n in ("q", "k", "v", "g", "beta"):
+    assert rel_rms(grads[n], ref[n]) < 1e-2, n
+  assert 1e-4 < rel_rms(grads["g"][:, :128], ref["g"][:, :128])
 
-  with_term, without = dg(spy), dg(lambda dG, *a, **kw: dG)
-  assert set(seen) == {"S", "Sb", "dSb", "dF", "G_C", "carry"}, "the term was not taken"
-  S, Sb, dSb = (np.asarray(seen[n], np.float32) for n in ("S", "Sb", "dSb"))
-  dF = np.swapaxes(np.asarray(seen["dF"], np.float32), -1, -2)
-  # the walk's bfloat16 copies are these float32 tensors rounded; the float32 S holds more than them
-  np.testing.assert_array_equal(Sb, S.astype(jnp.bfloat16).astype(np.float32))
-  np.testing.assert_array_equal(dSb, dF.astype(jnp.bfloat16).astype(np.float32))
-  np.testing.assert_array_equal(dF, np.swapaxes(dhT, -1, -2))
-  assert (S != Sb).mean() > 0.5
-  np.testing.assert_array_equal(np.asarray(seen["carry"]), [1.0, 0.0])
-  fix = np.exp(np.asarray(seen["G_C"], np.float64)) * (
-      np.sum(S.astype(np.float64) * dF - Sb.astype(np.float64) * dSb, axis=-2))   # [B, H_v, K]
-  # every token of row 0's last chunk (128 .. T) moves by the term's rounding; nothing else moves
-  expected = np.zeros_like(with_term)
-  expected[0, 128:] = fix[0][None]
-  assert np.abs(fix[0]).max() > 1e-4 * np.abs(with_term[0, 128:]).max()
-  np.testing.assert_allclose(with_term - without, expected, rtol=1e-3, atol=1e-6 * np.abs(with_term).max())
+
+def test_an_unused_final_state_sends_the_backward_no_cotangent(monkeypatch):
+  # a model's training step drops the final state: its cotangent is a symbolic zero, and the backward
+  # then reads none (no reverse-walk entry, no last-chunk float32 terms); used, it is read
+  inp = make_inputs("kda", B=1, T=70, H=1, Hv=1, K=64, V=64, gates="normal", seed=48)
+  q, k, v, g, beta = (jnp.asarray(inp[n], jnp.bfloat16 if n in "qkv" else jnp.float32)
+                      for n in ("q", "k", "v", "g", "beta"))
+  seen = []
+  backward_states = channel_delta_grads.walk.backward_states
+  spy = lambda t, do, dfinal, **kw: seen.append(dfinal is None) or backward_states(t, do, dfinal, **kw)
+  monkeypatch.setattr(channel_delta_grads.walk, "backward_states", spy)
+  op = lambda q, k, g, final: gpu.chunked_attention(q, k, v, g, beta, config=KERNELS, interpret=PARAMS)[
+      1 if final else 0].astype(jnp.float32)
+  for final in (False, True):
+    seen.clear()
+    grads = jax.jit(jax.grad(lambda *xs: jnp.sum(op(*xs, final) ** 2), argnums=(0, 1, 2)))(q, k, g)
+    assert set(seen) == {not final}, (final, seen)   # each traced branch of the backward, alike
+    assert all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in grads)
+    assert all(bool(jnp.any(x != 0)) for x in grads[final:])   # q does not reach the final state

@@ -74,7 +74,7 @@ def test_zeroed_u_only_in_the_maps_walk():
 
 @pytest.mark.parametrize("S", [1, 2])
 def test_the_walk_keeps_the_last_chunks_start_in_float32(S):
-  # kda's gradient kernels read it (`channel.exact_last_term`): the state entering the last
+  # kda's backward reads it (`channel.final_state_grads`): the state entering the last
   # chunk in float32, of which the last saved state is the operand-dtype copy; with sequence pieces,
   # the last piece's (its start chained in XLA)
   t = _tensors("gated_delta_rule", 64 * 2 * S, 64, 128, seed=7)
