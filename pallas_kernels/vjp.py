@@ -21,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import CustomVJPPrimal as Primal, SymbolicZero
 
 from . import common, prep, prepared
 from .gate import Gate
@@ -229,7 +230,10 @@ def chunked(static: Static, q, k, v, g, beta, h0, segment_ids, gate_arrays=None)
   return _forward(static, q, k, v, g, beta, h0, segment_ids, gate_arrays, keep=False)[0]
 
 
-def _chunked_fwd(static, q, k, v, g, beta, h0, segment_ids, gate_arrays=None):
+def _chunked_fwd(static, *primals):
+  # symbolic zeros: the backward learns which cotangents are zero by their type, not their values
+  q, k, v, g, beta, h0, segment_ids, gate_arrays = jax.tree.map(
+      lambda p: p.value, primals + (None,) * (8 - len(primals)), is_leaf=lambda p: isinstance(p, Primal))
   out, saved = _forward(static, q, k, v, g, beta, h0, segment_ids, gate_arrays, keep=True)
   return out, (q, k, v, g, beta, h0, segment_ids, gate_arrays, saved)
 
@@ -237,6 +241,10 @@ def _chunked_fwd(static, q, k, v, g, beta, h0, segment_ids, gate_arrays=None):
 def _chunked_bwd(static, residuals, cotangents):
   q, k, v, g, beta, h0, segment_ids, gate_arrays, saved = residuals
   do, dfinal = cotangents
+  # an unused final state (a model's training step) passes no cotangent: the backward then skips
+  # everything that reads it (the reverse walk's entry, kda's last-chunk terms in float32)
+  dfinal = None if isinstance(dfinal, SymbolicZero) else dfinal
+  do = jnp.zeros(do.aval.shape, do.aval.dtype) if isinstance(do, SymbolicZero) else do
   dq, dk, dv, dg, dbeta, dh0 = _backward(static, q, k, v, g, beta, h0, segment_ids, saved, do, dfinal,
                                          gate_arrays)
   dgate = None
@@ -246,7 +254,7 @@ def _chunked_bwd(static, residuals, cotangents):
   return dq, dk, dv, dg, dbeta, (None if h0 is None else dh0.astype(h0.dtype)), None, dgate
 
 
-chunked.defvjp(_chunked_fwd, _chunked_bwd)
+chunked.defvjp(_chunked_fwd, _chunked_bwd, symbolic_zeros=True)
 
 
 def chunked_op(static: Static, q, k, v, g, beta, *, scale: float, initial_state, segment_ids, gate=None):
