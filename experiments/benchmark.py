@@ -44,6 +44,9 @@ except ImportError:  # tqdm is optional (setup.py's "experiments" extra)
   tqdm = None
 
 MODES = ("fwd", "fwd_bwd")
+# also on request: "fwd_bwd_state", the gradients when the final state is used too (a carried state's
+# training, e.g. truncated backpropagation through time): this library's impls only
+ALL_MODES = MODES + ("fwd_bwd_state",)
 PEERS = ("jla",)
 # Our variant -> jla's kind; variants missing here have no jla counterpart.
 JLA_KINDS = {"simple_gla": "simple_gla", "gla": "gla", "delta_rule": "deltanet",
@@ -58,7 +61,7 @@ class Config:
   shapes: tuple[tuple[int, int, int, int], ...] = ((1, 4096, 4, 64),)  # (B, T, H, K); V = K, H_v = H
   dtype: str = "bfloat16"  # q, k, v, beta dtype (float32 | bfloat16); gates are float32
   gates: str = "benchmark"  # common.GATES: the benchmark's mild gates, "layer", "bounded", "strong", ...
-  modes: tuple[str, ...] = MODES  # "fwd" (o) and/or "fwd_bwd" (gradients of every float input)
+  modes: tuple[str, ...] = MODES  # "fwd" (o), "fwd_bwd" (gradients of every float input), "fwd_bwd_state"
   warmup: int = 2  # untimed rounds over all contenders after compilation
   iters: int = 5  # timed rounds; the median is reported
   warm_s: float | None = None  # seconds of untimed rounds before timing (at least `warmup` rounds;
@@ -79,7 +82,7 @@ class Config:
     if self.stream < 0:
       raise ValueError(f"stream must be >= 0; got {self.stream}")
     bad = {"impls": [i for i in self.impls if i not in ops.IMPLS],
-           "modes": [m for m in self.modes if m not in MODES] + ([] if self.modes else ["(none)"]),
+           "modes": [m for m in self.modes if m not in ALL_MODES] + ([] if self.modes else ["(none)"]),
            "peers": [p for p in self.peers if p not in PEERS],
            "jla_impls": [i for i in self.jla_impls if i not in JLA_IMPLS],
            "shapes": [s for s in self.shapes if len(s) != 4 or min(s) < 1]}
@@ -147,6 +150,11 @@ class Contender:
       self.args = (self.inputs,)
       return self.forward
     self.args = (self.inputs, self.do)
+    if self.mode == "fwd_bwd_state":   # forward gives (o, final state); the state's cotangent is itself
+      def loss(x, do):
+        o, final = self.forward(x)
+        return jnp.sum(o.astype(jnp.float32) * do) + 0.5 * jnp.sum(jnp.square(final.astype(jnp.float32)))
+      return jax.grad(loss)
     return jax.grad(lambda x, do: jnp.sum(self.forward(x).astype(jnp.float32) * do))
 
   def run(self, calls: int = 1) -> float:
@@ -180,6 +188,13 @@ def _contenders(config: Config, shape, shape_index: int, jla_ops, jla_status: st
       else:
         forwards[label] = lambda x, v=variant, i=impl: _jla_forward(jla_ops, v, x, i, config.chunk_size)
     for mode in config.modes:
+      if mode == "fwd_bwd_state":
+        out += [Contender(variant, shape, impl, mode, lambda x, v=variant, i=impl: common.call(
+            v, x, impl=i, chunk_size=config.chunk_size, output_final_state=True), inputs, do)
+            for impl in config.impls]
+        out += [Contender(variant, shape, label, mode, status="n/a: this library's impls only")
+                for label in list(forwards)[len(config.impls):] + list(statuses)]
+        continue
       out += [Contender(variant, shape, label, mode, fn, inputs, do) for label, fn in forwards.items()]
       out += [Contender(variant, shape, label, mode, status=s) for label, s in statuses.items()]
   if config.softmax:
@@ -190,7 +205,7 @@ def _contenders(config: Config, shape, shape_index: int, jla_ops, jla_status: st
     attend = lambda x: jax.nn.dot_product_attention(x["q"], x["k"], x["v"], is_causal=True,
                                                     implementation="cudnn" if on_gpu else None)
     out += [Contender("softmax", shape, "cudnn" if on_gpu else "xla", mode, attend, inputs, do)
-            for mode in config.modes]
+            for mode in config.modes if mode != "fwd_bwd_state"]
   return out
 
 
@@ -355,7 +370,8 @@ def _define_flags():
   flags.DEFINE_string("shapes", ";".join(",".join(map(str, s)) for s in d.shapes),
                       "Semicolon list of B,T,H,K (V = K, H_v = H).")
   flags.DEFINE_enum("dtype", d.dtype, sorted(common.DTYPES), "dtype of q, k, v and beta.")
-  flags.DEFINE_list("modes", list(d.modes), "fwd and/or fwd_bwd.")
+  flags.DEFINE_list("modes", list(d.modes), "fwd, fwd_bwd and/or fwd_bwd_state (the final state used too: "
+                    "its own value as its cotangent; this library's impls only).")
   flags.DEFINE_enum("gates", d.gates, list(common.GATES), "Gates: the mild 'benchmark' ones, the layers' "
                     "own at initialisation ('layer'), the bounded per-channel gate, 'strong' (U(-20, 0)).")
   flags.DEFINE_integer("warmup", d.warmup, "Untimed rounds after compilation.")

@@ -36,14 +36,17 @@ def _nbytes(tree) -> int:
 
 def op_cost(variant: str, shape, mode: str, inputs: dict, do, *, chunk_size: int = 64) -> tuple[float, float]:
   """`(bytes, flops)` of one call of `variant` (or "softmax") at `shape = (B, T, H, K)`, V = K and
-  H_v = H as in benchmark.py; `inputs` the arrays it reads, `do` the cotangent of o (fwd_bwd)."""
-  if mode not in ("fwd", "fwd_bwd"):
-    raise ValueError(f"mode must be 'fwd' or 'fwd_bwd'; got {mode!r}")
+  H_v = H as in benchmark.py; `inputs` the arrays it reads, `do` the cotangent of o (fwd_bwd;
+  "fwd_bwd_state" also writes the final state and reads its cotangent)."""
+  if mode not in ("fwd", "fwd_bwd", "fwd_bwd_state"):
+    raise ValueError(f"mode must be 'fwd', 'fwd_bwd' or 'fwd_bwd_state'; got {mode!r}")
   B, T, H, K = shape
   V, C = K, chunk_size
+  state_bytes = 2 * B * H * K * V * 4 if mode == "fwd_bwd_state" else 0
+  mode = "fwd_bwd" if mode == "fwd_bwd_state" else mode
   in_bytes = _nbytes(inputs)
   o_bytes = B * T * H * V * jnp.dtype(inputs["v"].dtype).itemsize
-  nbytes = in_bytes + o_bytes
+  nbytes = in_bytes + o_bytes + state_bytes
   if mode == "fwd_bwd":
     nbytes += in_bytes + _nbytes(do) + in_bytes
   if variant == "softmax":

@@ -137,8 +137,8 @@ def test_gate_recipes_give_the_documented_values():
                       "--nosoftmax", "--warmup=0", "--iters=1"], "benchmark.json"),
     ("layer_benchmark.py", ["--B=1", "--T=16", "--width=32", "--heads=2", "--iters=1", "--stream=2",
                             "--impl=chunk", "--mixers=A,G,K,Kb"], "layers.json"),
-    ("benchmark.py", ["--variants=kda", "--impls=chunk", "--modes=fwd", "--shapes=1,8,1,4", "--nosoftmax",
-                      "--warmup=0", "--iters=1", "--gates=layer"], "benchmark.json"),
+    ("benchmark.py", ["--variants=kda", "--impls=chunk", "--modes=fwd_bwd_state", "--shapes=1,8,1,4",
+                      "--nosoftmax", "--warmup=0", "--iters=1", "--gates=layer"], "benchmark.json"),
     ("kernel_breakdown.py", ["--variants=gated_delta_rule", "--shape=1,64,1,64", "--iters=1",
                              "--interpret", "--stages=op fwd,delta prep kernel,delta grads kernel"],
      "kernel_breakdown.json"),
@@ -179,8 +179,8 @@ def test_main_parses_flags_and_writes_results(tmp_path, script, flags, output):
   done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120,
                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert done.returncode == 0, done.stderr[-2000:]
-  assert os.path.exists(tmp_path / output)
-  assert f"wrote {tmp_path / output}" in done.stdout
+  assert os.path.exists(tmp_path / output) and f"wrote {tmp_path / output}" in done.stdout
+  assert script != "benchmark.py" or "error: " not in done.stdout   # every row timed
   if script == "lm_benchmark.py":  # the anchor first at each T, and every part of each step timed
     with open(tmp_path / output, encoding="utf-8") as f:
       rows = json.load(f)["rows"]
