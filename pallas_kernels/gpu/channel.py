@@ -260,8 +260,9 @@ def final_state_grads(dfinal, last_start, G, k, v, b, seg=None, seg_before=None,
       k = k + lax.stop_gradient(k.astype(operand_dtype).astype(F32) - k)
     g = G - jnp.concatenate([jnp.zeros_like(G[:, :1]), G[:, :-1]], axis=1)
     kc = chunked(k)
+    # the merge form at any strength: "auto"'s `lax.cond` would wait for its predicate on the host
     t = prep.chunk_tensors(jnp.zeros_like(kc), kc, chunked(v), chunked(g), b[:, :, None], seg, seg_before,
-                           dtype=F32)
+                           dtype=F32, gram_method="merge")
     u = t.u[:, :, 0] - jnp.einsum("bhck,bhkv->bhcv", t.w[:, :, 0], S0, precision=hi)
     return t.decay[:, :, 0, :, None] * S0 + jnp.einsum("bhck,bhcv->bhkv", t.kd[:, :, 0], u, precision=hi)
 
