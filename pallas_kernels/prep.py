@@ -300,8 +300,10 @@ def _unit_lower_inverse(L, dtype):
   s = 1
   while s < C:
     nb = C // (2 * s)
-    blocks = jnp.diagonal(L.reshape(batch + (nb, 2 * s, nb, 2 * s)), axis1=-4, axis2=-2)
-    E = jnp.moveaxis(blocks, -1, -3)[..., s:, :s]   # [..., nb, s, s]
+    # the diagonal blocks by a strided slice of the block grid (`jnp.diagonal` would be a gather)
+    grid = jnp.swapaxes(L.reshape(batch + (nb, 2 * s, nb, 2 * s)), -3, -2)
+    grid = grid.reshape(batch + (nb * nb, 2 * s, 2 * s))
+    E = grid[..., ::nb + 1, s:, :s]   # [..., nb, s, s]
     pairs = X.reshape(batch + (nb, 2, s, s))
     A_inv, D_inv = pairs[..., 0, :, :], pairs[..., 1, :, :]
     X = _join_blocks(A_inv, -_gram_t(_gram_t(D_inv, E, dtype), A_inv, dtype), D_inv)

@@ -83,9 +83,14 @@ def test_per_chunk_kernels_without_the_test_equal_the_one_reference_kernels(monk
   assert {("prepare", "one"), ("prepare", "chunk"), ("key_side", "one"), ("key_side", "chunk")} <= set(traced)
   assert set(seen) == {("prepare", "chunk"), ("key_side", "chunk")}, seen
   for name, a, b in zip("o final dq dk dv dg dbeta".split(), want, got):
+    half = a.dtype == jnp.bfloat16
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     assert np.isfinite(b).all(), name
-    np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6 * np.abs(a).max(), err_msg=name)
+    off = ~np.isclose(b, a, rtol=1e-6, atol=1e-6 * np.abs(a).max())
+    # dk, dv: the final state's float32 last-chunk terms added to each kernel's bfloat16 output, whose
+    # float32 sums differ in their last bits between the forms: rarely one bfloat16 step apart
+    assert off.mean() <= (1e-3 if half and name in ("dk", "dv") else 0.0), (name, off.mean())
+    assert np.all(np.abs(b - a)[off] <= 2.0 ** -7 * np.abs(a)[off]), name
 
 
 def test_the_plan_keeps_the_test_for_float16_and_the_option_is_a_bool():
