@@ -15,6 +15,8 @@ layer dtype.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 
 import jax
@@ -79,6 +81,52 @@ def dense_joined(layers: tuple[nnx.Linear, ...], x, columns=None):
         else dict(preferred_element_type=first.preferred_element_type))
   y = first.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=first.precision, **kw)
   return y if bias is None else y + bias
+
+
+def dense_shared_input(layers: tuple[nnx.Linear, ...], x) -> tuple[jax.Array, ...]:
+  """`tuple(layer(x) for layer in layers)`, each its own product in the forward, with x's cotangent
+  taken as one product of the outputs' cotangents side by side onto the kernels side by side: one
+  `[..., width]` array written, where each layer's own would write one and a sum would read them all
+  again. The kernels' gradients come from one product as well. The same sums, in the layers' dtypes
+  and precision; layers unlike in those (or with their own `dot_general`) run one by one."""
+  first = layers[0]
+  like = lambda p: (p.dtype, p.precision, p.dot_general, p.preferred_element_type)
+  if (len(layers) == 1 or any(like(p) != like(first) for p in layers)
+      or first.dot_general is not jax.lax.dot_general):
+    return tuple(layer(x) for layer in layers)
+  kernels = [layer.kernel[...] for layer in layers]
+  biases = [layer.bias[...] if layer.bias is not None else None for layer in layers]
+  x, *kernels = first.promote_dtype((x, *kernels), dtype=first.dtype)
+  ys = _shared_input_products((first.precision, first.preferred_element_type), x, tuple(kernels))
+  return tuple(y if b is None else y + b.astype(y.dtype) for y, b in zip(ys, biases))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _shared_input_products(options, x, kernels):
+  precision, preferred = options
+  kw = {} if preferred is None else dict(preferred_element_type=preferred)
+  contract = (((x.ndim - 1,), (0,)), ((), ()))
+  return tuple(jax.lax.dot_general(x, w, contract, precision=precision, **kw) for w in kernels)
+
+
+def _shared_input_fwd(options, x, kernels):
+  return _shared_input_products(options, x, kernels), (x, kernels)
+
+
+def _shared_input_bwd(options, residuals, dys):
+  precision, _ = options
+  x, kernels = residuals
+  dy = jnp.concatenate([d.astype(x.dtype) for d in dys], axis=-1)
+  kernel = jnp.concatenate(kernels, axis=1)
+  dx = jax.lax.dot_general(dy, kernel, (((dy.ndim - 1,), (1,)), ((), ())), precision=precision)
+  rows = tuple(range(x.ndim - 1))
+  dkernel = jax.lax.dot_general(x, dy, ((rows, rows), ((), ())), precision=precision)
+  ends = list(itertools.accumulate(w.shape[1] for w in kernels))
+  dkernels = tuple(part.astype(w.dtype) for part, w in zip(jnp.split(dkernel, ends[:-1], axis=1), kernels))
+  return dx, dkernels
+
+
+_shared_input_products.defvjp(_shared_input_fwd, _shared_input_bwd)
 
 
 _NO_CONV_ACTIVATIONS = {"identity": lambda x: x, "silu": jax.nn.silu}

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linear_attention_jax import ops
-from linear_attention_jax.layers.base import LinearMixer, a_log_init, dt_bias_init, linear
+from linear_attention_jax.layers.base import LinearMixer, a_log_init, dense_shared_input, dt_bias_init, linear
 from linear_attention_jax.layers.cache import LinearCache
 from linear_attention_jax.layers.norm import GatedRMSNorm
 from linear_attention_jax.sharding.rules import axes
@@ -67,10 +67,10 @@ class GatedDeltaNet(LinearMixer):
 
   def gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`(g, beta)`, each `[B, T, H_v]` float32, for `x: [B, T, width]`."""
-    a = self.a_proj(x).astype(jnp.float32)
+    a, b = (y.astype(jnp.float32) for y in dense_shared_input((self.a_proj, self.b_proj), x))
     A = jnp.exp(self.A_log[...].astype(jnp.float32))
     g = -A * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
-    beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+    beta = jax.nn.sigmoid(b)
     return g, beta
 
   def __call__(self, x: jax.Array, cache: LinearCache | None = None):

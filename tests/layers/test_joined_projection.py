@@ -96,3 +96,96 @@ def test_joined_call_declines_split_channels_and_unlike_convolutions():
         assert (joined_kernel_call(layer.convs, shape, jnp.bfloat16) is not None) == joined, sizes
     layer.v_conv.impl = "xla"
     assert joined_kernel_call(layer.convs, shape, jnp.bfloat16) is None
+
+
+def _apart(layers, x):
+  return tuple(layer(x) for layer in layers)
+
+
+def test_shared_input_products_equal_each_layer_apart():
+  # Given three projections of one input, one with a bias, in float32 and bfloat16
+  rngs = nnx.Rngs(3)
+  for dtype, rtol in ((jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)):
+    layers = (nnx.Linear(16, 8, use_bias=False, dtype=dtype, rngs=rngs),
+              nnx.Linear(16, 3, use_bias=True, dtype=dtype, rngs=rngs),
+              nnx.Linear(16, 8, use_bias=False, dtype=dtype, rngs=rngs))
+    layers[1].bias[...] = jnp.arange(3.0)
+    x = jax.random.normal(jax.random.key(1), (2, 5, 16))
+
+    def loss(layers, x, project):
+      y1, y2, y3 = project(layers, x)
+      return (jnp.sum(jnp.sin(y1).astype(jnp.float32)) + jnp.sum(y2.astype(jnp.float32) ** 2)
+              + jnp.sum(jnp.cos(y3).astype(jnp.float32)))
+
+    # When they run joined and apart
+    ys = base.dense_shared_input(layers, x)
+    joined = nnx.value_and_grad(loss, argnums=(0, 1))(layers, x, base.dense_shared_input)
+    apart = nnx.value_and_grad(loss, argnums=(0, 1))(layers, x, _apart)
+    # Then the outputs are the same products bit for bit, and the loss and gradients agree
+    for y, ref in zip(ys, _apart(layers, x)):
+      assert y.dtype == ref.dtype and bool(jnp.all(y == ref))
+    np.testing.assert_allclose(joined[0], apart[0], rtol=1e-6)
+    paths = jax.tree_util.tree_leaves_with_path(joined[1])
+    assert len(paths) == len(jax.tree.leaves(apart[1])) == 5   # x, three kernels, one bias
+    for (path, a), b in zip(paths, jax.tree.leaves(apart[1])):
+      assert a.dtype == b.dtype and a.shape == b.shape, jax.tree_util.keystr(path)
+      error = _relative(a.astype(jnp.float32), b.astype(jnp.float32))
+      assert error < rtol, (jax.tree_util.keystr(path), dtype, error)
+
+
+def test_shared_input_gradient_is_one_product_onto_the_input():
+  layers = tuple(nnx.Linear(16, n, rngs=nnx.Rngs(n)) for n in (8, 3, 8))
+  x = jnp.ones((2, 5, 16))
+
+  def products_onto_x(project):
+    loss = lambda x: sum(jnp.sum(jnp.sin(y)) for y in project(layers, x))
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(x).jaxpr
+    return sum(1 for e in _all_eqns(jaxpr) if e.primitive.name == "dot_general"
+               and e.outvars[0].aval.shape == x.shape)
+
+  # x's cotangent: one product where apart it is three (then added)
+  assert products_onto_x(_apart) == 3
+  assert products_onto_x(base.dense_shared_input) == 1
+
+
+def _all_eqns(jaxpr):
+  for e in jaxpr.eqns:
+    yield e
+    for param in e.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from _all_eqns(sub)
+
+
+@pytest.mark.parametrize("module", ["mlp", "gated_delta_net", "kda"])
+def test_layers_with_shared_input_products_equal_them_apart(monkeypatch, module):
+  from linear_attention_jax.layers import SwiGLU, gated_delta_net, kda, mlp
+  # Given a layer that takes narrow (or the MLP's two) products of one input
+  layer = {"mlp": lambda: SwiGLU(64, 96, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)),
+           "gated_delta_net": lambda: GatedDeltaNet(64, 2, impl="chunk", chunk_size=16, rngs=nnx.Rngs(0)),
+           "kda": lambda: KimiDeltaAttention(64, 2, impl="chunk", chunk_size=16, rngs=nnx.Rngs(0))}[module]()
+  x = jax.random.normal(jax.random.key(1), (2, 32, 64))
+
+  def loss(model, x):
+    y = model(x)
+    return jnp.sum(jnp.sin(y[0] if isinstance(y, tuple) else y))
+
+  def products_onto_x():
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x: loss(layer, x)))(x).jaxpr
+    return sum(1 for e in _all_eqns(jaxpr) if e.primitive.name == "dot_general"
+               and e.outvars[0].aval.shape == x.shape)
+
+  # When it runs as it does and with each product apart
+  joined, joined_products = nnx.value_and_grad(loss, argnums=(0, 1))(layer, x), products_onto_x()
+  monkeypatch.setattr({"mlp": mlp, "gated_delta_net": gated_delta_net, "kda": kda}[module],
+                      "dense_shared_input", _apart)
+  apart, apart_products = nnx.value_and_grad(loss, argnums=(0, 1))(layer, x), products_onto_x()
+  # Then x's cotangent takes one product for the shared ones (MLP: gate, up; G: a, b; K: f, b, g's
+  # down projections), and the loss and every gradient agree to float32 rounding
+  assert apart_products - joined_products == {"mlp": 1, "gated_delta_net": 1, "kda": 2}[module]
+  np.testing.assert_allclose(joined[0], apart[0], rtol=1e-5)
+  paths = jax.tree_util.tree_leaves_with_path(joined[1])
+  assert len(paths) == len(jax.tree.leaves(apart[1]))
+  for (path, a), b in zip(paths, jax.tree.leaves(apart[1])):
+    assert _relative(a, b) < 1e-5, (jax.tree_util.keystr(path), _relative(a, b))
