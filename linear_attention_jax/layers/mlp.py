@@ -5,13 +5,11 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from linear_attention_jax.layers.base import dense_shared_input
 from linear_attention_jax.sharding.rules import axes
 
 
 class SwiGLU(nnx.Module):
-  """`down(silu(gate(x)) * up(x))`: `[B, T, d] -> [B, T, d]` through a hidden width `hidden`; x's
-  gradient is one product onto gate's and up's kernels side by side (`layers.base.dense_shared_input`)."""
+  """`down(silu(gate(x)) * up(x))`: `[B, T, d] -> [B, T, d]` through a hidden width `hidden`."""
 
   def __init__(self, width: int, hidden: int, *, dtype, param_dtype, rngs: nnx.Rngs):
     kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -20,5 +18,4 @@ class SwiGLU(nnx.Module):
     self.down = nnx.Linear(hidden, width, kernel_metadata=axes("mlp", "embed"), **kw)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    gate, up = dense_shared_input((self.gate, self.up), x)
-    return self.down(jax.nn.silu(gate) * up)
+    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
