@@ -83,6 +83,11 @@ def dense_joined(layers: tuple[nnx.Linear, ...], x, columns=None):
   return y if bias is None else y + bias
 
 
+def _dense_like(layer: nnx.Linear):
+  """What projections must share to run as one product: dtype, precision, dot_general, output type."""
+  return layer.dtype, layer.precision, layer.dot_general, layer.preferred_element_type
+
+
 def dense_shared_input(layers: tuple[nnx.Linear, ...], x) -> tuple[jax.Array, ...]:
   """`tuple(layer(x) for layer in layers)`, each its own product in the forward, with x's cotangent
   taken as one product of the outputs' cotangents side by side onto the kernels side by side: one
@@ -90,8 +95,7 @@ def dense_shared_input(layers: tuple[nnx.Linear, ...], x) -> tuple[jax.Array, ..
   again. The kernels' gradients come from one product as well. The same sums, in the layers' dtypes
   and precision; layers unlike in those (or with their own `dot_general`) run one by one."""
   first = layers[0]
-  like = lambda p: (p.dtype, p.precision, p.dot_general, p.preferred_element_type)
-  if (len(layers) == 1 or any(like(p) != like(first) for p in layers)
+  if (len(layers) == 1 or any(_dense_like(p) != _dense_like(first) for p in layers)
       or first.dot_general is not jax.lax.dot_general):
     return tuple(layer(x) for layer in layers)
   kernels = [layer.kernel[...] for layer in layers]
@@ -253,9 +257,8 @@ class LinearMixer(nnx.Module):
     added); None where that call cannot serve (no convolutions, `join_projections` off, or see
     `joined_kernel_call`), and `_project` runs them one by one. Without a cache only: the same sums."""
     projections = (self.q_proj, self.k_proj, self.v_proj)
-    like = lambda p: (p.dtype, p.precision, p.dot_general, p.preferred_element_type)
     if (not self.join_projections or self.q_conv is None
-        or any(like(p) != like(self.q_proj) for p in projections)):
+        or any(_dense_like(p) != _dense_like(self.q_proj) for p in projections)):
       return None
     dtype = self.q_proj.dtype
     dtype = jnp.dtype(jnp.result_type(x.dtype, self.q_proj.kernel.dtype) if dtype is None else dtype)

@@ -137,15 +137,17 @@ def test_shared_input_gradient_is_one_product_onto_the_input():
   layers = tuple(nnx.Linear(16, n, rngs=nnx.Rngs(n)) for n in (8, 3, 8))
   x = jnp.ones((2, 5, 16))
 
-  def products_onto_x(project):
-    loss = lambda x: sum(jnp.sum(jnp.sin(y)) for y in project(layers, x))
-    jaxpr = jax.make_jaxpr(jax.grad(loss))(x).jaxpr
-    return sum(1 for e in _all_eqns(jaxpr) if e.primitive.name == "dot_general"
-               and e.outvars[0].aval.shape == x.shape)
-
+  loss = lambda project: lambda x: sum(jnp.sum(jnp.sin(y)) for y in project(layers, x))
   # x's cotangent: one product where apart it is three (then added)
-  assert products_onto_x(_apart) == 3
-  assert products_onto_x(base.dense_shared_input) == 1
+  assert _products_onto(loss(_apart), x) == 3
+  assert _products_onto(loss(base.dense_shared_input), x) == 1
+
+
+def _products_onto(f, x):
+  """How many products in `grad(f)(x)`'s jaxpr have x's shape: x's cotangent's products."""
+  jaxpr = jax.make_jaxpr(jax.grad(f))(x).jaxpr
+  return sum(1 for e in _all_eqns(jaxpr)
+             if e.primitive.name == "dot_general" and e.outvars[0].aval.shape == x.shape)
 
 
 def _all_eqns(jaxpr):
@@ -169,16 +171,12 @@ def test_layers_with_shared_input_products_equal_them_apart(monkeypatch, module)
   def loss(model, x):
     return jnp.sum(jnp.sin(model(x)[0]))
 
-  def products_onto_x():
-    jaxpr = jax.make_jaxpr(jax.grad(lambda x: loss(layer, x)))(x).jaxpr
-    return sum(1 for e in _all_eqns(jaxpr) if e.primitive.name == "dot_general"
-               and e.outvars[0].aval.shape == x.shape)
-
   # When it runs as it does and with each product apart
-  joined, joined_products = nnx.value_and_grad(loss, argnums=(0, 1))(layer, x), products_onto_x()
+  products = lambda: _products_onto(lambda x: loss(layer, x), x)
+  joined, joined_products = nnx.value_and_grad(loss, argnums=(0, 1))(layer, x), products()
   monkeypatch.setattr({"gated_delta_net": gated_delta_net, "kda": kda}[module],
                       "dense_shared_input", _apart)
-  apart, apart_products = nnx.value_and_grad(loss, argnums=(0, 1))(layer, x), products_onto_x()
+  apart, apart_products = nnx.value_and_grad(loss, argnums=(0, 1))(layer, x), products()
   # Then x's cotangent takes one product for the shared ones (G: a, b; K: f, b, g's down
   # projections), and the loss and every gradient agree to float32 rounding
   assert apart_products - joined_products == {"gated_delta_net": 1, "kda": 2}[module]
