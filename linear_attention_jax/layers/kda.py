@@ -23,8 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linear_attention_jax import ops
-from linear_attention_jax.layers.base import (LinearMixer, a_log_init, dense_columns, dense_shared_input,
-                                              dt_bias_init, linear)
+from linear_attention_jax.layers.base import LinearMixer, a_log_init, dense_columns, dt_bias_init, linear
 from linear_attention_jax.layers.cache import LinearCache
 from linear_attention_jax.layers.norm import GatedRMSNorm
 from linear_attention_jax.pallas_kernels import gate as kernel_gate
@@ -87,13 +86,12 @@ class KimiDeltaAttention(LinearMixer):
     f, dt_bias, beta = self.gate_inputs(x, columns)
     return kernel_gate.values(f, self.A_log[...], dt_bias, self._gate_kind()), beta
 
-  def gate_inputs(self, x: jax.Array, columns: jax.Array | None = None, down: jax.Array | None = None):
+  def gate_inputs(self, x: jax.Array, columns: jax.Array | None = None):
     """`(f [B, T, H_v, K] in the layer's dtype, dt_bias [H_v * K], beta [B, T, H_v] float32)`: the gate's
-    pre-activation (its low-rank projection) and bias, each in `columns`' order (as `gates`), and beta.
-    `down`: `self.f_down(x)` where the caller has it already."""
+    pre-activation (its low-rank projection) and bias, each in `columns`' order (as `gates`), and beta."""
     B, T, _ = x.shape
     Hv, K = self.num_v_heads, self.head_dim
-    down = self.f_down(x) if down is None else down
+    down = self.f_down(x)
     if columns is None:
       f, dt_bias = self.f_up(down), self.dt_bias[...]
     else:
@@ -116,15 +114,14 @@ class KimiDeltaAttention(LinearMixer):
     key_columns, gate_columns = self.channel_columns(x) if ordered else (None, None)
     q, k, v, windows = self._project(x, cache, key_columns)
     # the op and its step take the gate's pre-activation (the GPU's kernels compute the gate)
-    # f_down and g_down (V columns each) take x's cotangent as one product (`base.dense_shared_input`);
-    # b_proj stays apart: with its H_v columns in the join, the cotangents' concatenation cost what the
-    # one product saved (NOTES.md v75, v76)
-    f_low, g_low = dense_shared_input((self.f_down, self.g_down), x)
-    f, dt_bias, beta = self.gate_inputs(x, gate_columns, down=f_low)
+    # f_down, b_proj and g_down stay three products of x with three x-cotangents: taking those as one
+    # (`base.dense_shared_input`, as GatedDeltaNet's gates do) saved nothing on an H100, its backward's
+    # concatenation of their cotangents cost what the one product saved (NOTES.md v75)
+    f, dt_bias, beta = self.gate_inputs(x, gate_columns)
     gate = dict(A_log=self.A_log[...], dt_bias=dt_bias, gate_lower_bound=self.gate_lower_bound)
     with gpu.ordered_channels() if ordered else contextlib.nullcontext():
       o, state = self._recur(ops.kda, ops.kda_step, q, k, v, (f, beta), cache, use_qk_l2norm=True, **gate)
-    o = self.o_norm(o, self.g_up(g_low).reshape(B, T, Hv, V))
+    o = self.o_norm(o, self.g_up(self.g_down(x)).reshape(B, T, Hv, V))
     y = self.o_proj(o.reshape(B, T, -1))
     return y, self._advance(cache, state, windows, T)
 
