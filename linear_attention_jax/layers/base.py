@@ -124,7 +124,11 @@ def _shared_input_bwd(options, residuals, dys):
   kernel = jnp.concatenate(kernels, axis=1)
   dx = jax.lax.dot_general(dy, kernel, (((dy.ndim - 1,), (1,)), ((), ())), precision=precision)
   rows = tuple(range(x.ndim - 1))
-  dkernel = jax.lax.dot_general(x, dy, ((rows, rows), ((), ())), precision=precision)
+  # the kernels' gradient from x behind a barrier: XLA merges products that share an operand, and would
+  # take this one into a wide projection's (q, k, v's), copying that projection's [rows, n] cotangent
+  # into one with these columns appended (KDA's step: 0.59 ms, NOTES.md v76)
+  dkernel = jax.lax.dot_general(jax.lax.optimization_barrier(x), dy, ((rows, rows), ((), ())),
+                                precision=precision)
   ends = list(itertools.accumulate(w.shape[1] for w in kernels))
   dkernels = tuple(part.astype(w.dtype) for part, w in zip(jnp.split(dkernel, ends[:-1], axis=1), kernels))
   return dx, dkernels
