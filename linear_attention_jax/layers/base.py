@@ -126,7 +126,7 @@ def _shared_input_bwd(options, residuals, dys):
   rows = tuple(range(x.ndim - 1))
   # the kernels' gradient from x behind a barrier: XLA merges products that share an operand, and would
   # take this one into a wide projection's (q, k, v's), copying that projection's [rows, n] cotangent
-  # into one with these columns appended (KDA's step: 0.59 ms, NOTES.md v76)
+  # into one with these columns appended (a KDA step with f_down and g_down joined: 0.59 ms, NOTES.md v76)
   dkernel = jax.lax.dot_general(jax.lax.optimization_barrier(x), dy, ((rows, rows), ((), ())),
                                 precision=precision)
   ends = list(itertools.accumulate(w.shape[1] for w in kernels))

@@ -23,8 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linear_attention_jax import ops
-from linear_attention_jax.layers.base import (LinearMixer, a_log_init, dense_columns, dense_shared_input,
-                                              dt_bias_init, linear)
+from linear_attention_jax.layers.base import LinearMixer, a_log_init, dense_columns, dt_bias_init, linear
 from linear_attention_jax.layers.cache import LinearCache
 from linear_attention_jax.layers.norm import GatedRMSNorm
 from linear_attention_jax.pallas_kernels import gate as kernel_gate
@@ -87,25 +86,18 @@ class KimiDeltaAttention(LinearMixer):
     f, dt_bias, beta = self.gate_inputs(x, columns)
     return kernel_gate.values(f, self.A_log[...], dt_bias, self._gate_kind()), beta
 
-  def gate_inputs(self, x: jax.Array, columns: jax.Array | None = None, narrow=None):
+  def gate_inputs(self, x: jax.Array, columns: jax.Array | None = None):
     """`(f [B, T, H_v, K] in the layer's dtype, dt_bias [H_v * K], beta [B, T, H_v] float32)`: the gate's
-    pre-activation (its low-rank projection) and bias, each in `columns`' order (as `gates`), and beta.
-    `narrow`: `(f_down(x), b_proj(x))` if the caller has them (`_narrow`)."""
+    pre-activation (its low-rank projection) and bias, each in `columns`' order (as `gates`), and beta."""
     B, T, _ = x.shape
     Hv, K = self.num_v_heads, self.head_dim
-    down, b = (self.f_down(x), self.b_proj(x)) if narrow is None else narrow
+    down = self.f_down(x)
     if columns is None:
       f, dt_bias = self.f_up(down), self.dt_bias[...]
     else:
       f, dt_bias = dense_columns(self.f_up, down, columns), jnp.take(self.dt_bias[...], columns)
-    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
     return f.reshape(B, T, Hv, K), dt_bias, beta
-
-  def _narrow(self, x: jax.Array):
-    """`(f_down(x), b_proj(x), g_down(x))`: the three narrow products of x (128, H_v and 128 columns),
-    each its own product, with x's cotangent one product onto their kernels side by side
-    (`dense_shared_input`): one `[B, T, width]` cotangent where three would be written and added."""
-    return dense_shared_input((self.f_down, self.b_proj, self.g_down), x)
 
   def _gate_kind(self):
     return kernel_gate.SOFTPLUS if self.gate_lower_bound is None else self.gate_lower_bound
@@ -122,12 +114,14 @@ class KimiDeltaAttention(LinearMixer):
     key_columns, gate_columns = self.channel_columns(x) if ordered else (None, None)
     q, k, v, windows = self._project(x, cache, key_columns)
     # the op and its step take the gate's pre-activation (the GPU's kernels compute the gate)
-    f_down, b, g_down = self._narrow(x)
-    f, dt_bias, beta = self.gate_inputs(x, gate_columns, narrow=(f_down, b))
+    # f_down, b_proj and g_down stay three products of x with three x-cotangents: taking those as one
+    # (`base.dense_shared_input`, as GatedDeltaNet's gates do) saved 0.11 ms of a K step on an H100, within
+    # the noise between machines (NOTES.md v75, v76)
+    f, dt_bias, beta = self.gate_inputs(x, gate_columns)
     gate = dict(A_log=self.A_log[...], dt_bias=dt_bias, gate_lower_bound=self.gate_lower_bound)
     with gpu.ordered_channels() if ordered else contextlib.nullcontext():
       o, state = self._recur(ops.kda, ops.kda_step, q, k, v, (f, beta), cache, use_qk_l2norm=True, **gate)
-    o = self.o_norm(o, self.g_up(g_down).reshape(B, T, Hv, V))
+    o = self.o_norm(o, self.g_up(self.g_down(x)).reshape(B, T, Hv, V))
     y = self.o_proj(o.reshape(B, T, -1))
     return y, self._advance(cache, state, windows, T)
 
