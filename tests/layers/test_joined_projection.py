@@ -182,3 +182,20 @@ def test_gated_delta_net_with_shared_input_products_equals_them_apart(monkeypatc
   assert len(paths) == len(jax.tree.leaves(apart[1]))
   for (path, a), b in zip(paths, jax.tree.leaves(apart[1])):
     assert _relative(a, b) < 1e-5, (jax.tree_util.keystr(path), _relative(a, b))
+
+
+def test_shared_input_kernel_gradient_reads_x_through_a_barrier():
+  # XLA's dot merger joins products that share an operand: the kernels' gradient x^T dy, reading the same
+  # x as a wide projection's x^T dqkv, was taken into it at the price of copying dqkv (NOTES.md v76)
+  layers = tuple(nnx.Linear(16, n, rngs=nnx.Rngs(n)) for n in (8, 3))
+  x = jnp.ones((2, 5, 16))
+
+  def loss(layers):
+    return sum(jnp.sum(jnp.sin(y)) for y in base.dense_shared_input(layers, x))
+
+  jaxpr = jax.make_jaxpr(lambda ls: nnx.grad(loss)(ls))(layers).jaxpr
+  eqns = list(_all_eqns(jaxpr))
+  barriers = {v for e in eqns if e.primitive.name == "optimization_barrier" for v in e.outvars}
+  kernel_grads = [e for e in eqns
+                  if e.primitive.name == "dot_general" and e.outvars[0].aval.shape == (16, 11)]
+  assert len(kernel_grads) == 1 and kernel_grads[0].invars[0] in barriers
