@@ -193,7 +193,7 @@ def test_shared_input_kernel_gradient_reads_x_through_a_barrier():
   def loss(layers):
     return sum(jnp.sum(jnp.sin(y)) for y in base.dense_shared_input(layers, x))
 
-  jaxpr = jax.make_jaxpr(lambda ls: nnx.grad(loss)(ls))(layers).jaxpr
+  jaxpr = jax.make_jaxpr(nnx.grad(loss))(layers).jaxpr
   eqns = list(_all_eqns(jaxpr))
   barriers = {v for e in eqns if e.primitive.name == "optimization_barrier" for v in e.outvars}
   kernel_grads = [e for e in eqns
