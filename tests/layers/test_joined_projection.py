@@ -15,6 +15,7 @@ from linear_attention_jax.layers import GatedDeltaNet, KimiDeltaAttention, base
 from linear_attention_jax.layers.conv import joined_kernel_call
 from linear_attention_jax.pallas_kernels import gpu
 from linear_attention_jax.sharding import use_rules
+from tests.layers.util import all_eqns
 
 
 def _convs_on_kernels(layer):
@@ -146,18 +147,8 @@ def test_shared_input_gradient_is_one_product_onto_the_input():
 def _products_onto(f, x):
   """How many products in `grad(f)(x)`'s jaxpr have x's shape: x's cotangent's products."""
   jaxpr = jax.make_jaxpr(jax.grad(f))(x).jaxpr
-  return sum(1 for e in _all_eqns(jaxpr)
+  return sum(1 for e in all_eqns(jaxpr)
              if e.primitive.name == "dot_general" and e.outvars[0].aval.shape == x.shape)
-
-
-def _all_eqns(jaxpr):
-  for e in jaxpr.eqns:
-    yield e
-    for param in e.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          yield from _all_eqns(sub)
 
 
 def test_gated_delta_net_with_shared_input_products_equals_them_apart(monkeypatch):
@@ -194,7 +185,7 @@ def test_shared_input_kernel_gradient_reads_x_through_a_barrier():
     return sum(jnp.sum(jnp.sin(y)) for y in base.dense_shared_input(layers, x))
 
   jaxpr = jax.make_jaxpr(nnx.grad(loss))(layers).jaxpr
-  eqns = list(_all_eqns(jaxpr))
+  eqns = list(all_eqns(jaxpr))
   barriers = {v for e in eqns if e.primitive.name == "optimization_barrier" for v in e.outvars}
   kernel_grads = [e for e in eqns
                   if e.primitive.name == "dot_general" and e.outvars[0].aval.shape == (16, 11)]

@@ -12,22 +12,13 @@ from jax.sharding import AbstractMesh, AxisType
 
 from linear_attention_jax.layers import SwiGLU
 from linear_attention_jax.sharding import use_rules
+from tests.layers.util import all_eqns, rel_rms
 
 
 def _products(mlp, x):
   """The forward's dot_generals by output width."""
   jaxpr = jax.make_jaxpr(lambda x: mlp(x))(x).jaxpr
-  widths = []
-  stack = [jaxpr]
-  while stack:
-    j = stack.pop()
-    for e in j.eqns:
-      if e.primitive.name == "dot_general":
-        widths.append(e.outvars[0].aval.shape[-1])
-      for p in e.params.values():
-        if hasattr(p, "jaxpr"):
-          stack.append(p.jaxpr if hasattr(p.jaxpr, "eqns") else p.jaxpr.jaxpr)
-  return sorted(widths)
+  return sorted(e.outvars[0].aval.shape[-1] for e in all_eqns(jaxpr) if e.primitive.name == "dot_general")
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
@@ -50,8 +41,7 @@ def test_swiglu_joined_equals_apart(dtype, tol):
   leaves = jax.tree_util.tree_leaves_with_path(joined[1])
   assert len(leaves) == len(jax.tree.leaves(apart[1])) == 4
   for (path, a), b in zip(leaves, jax.tree.leaves(apart[1])):
-    err = float(jnp.sqrt(jnp.mean(jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32)))
-                         / jnp.mean(jnp.square(b.astype(jnp.float32)))))
+    err = rel_rms(a, b)
     assert err < tol, (jax.tree_util.keystr(path), err)
 
 

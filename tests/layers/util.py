@@ -40,6 +40,17 @@ def rel_rms(out, ref) -> float:
   return float(jnp.sqrt(jnp.mean((out - ref) ** 2)) / jnp.sqrt(jnp.mean(ref ** 2)))
 
 
+def all_eqns(jaxpr):
+  """Every equation of a jaxpr, those of the jaxprs in its equations' parameters included."""
+  for e in jaxpr.eqns:
+    yield e
+    for param in e.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from all_eqns(sub)
+
+
 # The test shapes are tiny, so XLA's CPU compile time dominates; LLVM's optimisation level changes the
 # speed of the generated code, not what it computes.
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
