@@ -213,8 +213,11 @@ def unit_lower_inverse(l_s, x_s, e_s, y_s):
   sq = (C, C)
   apart = (plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
            ^ plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA))   # i XOR j
-  X = jnp.where(apart == 0, 1.0, 0.0).astype(F32)
-  s = 1
+  # the first level without products: the inverse of each 2 x 2 block is I - L there (X = I, so
+  # X - (X E) X = I - E exactly, as the products would give it)
+  L = plgpu.load(l_s, layout=WGMMA).astype(F32)
+  X = jnp.where(apart == 0, 1.0, 0.0).astype(F32) - jnp.where(apart == 1, L, 0.0)
+  s = 2
   while s < C:
     inside = (apart < 2 * s) & (apart >= s)   # same 2s block, different s blocks
     e_s[...] = jnp.where(inside, plgpu.load(l_s, layout=WGMMA), 0.0).astype(e_s.dtype)
