@@ -37,8 +37,8 @@ from .. import prep
 from .decay import decay_tile, local_cumsum, row_scales
 from .masks import SEG_ROWS, segment_vectors
 from .once import lowered_once
-from .tiles import (F32, ROWS, WGMMA, compiler_params, l2_normalize_rows, matmul, phase, scratch_bytes,
-                    smem, unit_lower_inverse, vary_like)
+from .tiles import (F32, ROWS, WGMMA, compiler_params, l2_normalize_rows, matmul, matmuls, phase,
+                    scratch_bytes, smem, unit_lower_inverse, vary_like)
 
 
 VALUE_BLOCK = 128   # u's columns a product
@@ -139,8 +139,9 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
     decay = lambda strict: decay_tile(g_s, gc_s, m_s, C, strict=strict)
 
     with phase("prep.grams"):
-      p_s[...] = (matmul(q_s, k_s.T, sq) * decay(False)).astype(dtype)
-      l_s[...] = (matmul(k_s, k_s.T, sq) * decay(True) * rows(beta_rows(), sq)).astype(dtype)
+      P, M = matmuls((sq, [(q_s, k_s.T)]), (sq, [(k_s, k_s.T)]))   # one wait for both
+      p_s[...] = (P * decay(False)).astype(dtype)
+      l_s[...] = (M * decay(True) * rows(beta_rows(), sq)).astype(dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(p_s, p_r.at[bi, h, rows_t])
 
@@ -174,9 +175,11 @@ def prepare(q, k, v, g, beta, *, chunk_size: int, dtype, segment_ids=None, inter
       for tile in v_tiles:
         tile[...] = (load(tile) * rows(beta, cv)).astype(dtype)
       plgpu.commit_smem()
-      emit(matmul(x_s, k_s, ck), w_r.at[bi, h, rows_t])
+      # w with u's first block in one wait (a further block would hold 64 more registers)
+      w, u = matmuls((ck, [(x_s, k_s)]), (cv, [(x_s, v_tiles[0])]))
+      emit(w, w_r.at[bi, h, rows_t])
       for j, tile in enumerate(v_tiles):
-        emit(matmul(x_s, tile, cv), u_r.at[bi, h, rows_t, pl.ds(j * vb, vb)])
+        emit(u if j == 0 else matmul(x_s, tile, cv), u_r.at[bi, h, rows_t, pl.ds(j * vb, vb)])
     with phase("prep.exit"):
       plgpu.wait_smem_to_gmem(0)
 
