@@ -11,7 +11,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from .tiles import F32, SMEM_BYTES, WGMMA, matmul, matmuls, scratch_bytes
+from .tiles import F32, SMEM_BYTES, WGMMA, matmul, scratch_bytes
 
 SM_COUNT = 132   # an H200's multiprocessors: walks with fewer programs split the sequence (`pieces`)
 
@@ -135,19 +135,13 @@ def u_block(bv, u_blocks, blocks):
   return pl.ds(jnp.minimum(v, max(u_blocks - 1, 0)) * bv, bv), (v < u_blocks).astype(F32)
 
 
-def new_values(u_ref, s_lo, w_ref, keep, dst, also=None):
+def new_values(u_ref, s_lo, w_ref, keep, dst):
   """The delta family's `u_new^T = U^T - S^T W^T` (`U` times the 0/1 factor `keep` of `u_block`,
-  unless None) written to the `[bv, C]` shared-memory tile `dst` in its dtype; returns `(dst, the
-  product `also`)`: `also`, None or a `matmuls` spec `(shape, [(a, b), ...])` that does not read dst,
-  is issued with `S^T W^T` and waited for with it (one wait where two would follow each other)."""
+  unless None) written to the `[bv, C]` shared-memory tile `dst` in its dtype; returns dst."""
   u = plgpu.load(u_ref.T, layout=WGMMA).astype(F32)
-  if also is None:
-    sw, extra = matmul(s_lo, w_ref.T, dst.shape), None
-  else:
-    sw, extra = matmuls((dst.shape, [(s_lo, w_ref.T)]), also)
-  dst[...] = ((u if keep is None else u * keep) - sw).astype(dst.dtype)
+  dst[...] = ((u if keep is None else u * keep) - matmul(s_lo, w_ref.T, dst.shape)).astype(dst.dtype)
   plgpu.commit_smem()
-  return dst, extra
+  return dst
 
 
 def deepest_stages(scratch, what: str) -> int:

@@ -39,7 +39,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from .once import lowered_once
 from .pipeline import (chain_pieces, fetch_chunk, initial, new_values, pieces, program,
                                          store_last, u_block, walk_chunks)
-from .tiles import BLOCK_V, COLS, F32, flat, matmul, matmuls, smem, vary_like
+from .tiles import BLOCK_V, COLS, F32, flat, matmul, smem, vary_like
 from .tiles import scratch_bytes  # noqa: F401  (the dispatch reads walk.scratch_bytes)
 from ..prep import ChunkTensors
 
@@ -197,20 +197,12 @@ def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, i
       s_lo = h_s.at[slot]
       s_lo[...] = s_t.astype(dtype)
       plgpu.commit_smem()
-      # The products wait in two groups (delta) or one: S^T W^T with S^T Qg^T, then u^T P^T with the
-      # state's u^T Kd; each wait is a full round trip of the tensor cores on the chunk's critical path.
       u_lo = u_s.at[slot].T
-      d = lax.broadcast_in_dim(plgpu.load(decay_s.at[slot], layout=COLS), (bv, K), [1])
-      sq_term = (s_lo, qg_s.at[slot].T) if with_o else None
-      o_t = None
       if delta:
-        u_lo, o_t = new_values(u_s.at[slot], s_lo, w_s.at[slot], u_keep, un_s,
-                               also=((bv, C), [sq_term]) if with_o else None)
-      s_next = None   # u^T Kd, the state's new term: S_next^T = S^T Diag(decay) + u^T Kd
-      if with_o:   # o^T = S^T Qg^T + u^T P^T
-        o_terms = [(u_lo, p_s.at[slot].T)] if delta else [sq_term, (u_lo, p_s.at[slot].T)]
-        o_u, s_next = matmuls(((bv, C), o_terms), ((bv, K), [(u_lo, kd_s.at[slot])]))
-        o_t = o_u if o_t is None else o_t + o_u
+        u_lo = new_values(u_s.at[slot], s_lo, w_s.at[slot], u_keep, un_s)
+      if with_o:  # o^T = S^T Qg^T + u^T P^T
+        o_t = matmul(s_lo, qg_s.at[slot].T, (bv, C))
+        o_t = matmul(u_lo, p_s.at[slot].T, (bv, C), init=o_t)
         o_s.at[slot].T[...] = (o_t * scale if token_o else o_t).astype(out_dtype)
       if with_o or with_states:
         plgpu.commit_smem()
@@ -221,9 +213,9 @@ def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, i
         if with_states:
           plgpu.copy_smem_to_gmem(h_s.at[slot], states_r.at[b, h, n, vs], commit_group=False)
         plgpu.commit_smem_to_gmem_group()
-      if s_next is None:
-        s_next = matmul(u_lo, kd_s.at[slot], (bv, K))
-      return s_t * d + s_next
+      # S_next^T = S^T Diag(decay) + u^T Kd
+      d = lax.broadcast_in_dim(plgpu.load(decay_s.at[slot], layout=COLS), (bv, K), [1])
+      return matmul(u_lo, kd_s.at[slot], (bv, K), init=s_t * d)
 
     init = lambda: initial(h0_r.at[b, h, piece, vs] if has_h0 else None, state_s, state_bar, bv, K)
     store_last(walk_chunks(NCs, issue, in_bar, init, chunk), state_s, final_r.at[b, h, piece, vs])
@@ -341,15 +333,15 @@ def _reverse_kernel(t: ChunkTensors, do, df, *, S, with_dstates, interpret, bv, 
         plgpu.copy_smem_to_gmem(ds_lo, ds_r.at[b, h, n, vs])
       do_t = do_s.at[slot].T
       # dS^T <- dS^T Diag(decay) + dO^T Qg - du^T W,   du^T = dO^T P + dS^T Kd^T
-      # (the products before du's store wait once: dO^T Qg with du^T's two terms)
       d = lax.broadcast_in_dim(plgpu.load(decay_s.at[slot], layout=COLS), (bv, K), [1])
-      if not delta:
-        return matmul(do_t, qg_s.at[slot], (bv, K), init=ds_t * d)
-      oq, du_t = matmuls(((bv, K), [(do_t, qg_s.at[slot])]),
-                         ((bv, C), [(do_t, p_s.at[slot]), (ds_lo, kd_s.at[slot].T)]))
-      du_s[...] = du_t.astype(dtype)
-      plgpu.commit_smem()
-      return ds_t * d + oq - matmul(du_s, w_s.at[slot], (bv, K))
+      nxt = matmul(do_t, qg_s.at[slot], (bv, K), init=ds_t * d)
+      if delta:
+        du_t = matmul(do_t, p_s.at[slot], (bv, C))
+        du_t = matmul(ds_lo, kd_s.at[slot].T, (bv, C), init=du_t)
+        du_s[...] = du_t.astype(dtype)
+        plgpu.commit_smem()
+        nxt = nxt - matmul(du_s, w_s.at[slot], (bv, K))
+      return nxt
 
     init = lambda: initial(df_r.at[b, h, piece, vs] if has_df else None, state_s, state_bar, bv, K)
     store_last(walk_chunks(NCs, issue, in_bar, init, chunk, reverse=True), state_s,
