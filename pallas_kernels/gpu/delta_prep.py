@@ -14,14 +14,15 @@ Every exponent is masked before the exponential (<= 0). Packed rows (`segment_id
 masks (`masks.segment_vectors`): pairs of one run only in P and L, `e^G` only where a token reads the
 carried state, `kd` only where its write reaches the chunk's end, `decay` 0 where the chunk's last
 token left the carried run. `X` is built as prep.unit_lower_inverse builds it
-(`tiles.unit_lower_inverse`), on whole 64 x 64 tiles so that every step is a tensor-core product: with
-`X_s` the block-diagonal matrix of the inverses of the s x s diagonal blocks and `E_s` the part of L
-inside the 2s x 2s diagonal blocks but outside the s x s ones,
+(`tiles.unit_lower_inverse`), on whole 64 x 64 tiles so that every step after the first is a
+tensor-core product: with `X_s` the block-diagonal matrix of the inverses of the s x s diagonal blocks
+and `E_s` the part of L inside the 2s x 2s diagonal blocks but outside the s x s ones,
 
     X_2s = X_s - (X_s E_s) X_s                               s = 1, 2, 4, ..., C / 2
 
-(for one 2s block `[[A, 0], [E, D]]` this is `[[A^-1, 0], [-D^-1 E A^-1, D^-1]]`). X stays float32 in
-registers; the products take it, E_s and X_s E_s rounded to the operand dtype, as prep.py did with a
+(for one 2s block `[[A, 0], [E, D]]` this is `[[A^-1, 0], [-D^-1 E A^-1, D^-1]]`; at s = 1, where
+X_1 = I, it is I - E_1, written without products). X stays float32 in registers; the products take
+it, E_s and X_s E_s rounded to the operand dtype, as prep.py did with a
 16-bit `inverse_dtype`. The backward is unchanged (prep.py's vjp recomputes in XLA).
 """
 
