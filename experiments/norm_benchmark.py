@@ -39,6 +39,7 @@ FORMS = ("flax", "pallas")
 flags.DEFINE_list("forms", list(FORMS), f"Forms to time: {FORMS}.")
 flags.DEFINE_list("blocks", ["128x64"], "The pallas form's column blocks, forward x backward (e.g. 64x64).")
 flags.DEFINE_bool("interpret", False, "Run the pallas form in the Mosaic GPU interpreter (CPU smoke runs).")
+flags.DEFINE_bool("add", True, "The addition in the kernels (else XLA adds x + h and the kernels normalise).")
 flags.DEFINE_integer("B", 8, "Batch.")
 flags.DEFINE_integer("T", 4096, "Sequence length.")
 flags.DEFINE_integer("D", 1024, "Width.")
@@ -49,7 +50,7 @@ flags.DEFINE_string("workdir", "runs/norm_benchmark", "Where norm.json and norm.
 FLAGS = flags.FLAGS
 
 
-def step(form: str, norm: nnx.RMSNorm):
+def step(form: str, norm: nnx.RMSNorm, add: bool = True):
   """A jitted `(x, h, scale, dy, ds) -> (y, s, dx, dh, dscale)` of the form."""
   graph, _ = nnx.split(norm)
   if form == "flax":
@@ -59,8 +60,11 @@ def step(form: str, norm: nnx.RMSNorm):
     out_dtype = norm.dtype
 
     def call(n, x, h):
-      return rms_norm.add_rms_norm(x, h, n.scale[...].astype(out_dtype), eps=n.epsilon, out_dtype=out_dtype,
-                                   blocks=(fwd, bwd))
+      w = n.scale[...].astype(out_dtype)
+      if not add:   # XLA's addition, the kernels' norm
+        s = x + h
+        return rms_norm.add_rms_norm(s, None, w, eps=n.epsilon, out_dtype=out_dtype, blocks=(fwd, bwd)), s
+      return rms_norm.add_rms_norm(x, h, w, eps=n.epsilon, out_dtype=out_dtype, blocks=(fwd, bwd))
 
   def run(x, h, state, dy, ds):
     f = lambda x, h, state: call(nnx.merge(graph, state), x, h)
@@ -89,7 +93,7 @@ def main(argv):
   rows, ref = [], None
   for form in forms:
     with (gpu.interpret_kernels() if f.interpret else contextlib.nullcontext()):
-      fn = step(form, norm)
+      fn = step(form, norm, f.add)
       outs = jax.block_until_ready(fn(x, h, state, dy, ds))
       single, stream = time_it(fn, (x, h, state, dy, ds), iters=f.iters, stream=f.stream)
     outs = [np.asarray(o, np.float32) for o in jax.tree.leaves(outs)]
@@ -99,7 +103,7 @@ def main(argv):
                      max_rel_diff=err))
     print(json.dumps(rows[-1]), flush=True)
   base = rows[0]
-  lines = [f"Block norm (x + h, then RMSNorm) fwd+bwd, x [{f.B}, {f.T}, {f.D}] {dtype.name}, "
+  lines = [f"Block norm (x + h, then RMSNorm; addition in the kernels: {f.add}) fwd+bwd, x [{f.B}, {f.T}, {f.D}] {dtype.name}, "
            f"{jax.devices()[0].device_kind}, jax {jax.__version__}", "",
            f"| form | single ms | stream ms | / {base['form']} (stream) | TB/s of the floor's bytes | "
            "max diff y, s, dx, dh, dscale |", "| --- | --- | --- | --- | --- | --- |"]
