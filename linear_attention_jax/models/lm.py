@@ -77,10 +77,10 @@ def make_mixer(config: LMConfig, letter: str, *, rngs: nnx.Rngs) -> nnx.Module:
 
 def block_norm(norm: nnx.RMSNorm, x: jax.Array, h: jax.Array | None, kernels: bool):
   """`(norm(s), s)` with s = x + h (h None: s = x). With `kernels`, the Mosaic GPU kernels
-  (`pallas_kernels.gpu.rms_norm`: the addition and the norm in one kernel, forward and
-  backward) where they serve the call: a Hopper GPU, 16-bit rows of a multiple of 128 features, no
-  sharding rules in force. Else (or without `kernels`) the addition and flax's module, whose float32
-  arithmetic the kernels repeat."""
+  (`pallas_kernels.gpu.rms_norm`: the addition and the norm in one kernel, forward and backward) where
+  they serve the call: a Hopper GPU, 16-bit rows of a width `rms_norm.parts` cuts (multiples of 64 up
+  to 2048), no sharding rules in force. Else (or without `kernels`) the addition and flax's module,
+  whose float32 arithmetic the kernels repeat."""
   out_dtype = x.dtype if norm.dtype is None else norm.dtype
   if (kernels and current_rules() is None and rms_norm.reason(x.shape, x.dtype) is None
       and (h is None or h.dtype == x.dtype)):
