@@ -25,8 +25,7 @@ from linear_attention_jax.layers.cache import KVCache, LinearCache
 from linear_attention_jax.layers.embed import Embed
 from linear_attention_jax.layers.mlp import SwiGLU
 from linear_attention_jax.models.config import CONV_LETTERS, LMConfig
-from linear_attention_jax.pallas_kernels.gpu import rms_norm
-from linear_attention_jax.sharding.rules import axes, constrain, current_rules
+from linear_attention_jax.sharding.rules import axes, constrain
 
 
 @jax.tree_util.register_dataclass
@@ -75,30 +74,12 @@ def make_mixer(config: LMConfig, letter: str, *, rngs: nnx.Rngs) -> nnx.Module:
   return cls(config.width, config.num_heads, **kw)
 
 
-def block_norm(norm: nnx.RMSNorm, x: jax.Array, h: jax.Array | None, kernels: bool):
-  """`(norm(s), s)` with s = x + h (h None: s = x). With `kernels`, the Mosaic GPU kernels
-  (`pallas_kernels.gpu.rms_norm`: the addition and the norm in one kernel, forward and backward) where
-  they serve the call: a Hopper GPU, 16-bit rows of a width `rms_norm.parts` cuts (multiples of 64 up
-  to 2048), no sharding rules in force. Else (or without `kernels`) the addition and flax's module,
-  whose float32 arithmetic the kernels repeat."""
-  out_dtype = x.dtype if norm.dtype is None else norm.dtype
-  if (kernels and current_rules() is None and rms_norm.reason(x.shape, x.dtype) is None
-      and (h is None or h.dtype == x.dtype)):
-    w = norm.scale[...].astype(out_dtype)   # flax's module rounds its scale so (`promote_dtype`)
-    if h is None:
-      return rms_norm.add_rms_norm(x, None, w, eps=norm.epsilon, out_dtype=out_dtype), x
-    return rms_norm.add_rms_norm(x, h, w, eps=norm.epsilon, out_dtype=out_dtype)
-  s = x if h is None else x + h
-  return norm(s), s
-
-
 class Block(nnx.Module):
   """Pre-norm residual block: `x + mixer(norm(x))`, then `x + mlp(norm(x))`."""
 
   def __init__(self, config: LMConfig, letter: str, *, rngs: nnx.Rngs):
     kw = dict(dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
     self.letter = letter
-    self.kernels = config.impl in ("pallas", "auto")
     self.mixer_norm = nnx.RMSNorm(config.width, epsilon=config.norm_eps, scale_metadata=axes("embed"),
                                   **kw)
     self.mixer = make_mixer(config, letter, rngs=rngs)
@@ -108,17 +89,9 @@ class Block(nnx.Module):
 
   def __call__(self, x: jax.Array, cache=None):
     """`x: [B, T, d]` -> `(x', cache')`; the cache is this block's mixer cache or None."""
-    s, m, cache = self.parts(x, None, cache)
-    return s + m, cache
-
-  def parts(self, x: jax.Array, pending: jax.Array | None, cache=None):
-    """The block on the stream `x + pending` (pending: the previous block's MLP output, or None), the
-    additions taken by the norms that follow them: `(s, m, cache')`, the block's output being `s + m`
-    (s: the stream after the mixer's addition; m: the MLP's output)."""
-    y, x = block_norm(self.mixer_norm, x, pending, self.kernels)
-    h, cache = self.mixer(y, cache)
-    y, s = block_norm(self.mlp_norm, x, h, self.kernels)
-    return s, self.mlp(y), cache
+    h, cache = self.mixer(self.mixer_norm(x), cache)
+    x = x + h
+    return x + self.mlp(self.mlp_norm(x)), cache
 
 
 class LM(nnx.Module):
@@ -180,12 +153,12 @@ class LM(nnx.Module):
     _check_token_ids(tokens, self.config.vocab_size)
     residual = ("batch", "seq", "embed")  # the layout of the residual stream under sharding rules
     x = constrain(self.embed(tokens), residual)
-    new, pending = [], None
+    new = []
     for i, block in enumerate(self.blocks):
-      x, pending, c = block.parts(x, pending, None if cache is None else cache.layers[i])
-      x, pending = constrain(x, residual), constrain(pending, residual)
+      x, c = block(x, None if cache is None else cache.layers[i])
+      x = constrain(x, residual)
       new.append(c)
-    x, _ = block_norm(self.final_norm, x, pending, self.config.impl in ("pallas", "auto"))
+    x = self.final_norm(x)
     logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
     new_cache = None if cache is None else LMCache(layers=tuple(new), max_len=cache.max_len)
     return logits.astype(jnp.float32), new_cache
