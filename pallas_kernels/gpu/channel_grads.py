@@ -46,7 +46,8 @@ from .channel import HALF, fits, key_grads
 from .channel import chunk_cumsum  # noqa: F401  (the dispatch calls it from here)
 from .masks import SEG_ROWS, segment_masks, segment_vectors
 from .once import lowered_once
-from .tiles import COLS, F32, WGMMA, matmul, matmuls, reverse_cumsum_rows, smem, upper_ones, vary_like
+from .tiles import (COLS, F32, WGMMA, compiler_params, matmul, matmuls, reverse_cumsum_rows, smem,
+                    upper_ones, vary_like)
 
 
 def serves(g, beta, segment_ids) -> bool:
@@ -246,7 +247,7 @@ def chunk_grads(q, k, v, G, refs, states, dstates, do, *, dtype, masks=None, int
               jax.ShapeDtypeStruct((B, T_pad, Hv, V), dtype), jax.ShapeDtypeStruct((B, T_pad, Hv, K), F32))
   outs = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
-      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
+      compiler_params=compiler_params(approx_math=True), interpret=interpret,
       kernel_name="chunk_grads_channel" + ("_groups" if grams == "groups" else ""))(*args)
   return vary_like(outs, args)
 

@@ -41,7 +41,7 @@ from .. import common
 from .interpret import interpreting
 from .once import lowered_once
 from .plan import hopper_reason
-from .tiles import F32, vary_like
+from .tiles import F32, compiler_params, vary_like
 
 HALO = 8          # rows kept before (and, in the backward, after) a block: W - 1 <= HALO
 BLOCK_T = (32, 16, 8)         # tokens a program, the largest that divides T (32: NOTES v47)
@@ -109,7 +109,7 @@ def _act_grad(activation, pre):
 
 
 def _params():
-  return plgpu.CompilerParams(approx_math=False)
+  return compiler_params(approx_math=False)
 
 
 def _staged(kernel, bias, head):

@@ -32,7 +32,7 @@ from .. import gate as gates
 from .. import prep
 from . import groups
 from .once import lowered_once
-from .tiles import F32, vary_like
+from .tiles import F32, compiler_params, vary_like
 
 BLOCK_D = 128   # channels a program: one a thread of the warpgroup
 UNROLL = groups.GROUP   # rows a loop iteration: one 8-token group, whose last row is a reference row
@@ -52,7 +52,13 @@ def _geometry(x, C: int):
 
 
 def _params():
-  return plgpu.CompilerParams(approx_math=False)
+  return compiler_params(approx_math=False)
+
+
+def _zeros(row):
+  """Zeros in a loaded row's strided layout: a loop carry starts from them (a splat would change layout
+  at the first addition, which the loop's carry does not allow)."""
+  return plgpu.layout_cast(jnp.zeros_like(row), plgpu.Layout.WG_STRIDED(row.shape, vec_size=1))
 
 
 def _floor(x):
@@ -85,7 +91,7 @@ def _sum_down(floored, out, r_s, C: int):
     return acc, top, bottom
 
   first = floored(0)
-  zero = jnp.zeros_like(first)
+  zero = _zeros(first)
   acc, top, bottom = lax.fori_loop(0, C // UNROLL, group, (zero, first, first))
   r_s[0] = (top + bottom) / 2
   r_s[1] = acc
@@ -147,7 +153,7 @@ def reverse(dG, *, C: int, interpret=None):
         x_s[i] = acc
       return acc
 
-    lax.fori_loop(0, C // UNROLL, group, jnp.zeros_like(x_s[C - 1]))
+    lax.fori_loop(0, C // UNROLL, group, _zeros(x_s[C - 1]))
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(x_s, dg_r.at[b, chunk, cols])
     plgpu.wait_smem_to_gmem(0)
@@ -244,7 +250,7 @@ def gated_reverse(dG, f, A, bias, *, C: int, kind, T: int, interpret=None):
         pa, pb = pa + dg * dlog_a, pb + df
       return acc, pa, pb
 
-    zero = jnp.zeros_like(x_s[C - 1])
+    zero = _zeros(x_s[C - 1])
     _, pa, pb = lax.fori_loop(0, C // UNROLL, group, (zero, zero, zero))
     p_s[0] = pa
     p_s[1] = pb

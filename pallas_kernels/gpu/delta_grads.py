@@ -39,8 +39,8 @@ from .delta_grads_pair import chunk_grads_pair
 from .delta_terms import dbk_term, dl_and_m, dm_k
 from .masks import SEG_ROWS, segment_vectors
 from .once import lowered_once
-from .tiles import (BLOCK_V, F32, ROWS, SMEM_BYTES, WGMMA, l2_normalize_grad,
-                                      l2_normalize_rows, matmul, matmuls, scratch_bytes, smem, vary_like)
+from .tiles import (BLOCK_V, F32, ROWS, SMEM_BYTES, WGMMA, compiler_params, l2_normalize_grad,
+                    l2_normalize_rows, matmul, matmuls, scratch_bytes, smem, vary_like)
 
 
 def _scratch(C, K, bv, dtype, partial_dtype, dv_dtype, slots, has_seg):
@@ -260,7 +260,7 @@ def chunk_grads(q, k, v, G, b, X, states, dstates, do, *, dtype, masks=None, int
               jax.ShapeDtypeStruct((B, T_pad, Hv, V), dv_dtype), vec, vec, vec)
   outs = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC, NVB // blocks), grid_names=("b", "h", "n", "v"),
-      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
+      compiler_params=compiler_params(approx_math=True), interpret=interpret,
       kernel_name="chunk_grads_delta")(*args)
   return vary_like(outs, args)
 

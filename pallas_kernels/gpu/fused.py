@@ -34,7 +34,7 @@ from .fused_streamed import streamed_walk
 from .masks import SEG_ROWS, segment_masks, segment_vectors
 from .once import lowered_once
 from .pipeline import chain_pieces, initial, pieces, program, store_last, walk_chunks
-from .tiles import BLOCK_V, COLS, F32, ROWS, WGMMA, matmul, smem, vary_like
+from .tiles import BLOCK_V, COLS, F32, ROWS, WGMMA, compiler_params, matmul, smem, vary_like
 
 
 def serves(g, beta, segment_ids) -> bool:
@@ -125,7 +125,7 @@ def _forward_kernel(q, k, v, G, masks, h0, *, chunk_size, dtype, out_dtype, inte
 
   scratch = dict(
       k_s=smem((2, C, K), dtype), v_s=smem((2, C, bv), dtype), g_s=plgpu.SMEM((2, C), F32),
-      kd_s=smem((C, K), dtype), h_s=smem((2, bv, K), dtype), state_s=plgpu.SMEM((bv, K), F32),
+      kd_s=smem((C, K), dtype), h_s=smem((2, bv, K), dtype), state_s=smem((bv, K), F32),
       in_bar=plgpu.Barrier(num_arrivals=3 + 2 * with_o + SEG_ROWS * has_seg, num_barriers=2),
       state_bar=plgpu.Barrier())
   if with_o:
@@ -215,7 +215,7 @@ def _forward_kernel(q, k, v, G, masks, h0, *, chunk_size, dtype, out_dtype, inte
     threads, name = dict(num_threads=3, thread_name="wg"), name + "_streamed"
   outs = plgpu.kernel(
       body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, Hv, V // bv, S),
-      grid_names=("b", "h", "v", "s"), compiler_params=plgpu.CompilerParams(approx_math=True),
+      grid_names=("b", "h", "v", "s"), compiler_params=compiler_params(approx_math=True),
       interpret=interpret, kernel_name=name, **threads)(*args)
   outs = list(vary_like(outs, args))
   o = outs.pop(0) if with_o else None
@@ -272,7 +272,7 @@ def _reverse_kernel(q, do, G, masks, dfinal, *, chunk_size, dtype, interpret, bv
   has_seg = masks is not None
   scratch = dict(
       q_s=smem((2, C, K), dtype), do_s=smem((2, C, bv), dtype), g_s=plgpu.SMEM((2, C), F32),
-      qg_s=smem((C, K), dtype), h_s=smem((2, bv, K), dtype), state_s=plgpu.SMEM((bv, K), F32),
+      qg_s=smem((C, K), dtype), h_s=smem((2, bv, K), dtype), state_s=smem((bv, K), F32),
       in_bar=plgpu.Barrier(num_arrivals=3 + SEG_ROWS * has_seg, num_barriers=2), state_bar=plgpu.Barrier())
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((2, SEG_ROWS, C), F32)
@@ -320,7 +320,7 @@ def _reverse_kernel(q, do, G, masks, dfinal, *, chunk_size, dtype, interpret, bv
               + [jax.ShapeDtypeStruct((B, Hv, S, V, K), F32)])
   outs = plgpu.kernel(
       body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, Hv, V // bv, S),
-      grid_names=("b", "h", "v", "s"), compiler_params=plgpu.CompilerParams(approx_math=True),
+      grid_names=("b", "h", "v", "s"), compiler_params=compiler_params(approx_math=True),
       interpret=interpret, kernel_name="chunk_walk_fused_bwd" if with_dstates
       else "chunk_walk_fused_bwd_starts")(*args)
   outs = list(vary_like(outs, args))

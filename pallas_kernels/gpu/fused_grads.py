@@ -14,7 +14,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from .decay import last_state_term
 from .masks import SEG_ROWS, segment_masks
 from .once import lowered_once
-from .tiles import COLS, F32, ROWS, WGMMA, matmul, smem, vary_like
+from .tiles import COLS, F32, ROWS, WGMMA, compiler_params, matmul, smem, vary_like
 
 
 @lowered_once(arrays=("masks",))
@@ -144,6 +144,6 @@ def chunk_grads(q, k, v, G, states, dstates, do, *, dtype, masks=None, interpret
               jax.ShapeDtypeStruct((B, Hv, T_pad), F32))
   outs = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, NC), grid_names=("b", "h", "n"),
-      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
+      compiler_params=compiler_params(approx_math=True), interpret=interpret,
       kernel_name="chunk_grads_fused")(*args)
   return vary_like(outs, args)

@@ -22,7 +22,7 @@ def _streamed_scratch(C, K, bv, dtype, out_dtype, has_seg, stages):
       q_s=smem((stages, C, K), dtype), k_s=smem((stages, C, K), dtype),
       v_s=smem((stages, C, bv), dtype), g_s=plgpu.SMEM((stages, C), F32),
       gc_s=plgpu.SMEM((stages, C), F32), vd_s=smem((C, bv), dtype), p_s=smem((C, C), dtype),
-      h_s=smem((2, bv, K), dtype), o_s=smem((2, C, bv), out_dtype), state_s=plgpu.SMEM((bv, K), F32),
+      h_s=smem((2, bv, K), dtype), o_s=smem((2, C, bv), out_dtype), state_s=smem((bv, K), F32),
       in_bar=plgpu.Barrier(num_arrivals=5 + SEG_ROWS * has_seg, num_barriers=stages),
       in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages), state_bar=plgpu.Barrier(),
       h_ready=plgpu.Barrier(num_barriers=2), h_free=plgpu.Barrier(num_barriers=2),

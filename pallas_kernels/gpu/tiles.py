@@ -64,6 +64,7 @@ def compiler_params(**options) -> plgpu.CompilerParams:
   if _PHASES["on"] is not None:
     directory, ranges = _PHASES["on"]
     options.update(profile_space=ranges, profile_dir=directory, profile_bounds_check=True)
+  options.setdefault("lowering_semantics", plgpu.LoweringSemantics.Lane)
   return plgpu.CompilerParams(**options)
 
 

@@ -39,7 +39,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from .once import lowered_once
 from .pipeline import (chain_pieces, fetch_chunk, initial, new_values, pieces, program,
                                          store_last, u_block, walk_chunks)
-from .tiles import BLOCK_V, COLS, F32, flat, matmul, smem, vary_like
+from .tiles import BLOCK_V, COLS, F32, compiler_params, flat, matmul, smem, vary_like
 from .tiles import scratch_bytes  # noqa: F401  (the dispatch reads walk.scratch_bytes)
 from ..prep import ChunkTensors
 
@@ -157,7 +157,7 @@ def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, i
   scratch = dict(
       kd_s=smem((2, C, K), dtype), u_s=smem((2, C, bv), dtype),
       decay_s=plgpu.SMEM((2, K), F32),
-      state_s=plgpu.SMEM((bv, K), F32), h_s=smem((2, bv, K), dtype),
+      state_s=smem((bv, K), F32), h_s=smem((2, bv, K), dtype),
       in_bar=plgpu.Barrier(num_arrivals=n_in, num_barriers=2), state_bar=plgpu.Barrier())
   if delta:
     scratch["w_s"] = smem((2, C, K), dtype)
@@ -226,7 +226,7 @@ def _forward_kernel(t: ChunkTensors, h0, *, S, with_o, with_states, out_dtype, i
           if present]
   outs = list(plgpu.kernel(
       body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H, V // bv, S),
-      grid_names=("b", "h", "v", "s"), compiler_params=plgpu.CompilerParams(approx_math=True),
+      grid_names=("b", "h", "v", "s"), compiler_params=compiler_params(approx_math=True),
       interpret=interpret, kernel_name=name)(*args))
   outs = vary_like(outs, args)
   o = None
@@ -296,7 +296,7 @@ def _reverse_kernel(t: ChunkTensors, do, df, *, S, with_dstates, interpret, bv, 
   n_in = 3 + 3 * delta  # qg, do, decay, [kd, w, p]
   scratch = dict(
       qg_s=smem((2, C, K), dtype), do_s=smem((2, C, bv), dtype), decay_s=plgpu.SMEM((2, K), F32),
-      h_s=smem((2, bv, K), dtype), state_s=plgpu.SMEM((bv, K), F32),
+      h_s=smem((2, bv, K), dtype), state_s=smem((bv, K), F32),
       in_bar=plgpu.Barrier(num_arrivals=n_in, num_barriers=2), state_bar=plgpu.Barrier())
   if delta:
     scratch.update(kd_s=smem((2, C, K), dtype), w_s=smem((2, C, K), dtype), p_s=smem((2, C, C), dtype),
@@ -352,7 +352,7 @@ def _reverse_kernel(t: ChunkTensors, do, df, *, S, with_dstates, interpret, bv, 
           if present]
   outs = list(plgpu.kernel(
       body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H, V // bv, S),
-      grid_names=("b", "h", "v", "s"), compiler_params=plgpu.CompilerParams(approx_math=True),
+      grid_names=("b", "h", "v", "s"), compiler_params=compiler_params(approx_math=True),
       interpret=interpret, kernel_name="chunk_walk_bwd" if with_dstates else "chunk_walk_bwd_starts")(*args))
   outs = vary_like(outs, args)
   dstates = outs.pop(0) if with_dstates else None
