@@ -52,8 +52,7 @@ def _scratch(C, K, bv, dtype, partial_dtype, dv_dtype, slots, has_seg):
       v_s=buf((C, bv)), do_s=buf((C, bv)), st_s=buf((bv, K)), dst_s=buf((bv, K)),
       r_s=smem((C, bv), dtype), un_s=smem((C, bv), dtype), du_s=smem((C, bv), dtype),
       dbv_s=smem((C, bv), dtype), p_s=smem((C, C), dtype), a_s=smem((C, C), dtype), dx_s=smem((C, C), dtype),
-      out_k=(plgpu.SMEM((C, K), F32) if jnp.dtype(partial_dtype) == F32 else smem((C, K), partial_dtype)),
-      out_v=plgpu.SMEM((C, bv), jnp.dtype(dv_dtype)),
+      out_k=smem((C, K), partial_dtype), out_v=smem((C, bv), dv_dtype),   # swizzled, as every staging tile
       vec_s=plgpu.SMEM((3, C), F32), col_s=plgpu.SMEM((2, C), F32), norm_s=plgpu.SMEM((2, C), F32),
       g_s=plgpu.SMEM((C,), F32), gc_s=plgpu.SMEM((C,), F32), b_s=plgpu.SMEM((C,), F32),
       bar=plgpu.Barrier(num_arrivals=5 + SEG_ROWS * has_seg),

@@ -56,10 +56,9 @@ def chunk_grads(q, k, v, G, states, dstates, do, *, dtype, masks=None, interpret
       kd_s=smem((C, K), dtype),
       # one staging tile per dtype and width of the gradients, reused (shared memory is tight at
       # K = V = 128; a TMA copy wants a whole, contiguous tile)
-      # (16-bit tiles swizzled for TMA, as the preparation kernel's; float32 ones plain)
-      out_s={f"{jnp.dtype(t).name}_{n}": (plgpu.SMEM((C, n), F32) if jnp.dtype(t) == F32
-                                          else smem((C, n), t))
-             for t, n in zip(grad_dtypes, (K, K, V))},
+      # (swizzled: with lane semantics, jax 0.12's store of a WGMMA-layout array into a plain 64-column
+      # tile finds no transfer free of bank conflicts)
+      out_s={f"{jnp.dtype(t).name}_{n}": smem((C, n), t) for t, n in zip(grad_dtypes, (K, K, V))},
       vec_s=plgpu.SMEM((2, C), F32), bar=plgpu.Barrier(num_arrivals=8 + SEG_ROWS * has_seg))
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
