@@ -151,7 +151,8 @@ def _forward_kernel(q, k, v, G, masks, h0, *, chunk_size, dtype, out_dtype, inte
       plgpu.copy_gmem_to_smem(g_r.at[b, h, rows], g_s.at[slot], bar)
       if with_o:
         plgpu.copy_gmem_to_smem(q_r.at[b, rows, hk], q_s.at[slot], bar)
-        # the same G again: Mosaic GPU's layout inference wants one layout per buffer (rows, columns)
+        # the same G again, read in columns: layout inference (before lane semantics) wanted one layout
+        # per buffer; one copy for both layouts is untried
         plgpu.copy_gmem_to_smem(g_r.at[b, h, rows], gc_s.at[slot], bar)
       for i in range(SEG_ROWS if has_seg else 0):
         plgpu.copy_gmem_to_smem(m_r.at[b, i, rows], m_s.at[slot, i], bar)
