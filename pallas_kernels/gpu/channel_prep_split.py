@@ -7,14 +7,17 @@ qg and kd, the inverse, w and u. Here two warpgroups share the program's tiles a
   2: one reference on both halves is a product each; one half's groups' products split two and two).
   Each warpgroup stages its products in its own half's column slices of the staging tiles, whichever
   half the product belongs to, so the two never share a staging tile;
-- qg and kd: each warpgroup its own half's columns (staged in a free `[C, C]` tile: a copy reads a
-  contiguous tile, not a column slice);
 - warpgroup 1 hands its partial grams P and M to warpgroup 0 as two 16-bit tiles each (the value and
   the rounding's rest: float32's sum to ~16 significant bits, `hi + lo`) in the inverse's scratch
   tiles, which are free until then; warpgroup 0 adds them, writes P (and M), forms the inverse and w;
+- qg and kd: where shared memory holds two more `[C, 64]` staging tiles (V <= 128), warpgroup 1 writes
+  both halves' columns right after its hand-over, while warpgroup 0 sums the grams and inverts, so that
+  they are off warpgroup 0's path (the program's longest: grams, sum, inverse, w; NOTES.md v83); else
+  (V = 256) each warpgroup its own half's, before the hand-over, staged in a free `[C, C]` tile (a copy
+  reads a contiguous tile, not a column slice);
 - warpgroup 1 forms u once the inverse is in shared memory.
 With `qk_l2norm` both read the full rows for the norms, meet at a barrier, and each scales its own
-half. No tile is added to the one-warpgroup program's (the hand-over reuses the inverse's scratch).
+half. The hand-over reuses the inverse's scratch.
 """
 
 from __future__ import annotations
@@ -68,13 +71,18 @@ def kernel(q, k, v, G, refs, b, masks, *, chunk_size: int, dtype, interpret, wit
       inverted=plgpu.Barrier())
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
+  # warpgroup 1's staging tiles for both halves of qg and kd (module docstring), where they fit
+  late_stage = smem((WARPGROUPS, C, HALF), dtype)
+  late = scratch_bytes(dict(scratch, late_s=late_stage)) + phase_bytes(WARPGROUPS) <= SMEM_BYTES
+  if late:
+    scratch["late_s"] = late_stage
   need = scratch_bytes(scratch) + phase_bytes(WARPGROUPS)
   if need > SMEM_BYTES:
     raise ValueError(f"the two-warpgroup preparation needs {need} bytes of shared memory (at most "
                      f"{SMEM_BYTES})")
 
   def body(*refs_, q_s, k_s, g_s, r_s, a_s, bk_s, ak_s, p_s, v_s, out_v, b_s, x_s, e_s, y_s, l_s, bar,
-           normed, handed, inverted, m_s=None):
+           normed, handed, inverted, m_s=None, late_s=None):
     q_r, k_r, g_r, ref_r, v_r, b_r = refs_[:6]
     m_r = refs_[6] if has_seg else None
     qg_r, kd_r, p_r, w_r, u_r = refs_[6 + has_seg:11 + has_seg]
@@ -196,28 +204,51 @@ def kernel(q, k, v, G, refs, b, masks, *, chunk_size: int, dtype, interpret, wit
       Gt = load(g_s if cols_ is None else g_s.at[:, cols_])
       return jnp.exp(Gt) if carry is None else jnp.exp(Gt) * rows(carry, shape)
 
-    with phase("cprep2.qg_kd"):   # each warpgroup its own half's columns, staged in a [C, 64] tile of
-      # its own (a copy reads a contiguous tile): P's for warpgroup 0, the inverse's e for warpgroup 1
-      for wi, tile in enumerate((p_s, e_s)):
-        @pl.when(w == wi)
-        def _():
-          c = cols(wi)
-          emit(load(q_s.at[:, c]) * e_q(ch, c), tile, qg_r.at[bi, h, rows_t, c])
-          e_k = jnp.exp(half_col(1, wi) - load(g_s.at[:, c]))
-          if to_last is not None:
-            e_k = e_k * rows(to_last, ch)
-          emit(load(k_s.at[:, c]) * e_k, tile, kd_r.at[bi, h, rows_t, c])
+    def qg_of(i):   # half i's columns of qg = q e^G (float32)
+      c = cols(i)
+      return load(q_s.at[:, c]) * e_q(ch, c)
+
+    def kd_of(i):   # half i's columns of kd = k e^(G_C - G)
+      c = cols(i)
+      e_k = jnp.exp(half_col(1, i) - load(g_s.at[:, c]))
+      if to_last is not None:
+        e_k = e_k * rows(to_last, ch)
+      return load(k_s.at[:, c]) * e_k
+
+    def qg_kd(i, tile):   # half i's columns of qg and kd, staged in the [C, 64] tile `tile`
+      emit(qg_of(i), tile, qg_r.at[bi, h, rows_t, cols(i)])
+      emit(kd_of(i), tile, kd_r.at[bi, h, rows_t, cols(i)])
+
+    def both_halves(out_r, of):   # both halves' columns at once through late_s (one wait for its reads)
+      xs = [of(i) for i in range(WARPGROUPS)]
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      for i, x in enumerate(xs):
+        late_s.at[i][...] = x.astype(dtype)
+      plgpu.commit_smem()
+      for i in range(WARPGROUPS):
+        plgpu.copy_smem_to_gmem(late_s.at[i], out_r.at[bi, h, rows_t, cols(i)])
+
+    if not late:
+      with phase("cprep2.qg_kd"):   # each warpgroup its own half's columns, staged in a [C, 64] tile of
+        # its own: P's for warpgroup 0, the inverse's e for warpgroup 1
+        for wi, tile in enumerate((p_s, e_s)):
+          pl.when(w == wi)(lambda wi=wi, tile=tile: qg_kd(wi, tile))
 
     @pl.when(w == 1)
     def _second():
       with phase("cprep2.hand_over"):   # P and M as value and rest in the inverse's scratch tiles
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # kd's copy has read e
+        if not late:
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # kd's copy has read e
         for x, (hi, lo) in ((P, (e_s, y_s)), (M, (l_s, x_s))):
           head = x.astype(dtype)
           hi[...] = head
           lo[...] = (x - head.astype(F32)).astype(dtype)
         plgpu.commit_smem()
         plgpu.barrier_arrive(handed)
+      if late:
+        with phase("cprep2.qg_kd"):   # both halves, while warpgroup 0 sums and inverts
+          both_halves(qg_r, qg_of)
+          both_halves(kd_r, kd_of)
       with phase("cprep2.u"):
         v_s[...] = (load(v_s) * rows(beta_rows(), cv)).astype(dtype)
         plgpu.commit_smem()
@@ -244,11 +275,11 @@ def kernel(q, k, v, G, refs, b, masks, *, chunk_size: int, dtype, interpret, wit
         plgpu.barrier_arrive(inverted)
         if with_inverse:
           plgpu.copy_smem_to_gmem(x_s, x_r.at[bi, h, rows_t])
-      with phase("cprep2.w"):   # beta k e^G replaces k (every other read of k is done: warpgroup 1's
-        # before its hand-over)
-        k_s[...] = (load(k_s) * e_q(ck) * rows(beta_rows(), ck)).astype(dtype)
+      with phase("cprep2.w"):   # beta k e^G in a_s, the grams' staging tile (both warpgroups' products
+        # are done: warpgroup 1's before its hand-over); k_s stays for warpgroup 1's kd
+        a_s[...] = (load(k_s) * e_q(ck) * rows(beta_rows(), ck)).astype(dtype)
         plgpu.commit_smem()
-        emit(matmul(x_s, k_s, ck), ak_s, w_r.at[bi, h, rows_t])
+        emit(matmul(x_s, a_s, ck), ak_s, w_r.at[bi, h, rows_t])
 
     with phase("cprep2.exit"):
       plgpu.wait_smem_to_gmem(0)

@@ -27,14 +27,16 @@ def _strong_half(g, seed):
   return g
 
 
-@pytest.mark.parametrize("grams,half_forms,l2,packed", [
-    ("one", False, False, True), ("groups", False, True, False), ("halves", False, False, False),
-    ("chunk", True, True, True), ("chunk", False, False, False)])
-def test_two_warpgroup_preparation_equals_the_one_warpgroup_kernel(grams, half_forms, l2, packed):
+@pytest.mark.parametrize("grams,half_forms,l2,packed,V", [
+    ("one", False, False, True, 64), ("groups", False, True, False, 64), ("halves", False, False, False, 64),
+    ("chunk", True, True, True, 64), ("chunk", False, False, False, 64), ("chunk", True, False, True, 256)])
+def test_two_warpgroup_preparation_equals_the_one_warpgroup_kernel(grams, half_forms, l2, packed, V):
   # bfloat16 operands; T = 150 (three chunks, the last partial), two value heads on one key head; the
-  # strong channels in the first half for the per-chunk forms (the second half takes one reference)
+  # strong channels in the first half for the per-chunk forms (the second half takes one reference).
+  # V = 64: warpgroup 1 writes both halves of qg and kd after its hand-over; V = 256 leaves no room for
+  # its staging tiles, and each warpgroup writes its own half before
   T = 150
-  inp = make_inputs("kda", B=1, T=T, H=1, Hv=2, K=128, V=64, gates="normal", seed=81)
+  inp = make_inputs("kda", B=1, T=T, H=1, Hv=2, K=128, V=V, gates="normal", seed=81)
   g = _strong_half(inp["g"], 82) if grams in ("groups", "chunk") else np.asarray(inp["g"]) * 0.5
   q, k, v = (jnp.asarray(inp[n] * (4.0 if n == "q" else 1.0), jnp.bfloat16) for n in ("q", "k", "v"))
   args = (q, k, v, jnp.asarray(g), jnp.asarray(inp["beta"]))
