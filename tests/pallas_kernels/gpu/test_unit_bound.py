@@ -86,6 +86,9 @@ def _run(q, k, v, g, beta, do, dhT, config):
 
 
 def test_kda_forward_about_the_unit_bound_matches_the_loop_and_the_narrow_bound(monkeypatch):
+  # the kernels' jit caches (`once.lowered_once`) would serve an earlier test's trace of the same call
+  # (test_call_test.py's, in one process) without calling the functions patched below
+  jax.clear_caches()
   bounds = []   # what the call passes to the test of which chunks fit and to the preparation kernel
   for module, name, arg in ((channel_prep, "prepare", None), (channel, "fits_refs", 2),
                             (channel, "cotangent_bound", 2)):
