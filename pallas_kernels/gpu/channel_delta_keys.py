@@ -13,8 +13,8 @@ dS already are, in 16-bit tiles): this program reads neither the states nor the 
 ~181 KB at K = 128 (~213 with the hand-over below). The grams' products, each half's form (one
 reference, the halves' or the groups' products), dq, dk and dG are the one-warpgroup kernel's, half by
 half; warpgroup 1 hands its part of dbeta to warpgroup 0, which writes the sum. With `qk_l2norm` each
-warpgroup reads both halves of q and k for the rows' norms and, after both have read them, scales its
-own half in place; at the end each takes the norms' gradient for its half of dq and dk, `r (dy - y
+warpgroup sums the squares of its own half of q and k, the two halves' sums meet in shared memory
+(added half 0's first, as `tiles.l2_normalize_halves` adds them), and each scales its own half in place; at the end each takes the norms' gradient for its half of dq and dk, `r (dy - y
 rowsum(y dy))`, the two halves' row sums exchanged through shared memory, so that XLA does not read q,
 k, dq and dk again for it (NOTES.md v67).
 
@@ -102,6 +102,8 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
   if grads_in:   # each warpgroup's rows' reciprocal norms and its half of the rows' dot products for the
     # norms' gradients (q's, k's): kept here, not in registers across the products
     scratch.update(norm_s=plgpu.SMEM((2, WARPGROUPS, C), F32), dot_s=plgpu.SMEM((2, WARPGROUPS, C), F32))
+  if qk_l2norm:   # each warpgroup's half of the rows' sums of squares (q's, k's)
+    scratch["sq_s"] = plgpu.SMEM((2, WARPGROUPS, C), F32)
   if has_seg:
     scratch["m_s"] = plgpu.SMEM((SEG_ROWS, C), F32)
   if chunkwise:   # warpgroup 1's share of half 0's products, handed over (module docstring)
@@ -112,8 +114,8 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
     raise ValueError(f"the two-warpgroup key side needs {need} bytes of shared memory (at most {SMEM_BYTES})")
 
   def body(*refs_, q_s, k_s, g_s, dqg_s, dkd_s, dbk_s, qr_s, kr_s, ar_s, dp_s, dm_s, r_s, sds_s, b_s, form_s,
-           vec_s, bar, normed, handed, norm_s=None, dot_s=None, m_s=None, hq_s=None, hs_s=None, hd_s=None,
-           dealt=None):
+           vec_s, bar, normed, handed, norm_s=None, dot_s=None, sq_s=None, m_s=None, hq_s=None, hs_s=None,
+           hd_s=None, dealt=None):
     q_r, k_r, g_r, ref_r, b_r, dp_r, dm_r, dqg_r, dkd_r, dbk_r, sds_r = refs_[:11]
     m_r = refs_[11] if has_seg else None
     fit_r = refs_[11 + has_seg] if chunkwise else None
@@ -144,18 +146,24 @@ def key_side(q, k, G, refs, b, dP, dM, dqg, dkd, dbk, s_ds, *, dtype, masks=None
     load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
     ck = (C, HALF)
     rows = lambda x, shape=ck: lax.broadcast_in_dim(x, shape, [0])
-    if qk_l2norm:   # `tiles.l2_normalize_halves`'s sums in its order; each warpgroup scales its own half
+    if qk_l2norm:   # `tiles.l2_normalize_halves`'s sums in its order: each warpgroup sums its own half's
+      # squares, and both add the two halves' sums read back from shared memory, half 0's first (the same
+      # float32 values in the same order); each scales its own half, from the registers it summed
       with phase("keys2.l2"):
+        own = [load(q_w), load(k_w)]
+        for i, x in enumerate(own):
+          sq_s.at[i, w][...] = jnp.sum(x ** 2, axis=1)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(normed.at[0])   # both halves' sums are in sq_s
+        plgpu.barrier_wait(normed.at[0])
         norms = []
-        for i, tile in enumerate((q_s, k_s)):
-          sums = jnp.sum(load(tile.at[0]) ** 2, axis=1) + jnp.sum(load(tile.at[1]) ** 2, axis=1)
+        for i in range(2):
+          sums = plgpu.load(sq_s.at[i, 0], layout=ROWS) + plgpu.load(sq_s.at[i, 1], layout=ROWS)
           norms.append(lax.rsqrt(sums + L2_EPS))
           if grads_in:
             norm_s.at[i, w][...] = norms[-1]
-        plgpu.barrier_arrive(normed.at[0])   # both warpgroups have read both halves
-        plgpu.barrier_wait(normed.at[0])
-        for tile, r in zip((q_w, k_w), norms):
-          tile[...] = (load(tile) * rows(r)).astype(dtype)
+        for tile, x, r in zip((q_w, k_w), own, norms):
+          tile[...] = (x * rows(r)).astype(dtype)
         plgpu.commit_smem()
         plgpu.barrier_arrive(normed.at[1])   # both halves scaled: warpgroup 1 may read half 0's
         plgpu.barrier_wait(normed.at[1])
