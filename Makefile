@@ -18,7 +18,7 @@ NEWEST_VENV := .venv-newest-jax
 # their interpreter), the layers, the kernels' imports and preparation, and both backends' lowering
 # (jax.export for TPU and Hopper), the short convolution's GPU kernels (interpreter and export), the race
 # detector's runs and kda's two-warpgroup kernels (interpreter).
-# 508 tests, ~6-8 min with -n 2 (jax 0.12.1).
+# 509 tests, ~6-8 min with -n 2 (jax 0.12.1).
 NEWEST_TESTS ?= tests/ops/test_checks.py tests/ops/test_edges_and_traced.py tests/ops/test_forward_mode.py \
   tests/ops/test_variants.py tests/ops/test_pallas_dispatch.py tests/layers \
   tests/pallas_kernels/test_imports.py tests/pallas_kernels/test_prep.py \
