@@ -14,9 +14,10 @@ dS already are, in 16-bit tiles): this program reads neither the states nor the 
 reference, the halves' or the groups' products), dq, dk and dG are the one-warpgroup kernel's, half by
 half; warpgroup 1 hands its part of dbeta to warpgroup 0, which writes the sum. With `qk_l2norm` each
 warpgroup sums the squares of its own half of q and k, the two halves' sums meet in shared memory
-(added half 0's first, as `tiles.l2_normalize_halves` adds them), and each scales its own half in place; at the end each takes the norms' gradient for its half of dq and dk, `r (dy - y
-rowsum(y dy))`, the two halves' row sums exchanged through shared memory, so that XLA does not read q,
-k, dq and dk again for it (NOTES.md v67).
+(added half 0's first, as `tiles.l2_normalize_halves` adds them), and each scales its own half in
+place; at the end each takes the norms' gradient for its half of dq and dk, `r (dy - y rowsum(y dy))`,
+the two halves' row sums exchanged through shared memory, so that XLA does not read q, k, dq and dk
+again for it (NOTES.md v67).
 
 Where each chunk takes its form (`grams="chunk"`) and half 0 takes the halves' or the groups' products
 while half 1 takes one reference (the strong channels in half 0, as the layers' order puts them), the
