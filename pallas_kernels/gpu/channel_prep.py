@@ -3,9 +3,10 @@ packed or not.
 
 One program per (batch, value head, chunk) reads q, k (l2-normalising them as they load, with
 `qk_l2norm`), v, beta and the chunk-local cumulative log-decay G `[C, K]` (float32) once and writes
-the walk's inputs (`prep.ChunkTensors`, module docstring of prep.py) in the operand dtype: `qg = q e^G`, `kd = k e^(G_C - G)`, `P` (the decayed gram of q and k,
-j <= i) and, for the delta family (kda), `w = X (beta k e^G)`, `u = X (beta v)` with `X = (I + L)^-1`,
-`L = Diag(beta) M`, `M` the strict decayed gram of k.
+the walk's inputs (`prep.ChunkTensors`, module docstring of prep.py) in the operand dtype:
+`qg = q e^G`, `kd = k e^(G_C - G)`, `P` (the decayed gram of q and k, j <= i) and, for the delta
+family (kda), `w = X (beta k e^G)`, `u = X (beta v)` with `X = (I + L)^-1`, `L = Diag(beta) M`, `M`
+the strict decayed gram of k.
 
 The decayed gram `M_ij = sum_c a_ic b_jc e^(G_ic - G_jc)` must not form `e^G` and `e^-G` apart (at
 g = -20 a token the second overflows after five tokens). Here it is prep.decayed_gram's one-reference
