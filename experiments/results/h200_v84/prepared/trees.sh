@@ -1,8 +1,10 @@
 #!/bin/bash
-# The trees of the prepared calls (run from the repository root; untracked, never added):
-# l2_tree/ = the branch prep-l2-halves (the preparations' norms over the halves, NOTES.md v83 item 7);
-# bn_tree/ = the branch block-norm-lane (the block norm kernels, v82 item 5).
+# The tree of the prepared calls, run from the repository root before them (untracked, never added):
+# l2_tree/ = this checkout's HEAD with prep_l2_halves.patch applied (kda's preparations sum the norms'
+# squares over K's halves, NOTES.md v83 item 7, v84). Unmeasured changes are kept as patch files here:
+# only main's history reaches the next checkout.
 set -e
-rm -rf l2_tree bn_tree && mkdir l2_tree bn_tree
-git archive prep-l2-halves | tar -x -C l2_tree
-git archive block-norm-lane | tar -x -C bn_tree
+here=experiments/results/h200_v84/prepared
+rm -rf l2_tree && mkdir l2_tree
+git archive HEAD | tar -x -C l2_tree
+git apply --directory=l2_tree "$here/prep_l2_halves.patch"
